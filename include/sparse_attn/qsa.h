@@ -1,0 +1,153 @@
+// QSA (Qwen Sparse Attention): the MQA indexer and sparse core attention.
+//
+// The functions mirror the seed API (`mate.qsa_*`) with destination passing: the caller
+// provides every output as a TensorView (the *_shape functions give the shapes) and the
+// stream. Optional arguments live in an options struct whose fields carry the seed's
+// keyword names. docs/qsa.md states each op's math and edge cases; the reference backend
+// (src/reference/) is the executable form of that document.
+//
+// Validation happens once, here at the boundary, and reads only metadata. Contents the
+// caller promises (monotonic cu_seqlens, request ids in range, lengths within capacity) are
+// not read by validation; the reference backend, which reads them anyway, raises ValueError
+// when they are broken, and native kernels clamp so that they never access out of bounds.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+#include "sparse_attn/tensor.h"
+
+namespace sparse_attn {
+
+// Which implementation runs a call. Parsing accepts "native" (the default), "tilelang" (the
+// seed's name for its native backend, an alias of native) and "reference" (the CPU oracle;
+// CUDA tensors are staged through the host). There is no automatic fallback.
+enum class Backend : uint8_t { kNative, kReference };
+Backend parse_backend(std::string_view name);
+const char* backend_name(Backend backend);
+
+// A cudaStream_t passed without CUDA types; nullptr is the legacy default stream.
+using StreamHandle = void*;
+
+// ---------------------------------------------------------------------------------------
+// MQA indexer scores
+// score[row, b] = scale * sum_h ReLU(q[row, h, :] . k[b, :]), FP32, -inf where invisible.
+// ---------------------------------------------------------------------------------------
+
+struct IndexerScoreOptions {
+  // int32 [B, max_pages]. When given, block_keys is a paged cache [pages, page_size, 1, D]
+  // (or [pages, page_size, D]) and N_B = max_pages * page_size.
+  std::optional<TensorView> block_table;
+  std::optional<int64_t> page_size;  // must equal block_keys.shape[1] when given
+  // Varlen q_idx [total_q, H, D] only: int32 [B + 1] row offsets, or int32 [total_q] request
+  // id per row (with num_requests, default B of block_keys/block_table).
+  std::optional<TensorView> cu_seqlens_q;
+  std::optional<TensorView> token_to_req;
+  std::optional<int64_t> num_requests;
+  // int32 [B, Q] (padded) or [total_q] (varlen): request-local position of each query row.
+  // Omitted: the i-th row of a request is at position i.
+  std::optional<TensorView> query_positions;
+  // int32 [B]: valid query rows per request (padded only); rows past it are all -inf.
+  std::optional<TensorView> seq_lens_q;
+  int64_t block_size = 4;  // tokens per compressed key; QSA fixes it at 4
+  std::optional<double> scale;        // multiplier, default 1/sqrt(D)
+  std::optional<double> score_scale;  // denominator; exclusive with scale
+  Backend backend = Backend::kNative;
+  StreamHandle stream = nullptr;
+};
+
+// [B, Q, N_B] for padded q_idx [B, Q, H, D]; [total_q, N_B] for varlen q_idx [total_q, H, D].
+Shape qsa_indexer_mqa_score_shape(const TensorView& q_idx, const TensorView& block_keys,
+                                  const IndexerScoreOptions& options = {});
+// out: FP32 with the shape above, positive strides, not overlapping any input.
+void qsa_indexer_mqa_score(const TensorView& q_idx, const TensorView& block_keys,
+                           const TensorView& out, const IndexerScoreOptions& options = {});
+
+struct MqaScoreOptions {
+  std::optional<double> score_scale;  // denominator; exclusive with scale
+  std::optional<double> scale;        // multiplier, default 1/sqrt(D)
+  Backend backend = Backend::kNative;
+  StreamHandle stream = nullptr;
+};
+
+// Packed prefill: q [rows, H, D], k [keys, D] or [keys, 1, D], row_starts/row_ends int32
+// [rows] (visible keys [start, end)). out: FP32 [rows, keys].
+Shape qsa_mqa_prefill_shape(const TensorView& q, const TensorView& k);
+void qsa_mqa_prefill(const TensorView& q, const TensorView& k, const TensorView& row_starts,
+                     const TensorView& row_ends, const TensorView& out,
+                     const MqaScoreOptions& options = {});
+// The seed exports the same op under this name too.
+inline void qsa_mqa(const TensorView& q, const TensorView& k, const TensorView& row_starts,
+                    const TensorView& row_ends, const TensorView& out,
+                    const MqaScoreOptions& options = {}) {
+  qsa_mqa_prefill(q, k, row_starts, row_ends, out, options);
+}
+
+// Paged decode: q [B, H, D] or [B, 1, H, D] (broadcast strides allowed), k_cache
+// [pages, page_size, 1, D] or [pages, page_size, D], page_table int32 [B, max_pages],
+// context_lens int32 [B] (compressed keys). out: FP32 [B, max_model_len].
+Shape qsa_mqa_decode_shape(const TensorView& q, int64_t max_model_len);
+void qsa_mqa_decode(const TensorView& q, const TensorView& k_cache, const TensorView& page_table,
+                    const TensorView& context_lens, int64_t max_model_len, const TensorView& out,
+                    const MqaScoreOptions& options = {});
+
+// ---------------------------------------------------------------------------------------
+// Sparse core attention
+// out[row, h] = softmax_j(scale * q[row, h] . K[j, h / G]) V[j, h / G] over the row's valid
+// selected tokens j (G = Hq / Hkv), optionally times sigmoid(gate).
+// ---------------------------------------------------------------------------------------
+
+struct SparseAttentionOptions {
+  // int32 [rows, nb]: the 4-token blocks behind token_indices (an optimisation hint).
+  // Requires token_indices.shape[-1] == 4 * nb + 3 and 1 <= nb <= 512.
+  std::optional<TensorView> block_indices;
+  // Request layout of flattened queries [total_q, Hq, D]: int32 [B + 1] row offsets, or int32
+  // [total_q] request id per row (with num_requests, default: B of the K/V layout).
+  std::optional<TensorView> cu_seqlens_q;
+  std::optional<TensorView> token_to_req;
+  std::optional<int64_t> num_requests;
+  // int32 [B + 1]: flattened-varlen K/V [total_k, Hkv, D] row offsets (reference only).
+  std::optional<TensorView> cu_seqlens_k;
+  // int32 [B]: query rows per request (padded queries: rows past it give zero output, LSE
+  // -inf) and KV length per request (default: the capacity of the K/V layout).
+  std::optional<TensorView> seq_lens_q;
+  std::optional<TensorView> seq_lens_k;
+  // int32 [B, Q] or [total_q]: request-local causal position of each query row. Omitted:
+  // right-aligned, p_i = seq_len_k - seq_len_q + i.
+  std::optional<TensorView> query_positions;
+  // int32 [B, max_pages]: makes key/value paged caches [pages, page_size, Hkv, D].
+  std::optional<TensorView> block_table;
+  std::optional<int64_t> page_size;  // must equal key.shape[1] when given
+  std::optional<double> scale;       // default 1/sqrt(D)
+  std::optional<double> softmax_scale;  // alias of scale; both given is an error
+  // Same dtype as query; shaped like the query ([.., Hq, D]) or per head ([.., Hq]).
+  std::optional<TensorView> gate;
+  std::optional<int64_t> num_splits;  // nullopt: heuristic; 1 disables SplitKV; must be >= 1
+  Backend backend = Backend::kNative;
+  bool warp_specialized = false;      // opt-in prefill variant; canonical 24/2/256 only
+  bool assume_compact_blocks = false; // producer contract, see docs/qsa.md
+  // int32 [rows, W]: physical token ids into flattened K/V [total_kv, Hkv, D] (BF16), used
+  // instead of token_indices; no causal filtering, duplicates kept, ids < 0 or >= total_kv
+  // masked. Excludes every logical metadata argument and the gate.
+  std::optional<TensorView> selected_kv_indices;
+  double k_scale = 1.0;  // must be 1: FP8 KV is not supported
+  double v_scale = 1.0;
+  DType compute_dtype = DType::kBF16;  // BF16 (or the query's dtype); FP8 is not enabled
+  StreamHandle stream = nullptr;
+};
+
+// The output has the query's shape and dtype; the LSE has query.shape[:-1], FP32.
+Shape qsa_sparse_attention_out_shape(const TensorView& query);
+Shape qsa_sparse_attention_lse_shape(const TensorView& query);
+
+// token_indices: int32 [B, Q, W] (padded query) or [total_q, W], request-local ids, -1 pads;
+// nullopt only with options.selected_kv_indices. out: the query's shape and dtype, any
+// non-overlapping positive-stride view. lse: optional FP32 query.shape[:-1]; written when
+// given (natural log; -inf for rows with no valid token).
+void qsa_sparse_attention(const TensorView& query, const TensorView& key, const TensorView& value,
+                          const std::optional<TensorView>& token_indices, const TensorView& out,
+                          const std::optional<TensorView>& lse,
+                          const SparseAttentionOptions& options = {});
+
+}  // namespace sparse_attn

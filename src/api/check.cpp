@@ -1,0 +1,126 @@
+#include "api/check.h"
+
+#include <cmath>
+
+namespace sparse_attn::detail {
+
+std::string dtype_list(std::initializer_list<DType> dtypes) {
+  std::string s;
+  size_t i = 0;
+  for (DType d : dtypes) {
+    if (i > 0) s += (i + 1 == dtypes.size()) ? " or " : ", ";
+    s += dtype_name(d);
+    ++i;
+  }
+  return s;
+}
+
+void check_dtype(const TensorView& t, std::string_view name, std::initializer_list<DType> allowed) {
+  for (DType d : allowed) {
+    if (t.dtype() == d) return;
+  }
+  throw_type_error("{}: expected dtype {}, got {}", name, dtype_list(allowed),
+                   dtype_name(t.dtype()));
+}
+
+void check_rank(const TensorView& t, std::string_view name, std::initializer_list<int> ranks) {
+  std::string expected;
+  size_t i = 0;
+  for (int r : ranks) {
+    if (t.dim() == r) return;
+    if (i > 0) expected += (i + 1 == ranks.size()) ? " or " : ", ";
+    expected += std::to_string(r);
+    ++i;
+  }
+  throw_value_error("{}: expected {} dimensions, got shape {}", name, expected, t.shape_str());
+}
+
+void check_size(const TensorView& t, std::string_view name, int d, int64_t expected,
+                std::string_view what) {
+  if (t.size(d) != expected) {
+    throw_value_error("{}: expected shape[{}] == {} ({}), got shape {}", name, d, expected, what,
+                      t.shape_str());
+  }
+}
+
+void check_shape(const TensorView& t, std::string_view name, const Shape& expected,
+                 std::string_view what) {
+  if (t.shape() != expected) {
+    throw_value_error("{}: expected shape {} ({}), got {}", name, shape_str(expected), what,
+                      t.shape_str());
+  }
+}
+
+void check_device(const TensorView& t, std::string_view name, Device device,
+                  std::string_view ref_name) {
+  if (t.device() != device) {
+    throw_value_error("{}: expected device {} (the device of {}), got {}", name, device.str(),
+                      ref_name, t.device().str());
+  }
+}
+
+void check_data(const TensorView& t, std::string_view name) {
+  if (t.numel() > 0 && t.data() == nullptr) {
+    throw_value_error("{}: data pointer is null for a tensor of shape {}", name, t.shape_str());
+  }
+}
+
+void check_positive_strides(const TensorView& t, std::string_view name) {
+  for (int d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1 && t.stride(d) <= 0) {
+      throw_value_error("{}: expected positive strides, got stride {} on axis {} (shape {})", name,
+                        t.stride(d), d, t.shape_str());
+    }
+  }
+}
+
+void check_row_view(const TensorView& t, std::string_view name, int n) {
+  // Axes of size 1 do not constrain the collapse; compare each longer axis with the next longer.
+  int64_t inner_stride = 0;
+  int64_t inner_size = 1;
+  bool have_inner = false;
+  for (int d = n - 1; d >= 0; --d) {
+    if (t.size(d) == 1) continue;
+    if (have_inner && t.stride(d) != inner_stride * inner_size) {
+      throw_value_error(
+          "{}: batch/query axes must form a zero-copy row view (stride[{}] == {} expected, got {}; "
+          "shape {}); pass a flattened tensor instead",
+          name, d, inner_stride * inner_size, t.stride(d), t.shape_str());
+    }
+    inner_stride = t.stride(d);
+    inner_size = t.size(d);
+    have_inner = true;
+  }
+}
+
+void check_vector_load_layout(const TensorView& t, std::string_view name) {
+  const int64_t es = static_cast<int64_t>(t.element_size());
+  bool ok = t.dim() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1;
+  ok = ok && reinterpret_cast<uintptr_t>(t.data()) % 16 == 0;
+  for (int d = 0; ok && d + 1 < t.dim(); ++d) {
+    if (t.size(d) > 1) ok = t.stride(d) > 0 && (t.stride(d) * es) % 16 == 0;
+  }
+  if (!ok) {
+    throw_value_error(
+        "{}: vector loads require unit feature stride and 16-byte alignment; pass a contiguous "
+        "copy or adjust the slice offsets instead (shape {}, strides {}, data_ptr % 16 = {})",
+        name, t.shape_str(), shape_str(t.strides(), t.dim()),
+        reinterpret_cast<uintptr_t>(t.data()) % 16);
+  }
+}
+
+void check_no_overlap(const TensorView& out, std::string_view out_name, const TensorView& in,
+                      std::string_view in_name) {
+  if (views_overlap(out, in)) {
+    throw_value_error("{}: output memory overlaps {}; outputs must not alias inputs", out_name,
+                      in_name);
+  }
+}
+
+void check_positive_scalar(double v, std::string_view name) {
+  if (!(std::isfinite(v) && v > 0.0)) {
+    throw_value_error("{}: expected a positive finite number, got {}", name, v);
+  }
+}
+
+}  // namespace sparse_attn::detail

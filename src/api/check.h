@@ -1,0 +1,78 @@
+// Validation helpers for the API boundary. Every check names the argument, says what was
+// expected and what came, and reads only metadata (shape, strides, dtype, device, pointer),
+// never tensor contents. Kernels and the reference trust what passed these checks.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <initializer_list>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "sparse_attn/errors.h"
+#include "sparse_attn/tensor.h"
+
+namespace sparse_attn::detail {
+
+template <typename... Args>
+[[noreturn]] void throw_value_error(fmt::format_string<Args...> f, Args&&... args) {
+  throw ValueError(fmt::format(f, std::forward<Args>(args)...));
+}
+
+template <typename... Args>
+[[noreturn]] void throw_type_error(fmt::format_string<Args...> f, Args&&... args) {
+  throw TypeError(fmt::format(f, std::forward<Args>(args)...));
+}
+
+template <typename... Args>
+[[noreturn]] void throw_not_supported(fmt::format_string<Args...> f, Args&&... args) {
+  throw NotSupportedError(fmt::format(f, std::forward<Args>(args)...));
+}
+
+// "bfloat16 or float16" for messages.
+std::string dtype_list(std::initializer_list<DType> dtypes);
+
+// TypeError unless t's dtype is one of `allowed`.
+void check_dtype(const TensorView& t, std::string_view name, std::initializer_list<DType> allowed);
+
+// ValueError unless t has one of the given ranks.
+void check_rank(const TensorView& t, std::string_view name, std::initializer_list<int> ranks);
+
+// ValueError unless t.size(d) == expected; `what` says where the expectation comes from
+// (e.g. "query.shape[0]").
+void check_size(const TensorView& t, std::string_view name, int d, int64_t expected,
+                std::string_view what);
+
+// ValueError unless t's shape equals `expected` exactly.
+void check_shape(const TensorView& t, std::string_view name, const Shape& expected,
+                 std::string_view what);
+
+// ValueError unless t lives on `device` (the device of `ref_name`).
+void check_device(const TensorView& t, std::string_view name, Device device,
+                  std::string_view ref_name);
+
+// ValueError unless the pointer is non-null when the view has elements.
+void check_data(const TensorView& t, std::string_view name);
+
+// ValueError unless every stride of an axis longer than 1 is positive (outputs must not
+// broadcast or run backwards).
+void check_positive_strides(const TensorView& t, std::string_view name);
+
+// ValueError unless the leading `n` axes collapse into one row axis without a copy
+// (stride[i] == size[i+1] * stride[i+1] for each adjacent pair of axes longer than 1).
+void check_row_view(const TensorView& t, std::string_view name, int n);
+
+// ValueError with the seed's message unless t satisfies the vector-load layout rules of the
+// native score/prefill kernels: unit feature stride, 16-byte aligned data pointer, and every
+// outer axis longer than 1 with a positive stride whose byte span is a multiple of 16.
+void check_vector_load_layout(const TensorView& t, std::string_view name);
+
+// ValueError unless the output `out` shares no byte with the input `in`.
+void check_no_overlap(const TensorView& out, std::string_view out_name, const TensorView& in,
+                      std::string_view in_name);
+
+// ValueError unless the value is a positive finite number.
+void check_positive_scalar(double v, std::string_view name);
+
+}  // namespace sparse_attn::detail

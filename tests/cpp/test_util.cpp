@@ -1,0 +1,167 @@
+#include "test_util.h"
+
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <sstream>
+
+namespace sparse_attn::testing {
+
+std::mt19937_64 make_rng() {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  std::string name = info ? std::string(info->test_suite_name()) + "." + info->name() : "none";
+  return std::mt19937_64(std::hash<std::string>{}(name) ^ 0x5eed5eedull);
+}
+
+namespace {
+
+// Calls f(flat_offset_in_elements, logical_index) for every element of the view.
+template <typename F>
+void for_each_element(const TensorView& v, F&& f) {
+  const int nd = v.dim();
+  std::vector<int64_t> idx(nd, 0);
+  const int64_t n = v.numel();
+  for (int64_t e = 0; e < n; ++e) {
+    int64_t off = 0;
+    for (int k = 0; k < nd; ++k) off += idx[k] * v.stride(k);
+    f(off, idx);
+    for (int k = nd - 1; k >= 0; --k) {
+      if (++idx[k] < v.size(k)) break;
+      idx[k] = 0;
+    }
+  }
+}
+
+double load(const TensorView& v, int64_t off) {
+  switch (v.dtype()) {
+    case DType::kI32:
+      return v.data_as<int32_t>()[off];
+    case DType::kI64:
+      return static_cast<double>(v.data_as<int64_t>()[off]);
+    case DType::kBool:
+      return v.data_as<uint8_t>()[off] != 0;
+    default:
+      return load_as_float(v.data(), v.dtype(), off);
+  }
+}
+
+void store(const TensorView& v, int64_t off, double x) {
+  switch (v.dtype()) {
+    case DType::kI32:
+      v.data_as<int32_t>()[off] = static_cast<int32_t>(x);
+      break;
+    case DType::kI64:
+      v.data_as<int64_t>()[off] = static_cast<int64_t>(x);
+      break;
+    case DType::kBool:
+      v.data_as<uint8_t>()[off] = x != 0;
+      break;
+    default:
+      store_from_float(v.data(), v.dtype(), off, static_cast<float>(x));
+  }
+}
+
+}  // namespace
+
+Tensor random_tensor(const Shape& shape, DType dtype, std::mt19937_64& rng, float lo, float hi) {
+  Tensor t = Tensor::empty(shape, dtype);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  for_each_element(t.view(), [&](int64_t off, const auto&) { store(t.view(), off, dist(rng)); });
+  return t;
+}
+
+Tensor random_int32(const Shape& shape, std::mt19937_64& rng, int32_t lo, int32_t hi) {
+  Tensor t = Tensor::empty(shape, DType::kI32);
+  std::uniform_int_distribution<int32_t> dist(lo, hi);
+  for (int64_t i = 0; i < t.numel(); ++i) t.data_as<int32_t>()[i] = dist(rng);
+  return t;
+}
+
+Tensor int32_tensor(const Shape& shape, const std::vector<int32_t>& values) {
+  Tensor t = Tensor::empty(shape, DType::kI32);
+  EXPECT_EQ(static_cast<size_t>(t.numel()), values.size());
+  std::memcpy(t.data(), values.data(), values.size() * sizeof(int32_t));
+  return t;
+}
+
+void poison(const TensorView& view) {
+  const double p = (view.dtype() == DType::kI32 || view.dtype() == DType::kI64)
+                       ? 0x7f7f7f7f
+                       : std::numeric_limits<double>::quiet_NaN();
+  for_each_element(view, [&](int64_t off, const auto&) { store(view, off, p); });
+}
+
+double get(const TensorView& view, const std::vector<int64_t>& index) {
+  int64_t off = 0;
+  for (size_t k = 0; k < index.size(); ++k) off += index[k] * view.stride(static_cast<int>(k));
+  return load(view, off);
+}
+
+void set(const TensorView& view, const std::vector<int64_t>& index, double value) {
+  int64_t off = 0;
+  for (size_t k = 0; k < index.size(); ++k) off += index[k] * view.stride(static_cast<int>(k));
+  store(view, off, value);
+}
+
+std::vector<double> to_vector(const TensorView& view) {
+  std::vector<double> out;
+  out.reserve(view.numel());
+  for_each_element(view, [&](int64_t off, const auto&) { out.push_back(load(view, off)); });
+  return out;
+}
+
+::testing::AssertionResult all_close(const TensorView& actual, const std::vector<double>& expected,
+                                     double atol, double rtol) {
+  const std::vector<double> a = to_vector(actual);
+  if (a.size() != expected.size()) {
+    return ::testing::AssertionFailure()
+           << "size mismatch: actual " << a.size() << ", expected " << expected.size();
+  }
+  auto index_of = [&](size_t flat) {
+    std::ostringstream s;
+    s << "[";
+    std::vector<int64_t> idx(actual.dim());
+    for (int k = actual.dim() - 1; k >= 0; --k) {
+      idx[k] = static_cast<int64_t>(flat % actual.size(k));
+      flat /= actual.size(k);
+    }
+    for (int k = 0; k < actual.dim(); ++k) s << (k ? ", " : "") << idx[k];
+    return s.str() + "]";
+  };
+  double worst = -1;
+  size_t worst_i = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double x = a[i];
+    const double e = expected[i];
+    if (std::isnan(x)) {
+      return ::testing::AssertionFailure() << "NaN at " << index_of(i) << " (expected " << e << ")";
+    }
+    if (std::isinf(e) || std::isinf(x)) {
+      if (x != e) {
+        return ::testing::AssertionFailure()
+               << "infinity mismatch at " << index_of(i) << ": actual " << x << ", expected " << e;
+      }
+      continue;
+    }
+    const double excess = std::abs(x - e) - (atol + rtol * std::abs(e));
+    if (excess > worst) {
+      worst = excess;
+      worst_i = i;
+    }
+  }
+  if (worst > 0) {
+    return ::testing::AssertionFailure()
+           << "worst difference at " << index_of(worst_i) << ": actual " << a[worst_i]
+           << ", expected " << expected[worst_i] << " (atol " << atol << ", rtol " << rtol << ")";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+double default_atol(DType dtype) {
+  return dtype == DType::kBF16 ? 1e-2 : dtype == DType::kF16 ? 2e-3 : 1e-4;
+}
+double default_rtol(DType dtype) {
+  return dtype == DType::kBF16 ? 1e-2 : dtype == DType::kF16 ? 2e-3 : 1e-4;
+}
+
+}  // namespace sparse_attn::testing

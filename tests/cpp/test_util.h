@@ -1,0 +1,51 @@
+// Shared helpers for the C++ tests: random tensors, poisoning, element access and comparison
+// against double-precision expectations (inf positions first, then tolerances, worst position
+// printed on failure).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "sparse_attn/dtype.h"
+#include "sparse_attn/tensor.h"
+
+namespace sparse_attn::testing {
+
+// Seeded from the test name plus a fixed salt so failures reproduce, yet every test draws
+// different inputs.
+std::mt19937_64 make_rng();
+
+// Uniform values in [lo, hi), rounded to `dtype` (floating dtypes) on the host.
+Tensor random_tensor(const Shape& shape, DType dtype, std::mt19937_64& rng, float lo = -1.f,
+                     float hi = 1.f);
+// Uniform int32 in [lo, hi].
+Tensor random_int32(const Shape& shape, std::mt19937_64& rng, int32_t lo, int32_t hi);
+// int32 tensor from values (row-major).
+Tensor int32_tensor(const Shape& shape, const std::vector<int32_t>& values);
+
+// Fills every byte of the view's elements with a poison pattern: NaN for floating dtypes,
+// 0x7f7f7f7f-style garbage for integers.
+void poison(const TensorView& view);
+
+// Element access through strides, as double.
+double get(const TensorView& view, const std::vector<int64_t>& index);
+void set(const TensorView& view, const std::vector<int64_t>& index, double value);
+// Every element in row-major order of the logical shape, as double.
+std::vector<double> to_vector(const TensorView& view);
+
+// Compares `actual` (row-major logical order) with `expected`: infinities must match exactly
+// (same sign, same positions), no NaN may appear, then |a - e| <= atol + rtol * |e|.
+// Reports the worst element and its index on failure.
+::testing::AssertionResult all_close(const TensorView& actual, const std::vector<double>& expected,
+                                     double atol, double rtol);
+
+// Tolerances for an output stored in `dtype` (accumulated in FP32).
+double default_atol(DType dtype);
+double default_rtol(DType dtype);
+
+}  // namespace sparse_attn::testing
