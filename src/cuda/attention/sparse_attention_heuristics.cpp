@@ -1,0 +1,42 @@
+#include "cuda/attention/sparse_attention_heuristics.h"
+
+#include <algorithm>
+
+#include "cuda/attention/sparse_attention_config.h"
+
+namespace sparse_attn::cuda {
+
+// A CTA (one row, one KV head, one split) holds a whole SM (216 KB of shared memory), so the
+// schedule is a sequence of waves of num_sms CTAs. A CTA costs a fixed latency L (resolve the
+// row, read its index columns and page table, first gather) plus T per 64-token tile it
+// gathers; L is about two tiles' worth. For tiles-per-split n (splits = ceil(tiles / n)):
+//   cost(n) = waves(rows * kv_heads * splits) * (2 + n)   [in units of T]
+// and the cheapest n wins (ties: fewer splits, less merge traffic).
+// Worked example, decode with 2051 selected tokens (33 tiles), Hkv = 2, 132 SMs:
+//   B = 1:   2 CTAs per split. n = 1 -> 33 splits, 66 CTAs, 1 wave, cost 3 (best).
+//   B = 8:   16 per split. n = 5 -> 7 splits, 112 CTAs, 1 wave, cost 7; n = 1 -> 528 CTAs,
+//            4 waves, cost 12; n = 3 -> 176 CTAs, 2 waves, cost 10. Picks 7 splits.
+//   B = 32:  64 per split. n = 17 -> 2 splits, 128 CTAs, cost 19; n = 33 -> 1 split, cost 35.
+//   B = 128: 256 per split. n = 33 -> 1 split, 2 waves, cost 70; 2 splits: 4 waves, cost 76.
+//   Prefill (thousands of rows): 1 split.
+int choose_num_splits(int64_t rows, int64_t kv_heads, int64_t width, int num_sms) {
+  using C = SparseAttentionConfig;
+  const int64_t tiles = std::max<int64_t>(1, (width + C::kBlockTokens - 1) / C::kBlockTokens);
+  const int64_t work = std::max<int64_t>(1, rows * kv_heads);
+  if (work >= num_sms) return 1;
+  constexpr int64_t kFixedTiles = 2;  // L in units of T
+  int64_t best_splits = 1, best_cost = -1;
+  for (int64_t n = tiles; n >= 1; --n) {
+    const int64_t splits = (tiles + n - 1) / n;
+    if (splits > C::kMaxSplits) break;
+    const int64_t waves = (work * splits + num_sms - 1) / num_sms;
+    const int64_t cost = waves * (kFixedTiles + n);
+    if (best_cost < 0 || cost < best_cost) {
+      best_cost = cost;
+      best_splits = splits;
+    }
+  }
+  return static_cast<int>(best_splits);
+}
+
+}  // namespace sparse_attn::cuda

@@ -1,0 +1,505 @@
+// sm90 sparse attention: gather-based forward kernel, SplitKV merge kernel, and the row-rank
+// pre-pass for token_to_req layouts. The math is docs/qsa.md's; the reference backend
+// (src/reference) is its executable form and the GPU suite compares against it.
+//
+// Forward, per CTA = (query row r, KV head, split):
+//   1. resolve the row: request b, causal position p, KV length (all read from device
+//      metadata at run time, so a captured graph replays with current metadata);
+//   2. read the split's index columns, keep the valid ones (0 <= t < seq_len_k, t <= p, page
+//      id in range; physical: 0 <= id < total_kv) and compact their K/V coordinates into
+//      shared memory, in index order; masked ids are never dereferenced;
+//   3. gather 64 compacted tokens per stage with cp.async (zero-filled past the end) and run
+//      S = Q K^T, online softmax and O += P V with m16n8k16 MMAs, 16 tokens per warp;
+//   4. merge the 4 warps' softmax states in a fixed order, then either store the output (gate
+//      applied, LSE exported) or, with SplitKV, the split's normalised FP32 partial and LSE.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/copy_sm80.hpp>
+
+#include "api/qsa_attention_params.h"
+#include "cuda/attention/sparse_attention_config.h"
+#include "cuda/common/mma.cuh"
+
+namespace sparse_attn::cuda {
+
+// What the launcher adds to the validated params: the split schedule and device workspace.
+struct SparseAttentionLaunch {
+  int num_splits = 1;       // >= 1
+  int64_t split_cols = 0;   // index columns per split, a multiple of kBlockTokens
+  // [num_splits, rows, Hq, D] normalised partial outputs and [num_splits, rows, Hq] partial
+  // LSEs (log2 units, -inf for an empty split); null when num_splits == 1.
+  float* o_partial = nullptr;
+  float* lse_partial = nullptr;
+  // RowMapping::kTokenToReq without query_positions only: [rows] request-local row index and
+  // [batch] rows per request, from the rank pre-pass; null otherwise.
+  const int32_t* row_rank = nullptr;
+  const int32_t* request_rows = nullptr;
+};
+
+template <typename T>
+struct ElementTraits;
+
+template <>
+struct ElementTraits<__nv_bfloat16> {
+  __device__ static uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return reinterpret_cast<uint32_t&>(v);
+  }
+  __device__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ static __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+};
+
+template <>
+struct ElementTraits<__half> {
+  __device__ static uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return reinterpret_cast<uint32_t&>(v);
+  }
+  __device__ static float to_float(__half x) { return __half2float(x); }
+  __device__ static __half from_float(float x) { return __float2half_rn(x); }
+};
+
+struct RowInfo {
+  int b = 0;               // request
+  int64_t pos = 0;         // causal position: tokens t > pos are masked
+  int64_t seq_len_k = 0;   // tokens t >= seq_len_k are masked
+  bool active = true;      // false for padding rows of padded queries
+};
+
+__device__ inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
+  return x < lo ? lo : (x > hi ? hi : x);
+}
+
+// Request, position and KV length of row r. Contents the caller promised (request ids,
+// monotonic offsets, lengths within capacity) are clamped so no access leaves its tensor.
+__device__ inline RowInfo resolve_row(const SparseAttentionParams& p,
+                                      const SparseAttentionLaunch& x, int64_t r) {
+  RowInfo ri;
+  if (p.row_mapping == RowMapping::kNone) {
+    ri.pos = INT64_MAX;
+    ri.seq_len_k = p.total_kv;
+    return ri;
+  }
+  int64_t i = 0, seq_len_q = 0;
+  switch (p.row_mapping) {
+    case RowMapping::kPadded:
+      ri.b = static_cast<int>(r / p.q_len);
+      i = r % p.q_len;
+      seq_len_q = p.seq_lens_q
+                      ? clamp64(p.seq_lens_q[ri.b * p.seq_lens_q_stride], 0, p.q_len)
+                      : p.q_len;
+      ri.active = i < seq_len_q;
+      break;
+    case RowMapping::kCuSeqlens: {
+      // The last request whose first row is <= r.
+      int lo = 0, hi = static_cast<int>(p.batch) - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (p.cu_seqlens_q[mid * p.cu_seqlens_q_stride] <= r) lo = mid; else hi = mid - 1;
+      }
+      ri.b = lo;
+      const int64_t first = p.cu_seqlens_q[lo * p.cu_seqlens_q_stride];
+      i = r - first;
+      seq_len_q = p.cu_seqlens_q[(lo + 1) * p.cu_seqlens_q_stride] - first;
+      break;
+    }
+    case RowMapping::kTokenToReq:
+      ri.b = static_cast<int>(
+          clamp64(p.token_to_req[r * p.token_to_req_stride], 0, p.batch - 1));
+      if (x.row_rank) {
+        i = x.row_rank[r];
+        seq_len_q = x.request_rows[ri.b];
+      }
+      break;
+    case RowMapping::kSingleRequest:
+      i = r;
+      seq_len_q = p.rows;
+      break;
+    case RowMapping::kNone:
+      break;
+  }
+  ri.seq_len_k = p.seq_lens_k
+                     ? clamp64(p.seq_lens_k[ri.b * p.seq_lens_k_stride], 0, p.kv_capacity)
+                     : p.kv_capacity;
+  if (p.query_positions) {
+    ri.pos = p.row_mapping == RowMapping::kPadded
+                 ? p.query_positions[ri.b * p.query_positions_batch_stride +
+                                     i * p.query_positions_row_stride]
+                 : p.query_positions[r * p.query_positions_row_stride];
+  } else {
+    ri.pos = ri.seq_len_k - seq_len_q + i;
+  }
+  return ri;
+}
+
+// K/V coordinates of index entry t of a row, or false when the entry is masked.
+__device__ inline bool token_location(const SparseAttentionParams& p, const RowInfo& ri,
+                                      int32_t t, int2* loc) {
+  if (t < 0 || t >= ri.seq_len_k || t > ri.pos) return false;
+  switch (p.kv_layout) {
+    case KVLayout::kPaged: {
+      const int64_t page_idx = t / p.page_size;
+      const int32_t page = p.block_table[ri.b * p.block_table_batch_stride +
+                                         page_idx * p.block_table_page_stride];
+      if (page < 0 || page >= p.num_pages) return false;
+      *loc = make_int2(page, static_cast<int>(t - page_idx * p.page_size));
+      return true;
+    }
+    case KVLayout::kPadded:
+      *loc = make_int2(ri.b, t);
+      return true;
+    default:  // kPhysical: seq_len_k is total_kv and pos unbounded
+      *loc = make_int2(0, t);
+      return true;
+  }
+}
+
+__device__ inline float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+// out[r, h, d] = round(round(attn) * sigmoid(gate)) (the unfused result), or round(attn).
+template <typename T>
+__device__ inline void store_output(const SparseAttentionParams& p, int64_t r, int64_t h,
+                                    int d, float attn) {
+  using E = ElementTraits<T>;
+  T o = E::from_float(attn);
+  if (p.gate_kind != GateKind::kNone) {
+    const T* g = static_cast<const T*>(p.gate) + r * p.gate_row_stride + h * p.gate_head_stride;
+    if (p.gate_kind == GateKind::kElementwise) g += d * p.gate_dim_stride;
+    o = E::from_float(E::to_float(o) * sigmoid(E::to_float(*g)));
+  }
+  static_cast<T*>(p.out)[r * p.out_row_stride + h * p.out_head_stride + d * p.out_dim_stride] =
+      o;
+}
+
+// Swizzled 16-byte slot of (row, chunk) in a [rows][kChunks] tile.
+__device__ inline int swz(int row, int chunk) { return chunk ^ (row & 7); }
+
+template <typename T>
+__global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
+    sparse_attention_fwd_kernel(const __grid_constant__ SparseAttentionParams p,
+                                const __grid_constant__ SparseAttentionLaunch x) {
+  using C = SparseAttentionConfig;
+  using E = ElementTraits<T>;
+  using Mma = typename Sm80Mma<T>::Atom;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  auto& sm = *reinterpret_cast<SparseAttentionSmem*>(smem_raw);
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int64_t r = blockIdx.x;
+  const int kvh = blockIdx.y, split = blockIdx.z;
+  const int group = static_cast<int>(p.group);
+  const RowInfo ri = resolve_row(p, x, r);
+
+  // ----- Q tile: the group's heads, zero rows past the group ------------------------------
+  {
+    const T* q = static_cast<const T*>(p.q) + r * p.q_row_stride +
+                 static_cast<int64_t>(kvh) * group * p.q_head_stride;
+    const bool vec = p.q_dim_stride == 1 && p.q_head_stride % 8 == 0 &&
+                     reinterpret_cast<uintptr_t>(q) % 16 == 0;
+    for (int c = tid; c < C::kHeadRows * C::kChunks; c += C::kThreads) {
+      const int hr = c / C::kChunks, chunk = c % C::kChunks;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (hr < group) {
+        const T* src = q + hr * p.q_head_stride + chunk * 8 * p.q_dim_stride;
+        if (vec) {
+          v = *reinterpret_cast<const uint4*>(src);
+        } else {
+          T e[8];
+          for (int j = 0; j < 8; ++j) e[j] = src[j * p.q_dim_stride];
+          v = *reinterpret_cast<uint4*>(e);
+        }
+      }
+      sm.q[hr][swz(hr, chunk)] = v;
+    }
+  }
+
+  // Per-warp softmax state: rows g = lane / 4 and g + 8 of the head tile.
+  float o_acc[C::kHeadDim / 8][4];
+#pragma unroll
+  for (int j = 0; j < C::kHeadDim / 8; ++j) o_acc[j][0] = o_acc[j][1] = o_acc[j][2] = o_acc[j][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};
+
+  const T* k_head = static_cast<const T*>(p.k) + kvh * p.k_head_stride;
+  const T* v_head = static_cast<const T*>(p.v) + kvh * p.v_head_stride;
+  const int32_t* idx_row = p.token_indices + r * p.token_indices_row_stride;
+  const int64_t col_begin = static_cast<int64_t>(split) * x.split_cols;
+  const int64_t col_end = ri.active ? min(p.width, col_begin + x.split_cols) : col_begin;
+
+  for (int64_t c0 = col_begin; c0 < col_end; c0 += C::kIndexChunk) {
+    const int64_t c1 = min(col_end, c0 + C::kIndexChunk);
+    // ----- compact this pass's valid tokens (index order) ---------------------------------
+    constexpr int kPerThread = C::kIndexChunk / C::kThreads;
+    int32_t ids[kPerThread];
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      const int64_t e = c0 + j * C::kThreads + tid;
+      ids[j] = e < c1 ? idx_row[e * p.token_indices_col_stride] : -1;
+    }
+    // Two loops, so that every page-table read is in flight before the first ballot waits.
+    int2 locs[kPerThread];
+    bool valid[kPerThread];
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) valid[j] = token_location(p, ri, ids[j], &locs[j]);
+    unsigned ballots[kPerThread];
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      ballots[j] = __ballot_sync(0xffffffffu, valid[j]);
+      if (lane == 0) sm.warp_count[j * C::kWarps + warp] = __popc(ballots[j]);
+    }
+    __syncthreads();
+    // Entry (j, warp, lane) goes after every valid entry of earlier j, of earlier warps at
+    // this j, and of earlier lanes of this warp.
+    int n_valid = 0;
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      int before_warp = 0, in_j = 0;
+      for (int w = 0; w < C::kWarps; ++w) {
+        const int cnt = sm.warp_count[j * C::kWarps + w];
+        if (w < warp) before_warp += cnt;
+        in_j += cnt;
+      }
+      if ((ballots[j] >> lane) & 1u) {
+        sm.token_loc[n_valid + before_warp + __popc(ballots[j] & ((1u << lane) - 1u))] = locs[j];
+      }
+      n_valid += in_j;
+    }
+    __syncthreads();
+
+    // ----- gather tiles through the cp.async ring and attend -------------------------------
+    const int n_tiles = (n_valid + C::kBlockTokens - 1) / C::kBlockTokens;
+    auto load_tile = [&](int tile, int stage) {
+#pragma unroll
+      for (int i = 0; i < C::kBlockTokens / C::kWarps; ++i) {
+        const int row = i * C::kWarps + warp;
+        const int n = tile * C::kBlockTokens + row;
+        const bool valid = n < n_valid;
+        const int2 loc = valid ? sm.token_loc[n] : make_int2(0, 0);
+        const T* ks = k_head + loc.x * p.k_batch_stride + loc.y * p.k_token_stride + lane * 8;
+        const T* vs = v_head + loc.x * p.v_batch_stride + loc.y * p.v_token_stride + lane * 8;
+        cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
+            *reinterpret_cast<const uint4*>(ks), sm.tiles.k[stage][row][swz(row, lane)], valid);
+        cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
+            *reinterpret_cast<const uint4*>(vs), sm.tiles.v[stage][row][swz(row, lane)], valid);
+      }
+    };
+#pragma unroll
+    for (int s = 0; s < C::kStages - 1; ++s) {
+      if (s < n_tiles) load_tile(s, s);
+      cute::cp_async_fence();
+    }
+    for (int tile = 0; tile < n_tiles; ++tile) {
+      cute::cp_async_wait<C::kStages - 2>();
+      __syncthreads();  // tile's data visible; every warp is done with the stage reused next
+      const int next = tile + C::kStages - 1;
+      if (next < n_tiles) load_tile(next, next % C::kStages);
+      cute::cp_async_fence();
+
+      const int stage = tile % C::kStages;
+      const int tok0 = warp * C::kWarpTokens;  // this warp's 16 tokens inside the tile
+      const int n_first = tile * C::kBlockTokens + tok0;
+      if (n_first >= n_valid) continue;  // warp-uniform: only the last tile is partial
+
+      // S = Q K^T: 16 heads x 16 tokens, two accumulators per n8 tile for MMA-chain ILP.
+      float s_acc[2][2][4] = {};
+#pragma unroll
+      for (int ks = 0; ks < C::kHeadDim / 16; ++ks) {
+        uint32_t a[4], b[4];
+        {
+          const int row = (lane % 8) + ((lane >> 3) & 1) * 8;
+          const int chunk = ks * 2 + (lane >> 4);
+          cute::SM75_U32x4_LDSM_N::copy(reinterpret_cast<const cute::uint128_t&>(
+                                            sm.q[row][swz(row, chunk)]),
+                                        a[0], a[1], a[2], a[3]);
+        }
+        {
+          const int row = tok0 + (lane % 8) + (lane >> 4) * 8;
+          const int chunk = ks * 2 + ((lane >> 3) & 1);
+          cute::SM75_U32x4_LDSM_N::copy(reinterpret_cast<const cute::uint128_t&>(
+                                            sm.tiles.k[stage][row][swz(row, chunk)]),
+                                        b[0], b[1], b[2], b[3]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          float* acc = s_acc[nt][ks & 1];
+          Mma::fma(acc[0], acc[1], acc[2], acc[3], a[0], a[1], a[2], a[3], b[2 * nt],
+                   b[2 * nt + 1], acc[0], acc[1], acc[2], acc[3]);
+        }
+      }
+
+      // online softmax (log2 domain); tokens past n_valid are -inf
+      float s[2][4];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int n = n_first + nt * 8 + (lane % 4) * 2 + (e & 1);
+          s[nt][e] = n < n_valid ? (s_acc[nt][0][e] + s_acc[nt][1][e]) * p.scale_log2 : -INFINITY;
+        }
+      }
+      uint32_t pa[4];
+#pragma unroll
+      for (int hrow = 0; hrow < 2; ++hrow) {
+        float mx = fmaxf(fmaxf(s[0][2 * hrow], s[0][2 * hrow + 1]),
+                         fmaxf(s[1][2 * hrow], s[1][2 * hrow + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(row_max[hrow], mx);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // all masked so far: no NaN
+        const float corr = exp2f(row_max[hrow] - m_use);
+        row_max[hrow] = m_new;
+        float p00 = exp2f(s[0][2 * hrow] - m_use), p01 = exp2f(s[0][2 * hrow + 1] - m_use);
+        float p10 = exp2f(s[1][2 * hrow] - m_use), p11 = exp2f(s[1][2 * hrow + 1] - m_use);
+        row_sum[hrow] = row_sum[hrow] * corr + (p00 + p01 + p10 + p11);
+#pragma unroll
+        for (int j = 0; j < C::kHeadDim / 8; ++j) {
+          o_acc[j][2 * hrow] *= corr;
+          o_acc[j][2 * hrow + 1] *= corr;
+        }
+        // P as the A operand of P V: k = tokens 0..7 from n8 tile 0, 8..15 from tile 1.
+        pa[hrow] = E::pack(p00, p01);
+        pa[2 + hrow] = E::pack(p10, p11);
+      }
+
+      // O += P V: 16 heads x 256 dims over this warp's 16 tokens
+#pragma unroll
+      for (int dt = 0; dt < C::kHeadDim / 16; ++dt) {
+        uint32_t b[4];
+        const int row = tok0 + (lane % 8) + ((lane >> 3) & 1) * 8;
+        const int chunk = dt * 2 + (lane >> 4);
+        cute::SM75_U16x8_LDSM_T::copy(reinterpret_cast<const cute::uint128_t&>(
+                                          sm.tiles.v[stage][row][swz(row, chunk)]),
+                                      b[0], b[1], b[2], b[3]);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float* acc = o_acc[2 * dt + h];
+          Mma::fma(acc[0], acc[1], acc[2], acc[3], pa[0], pa[1], pa[2], pa[3], b[2 * h],
+                   b[2 * h + 1], acc[0], acc[1], acc[2], acc[3]);
+        }
+      }
+    }
+    cute::cp_async_wait<0>();
+    __syncthreads();  // the ring and token_loc are free for the next pass or the merge
+  }
+
+  // ----- merge the warps' states in warp order (deterministic) -----------------------------
+  const int g = lane / 4;
+#pragma unroll
+  for (int hrow = 0; hrow < 2; ++hrow) {
+    row_sum[hrow] += __shfl_xor_sync(0xffffffffu, row_sum[hrow], 1);
+    row_sum[hrow] += __shfl_xor_sync(0xffffffffu, row_sum[hrow], 2);
+  }
+  if (lane % 4 == 0) {
+    sm.merge.m[warp][g] = row_max[0];
+    sm.merge.m[warp][g + 8] = row_max[1];
+    sm.merge.l[warp][g] = row_sum[0];
+    sm.merge.l[warp][g + 8] = row_sum[1];
+  }
+#pragma unroll
+  for (int j = 0; j < C::kHeadDim / 8; ++j) {
+    const int col = j * 8 + (lane % 4) * 2;
+    *reinterpret_cast<float2*>(&sm.merge.o[warp][g][col]) = make_float2(o_acc[j][0], o_acc[j][1]);
+    *reinterpret_cast<float2*>(&sm.merge.o[warp][g + 8][col]) =
+        make_float2(o_acc[j][2], o_acc[j][3]);
+  }
+  __syncthreads();
+
+  for (int e = tid; e < group * C::kHeadDim; e += C::kThreads) {
+    const int hr = e / C::kHeadDim, d = e % C::kHeadDim;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < C::kWarps; ++w) m = fmaxf(m, sm.merge.m[w][hr]);
+    float l = 0.f, o = 0.f;
+    if (m != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < C::kWarps; ++w) {
+        const float c = exp2f(sm.merge.m[w][hr] - m);
+        l += c * sm.merge.l[w][hr];
+        o += c * sm.merge.o[w][hr][d];
+      }
+    }
+    const float attn = l > 0.f ? o / l : 0.f;
+    const float lse2 = l > 0.f ? m + log2f(l) : -INFINITY;
+    const int64_t h = static_cast<int64_t>(kvh) * group + hr;
+    if (x.num_splits == 1) {
+      store_output<T>(p, r, h, d, attn);
+      if (d == 0 && p.lse) {
+        p.lse[r * p.lse_row_stride + h * p.lse_head_stride] = lse2 * 0.69314718055994531f;
+      }
+    } else {
+      const int64_t slot = (static_cast<int64_t>(split) * p.rows + r) * p.num_q_heads + h;
+      x.o_partial[slot * C::kHeadDim + d] = attn;
+      if (d == 0) x.lse_partial[slot] = lse2;
+    }
+  }
+}
+
+// SplitKV merge: out = sum_s w_s o_s / sum_s w_s with w_s = exp2(lse_s - max lse), in split
+// order, then the gate. One CTA per query row, threads over (head, dim).
+template <typename T>
+__global__ void __launch_bounds__(256)
+    sparse_attention_merge_kernel(const __grid_constant__ SparseAttentionParams p,
+                                  const __grid_constant__ SparseAttentionLaunch x) {
+  constexpr int D = SparseAttentionConfig::kHeadDim;
+  const int64_t r = blockIdx.x;
+  for (int e = threadIdx.x; e < p.num_q_heads * D; e += blockDim.x) {
+    const int64_t h = e / D;
+    const int d = e % D;
+    const int64_t stride = p.rows * p.num_q_heads;  // between splits, in (row, head) slots
+    const int64_t slot0 = r * p.num_q_heads + h;
+    float m = -INFINITY;
+    for (int s = 0; s < x.num_splits; ++s) m = fmaxf(m, x.lse_partial[slot0 + s * stride]);
+    float l = 0.f, o = 0.f;
+    if (m != -INFINITY) {
+      for (int s = 0; s < x.num_splits; ++s) {
+        const float lse_s = x.lse_partial[slot0 + s * stride];
+        if (lse_s == -INFINITY) continue;  // an empty split's partial holds 0, not data
+        const float w = exp2f(lse_s - m);
+        l += w;
+        o += w * x.o_partial[(slot0 + s * stride) * D + d];
+      }
+    }
+    store_output<T>(p, r, h, d, l > 0.f ? o / l : 0.f);
+    if (d == 0 && p.lse) {
+      p.lse[r * p.lse_row_stride + h * p.lse_head_stride] =
+          l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
+    }
+  }
+}
+
+// kTokenToReq without query_positions: row i of a request is its i-th row in row order, and
+// the default position needs each request's row count. One CTA walks the rows in chunks of
+// its size; `request_rows` ([batch], zeroed by the caller) carries the counts across chunks.
+__global__ void __launch_bounds__(1024)
+    sparse_attention_row_rank_kernel(const __grid_constant__ SparseAttentionParams p,
+                                     int32_t* row_rank, int32_t* request_rows) {
+  __shared__ int32_t req[1024];
+  for (int64_t c0 = 0; c0 < p.rows; c0 += blockDim.x) {
+    const int64_t r = c0 + threadIdx.x;
+    const bool live = r < p.rows;
+    const int32_t b = live ? static_cast<int32_t>(clamp64(
+                                 p.token_to_req[r * p.token_to_req_stride], 0, p.batch - 1))
+                           : -1;
+    req[threadIdx.x] = b;
+    __syncthreads();
+    const int n = static_cast<int>(min(static_cast<int64_t>(blockDim.x), p.rows - c0));
+    int before = 0;
+    bool last = live;
+    for (int t = 0; t < n; ++t) {
+      if (req[t] != b) continue;
+      if (t < static_cast<int>(threadIdx.x)) ++before;
+      if (t > static_cast<int>(threadIdx.x)) last = false;
+    }
+    if (live) row_rank[r] = request_rows[b] + before;
+    __syncthreads();  // every rank read request_rows before the last rows advance it
+    if (live && last) request_rows[b] += before + 1;
+    __syncthreads();
+  }
+}
+
+}  // namespace sparse_attn::cuda

@@ -1,0 +1,125 @@
+// native_sparse_attention: the CUDA backend of qsa_sparse_attention. Validation (src/api) has
+// passed; this file picks the schedule, allocates the SplitKV workspace stream-ordered (so a
+// captured graph owns its allocation), and turns the runtime dtype into the kernel's T.
+#include <algorithm>
+#include <array>
+
+#include "api/qsa_attention_params.h"
+#include "cuda/attention/sparse_attention_heuristics.h"
+#include "cuda/attention/sparse_attention_kernel.cuh"
+#include "cuda/attention/sparse_attention_launch.h"
+#include "cuda/common/check.h"
+#include "cuda/common/dispatch.h"
+#include "sparse_attn/errors.h"
+
+namespace sparse_attn {
+namespace cuda {
+
+void launch_sparse_attention_row_rank(const SparseAttentionParams& p, int32_t* row_rank,
+                                      int32_t* request_rows, cudaStream_t stream) {
+  SPARSE_ATTN_CUDA_CHECK(
+      cudaMemsetAsync(request_rows, 0, static_cast<size_t>(p.batch) * sizeof(int32_t), stream));
+  sparse_attention_row_rank_kernel<<<1, 1024, 0, stream>>>(p, row_rank, request_rows);
+  SPARSE_ATTN_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+
+int sm_count(int device) {
+  static std::array<int, 64> cache{};  // 0: not read yet; a race rereads the same value
+  if (device < 0 || device >= static_cast<int>(cache.size())) device = 0;
+  if (cache[device] == 0) {
+    int n = 0;
+    SPARSE_ATTN_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    cache[device] = n;
+  }
+  return cache[device];
+}
+
+// Restores the caller's current device on every exit path.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    SPARSE_ATTN_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) SPARSE_ATTN_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+}  // namespace
+}  // namespace cuda
+
+void native_sparse_attention(const SparseAttentionParams& p) {
+  using C = cuda::SparseAttentionConfig;
+  if (p.head_dim != C::kHeadDim) {
+    throw NotSupportedError("qsa_sparse_attention: the native kernels take head_dim 256, got " +
+                            std::to_string(p.head_dim));
+  }
+  if (p.group < 1 || p.group > C::kHeadRows) {
+    throw NotSupportedError(
+        "qsa_sparse_attention: the native kernels take a GQA group (Hq / Hkv) of 1 to 16, got " +
+        std::to_string(p.group));
+  }
+  if (p.kv_layout == KVLayout::kVarlen) {
+    throw NotSupportedError(
+        "qsa_sparse_attention: flattened-varlen K/V (cu_seqlens_k) runs on backend='reference' "
+        "only; pass paged K/V with a block_table for the native kernels");
+  }
+  if (p.rows == 0) return;
+  if (p.rows > 0x7fffffff || p.num_kv_heads > 65535) {
+    throw NotSupportedError("qsa_sparse_attention: the native kernels take at most 2^31 - 1 "
+                            "query rows and 65535 KV heads");
+  }
+  cuda::DeviceGuard guard(p.device_index);
+  auto stream = static_cast<cudaStream_t>(p.stream);
+
+  // Splits partition the index columns in whole 64-token tiles; a count above the number of
+  // tiles would only add empty splits (which the merge skips), so it is capped there.
+  const int64_t tiles = std::max<int64_t>(1, (p.width + C::kBlockTokens - 1) / C::kBlockTokens);
+  int64_t splits = p.num_splits > 0
+                       ? p.num_splits
+                       : cuda::choose_num_splits(p.rows, p.num_kv_heads, p.width,
+                                                 cuda::sm_count(p.device_index));
+  splits = std::clamp<int64_t>(splits, 1, std::min<int64_t>(tiles, 65535));
+  cuda::SparseAttentionLaunch x;
+  const int64_t tiles_per_split = (tiles + splits - 1) / splits;
+  x.split_cols = tiles_per_split * C::kBlockTokens;
+  x.num_splits = static_cast<int>((tiles + tiles_per_split - 1) / tiles_per_split);
+
+  const bool need_rank = p.row_mapping == RowMapping::kTokenToReq && !p.query_positions;
+  const size_t partial_slots =
+      x.num_splits > 1 ? static_cast<size_t>(x.num_splits * p.rows * p.num_q_heads) : 0;
+  const size_t rank_ints = need_rank ? static_cast<size_t>(p.rows + p.batch) : 0;
+  const size_t bytes =
+      partial_slots * (C::kHeadDim + 1) * sizeof(float) + rank_ints * sizeof(int32_t);
+  void* workspace = nullptr;
+  if (bytes > 0) SPARSE_ATTN_CUDA_CHECK(cudaMallocAsync(&workspace, bytes, stream));
+  try {
+    auto* floats = static_cast<float*>(workspace);
+    if (partial_slots > 0) {
+      x.o_partial = floats;
+      x.lse_partial = floats + partial_slots * C::kHeadDim;
+    }
+    if (need_rank) {
+      auto* ints = reinterpret_cast<int32_t*>(floats + partial_slots * (C::kHeadDim + 1));
+      cuda::launch_sparse_attention_row_rank(p, ints, ints + p.rows, stream);
+      x.row_rank = ints;
+      x.request_rows = ints + p.rows;
+    }
+    cuda::dispatch_dtype(p.dtype, "qsa_sparse_attention", [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      cuda::launch_sparse_attention<T>(p, x, stream);
+    });
+  } catch (...) {
+    if (workspace) cudaFreeAsync(workspace, stream);
+    throw;
+  }
+  if (workspace) SPARSE_ATTN_CUDA_CHECK(cudaFreeAsync(workspace, stream));
+}
+
+}  // namespace sparse_attn

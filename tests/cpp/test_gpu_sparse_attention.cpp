@@ -1,0 +1,664 @@
+// Native qsa_sparse_attention on the GPU against an independent double-precision oracle
+// written here: every query/KV layout, SplitKV counts, gates, LSE, strided and sliced views,
+// physical ids, invalid ids, very many rows, determinism and CUDA graph replay.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.h"
+#include "sparse_attn/qsa.h"
+#include "sparse_attn/tensor.h"
+#include "test_util.h"
+
+namespace sparse_attn {
+namespace {
+
+using testing::to_device;
+using testing::to_vector;
+
+constexpr int64_t kD = 256;
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+enum class Gate { kNone, kElementwise, kPerHead };
+
+struct Case {
+  std::string name;
+  DType dtype = DType::kBF16;
+  int64_t hq = 24, hkv = 2;
+  // Query layout: flattened rows (cu_seqlens_q) unless padded_q ([B, Q] with seq_lens_q).
+  bool padded_q = false;
+  std::vector<int64_t> q_rows;  // query rows per request
+  std::vector<int64_t> k_lens;  // KV length per request
+  bool paged = true;
+  int64_t page_size = 64;
+  bool hole_page = false;       // one block_table entry inside a sequence is -1
+  int64_t width = 2051;
+  double invalid_share = 0.15;  // ids that are -1, out of range or in the future
+  Gate gate = Gate::kNone;
+  bool lse = true;
+  std::optional<int64_t> num_splits;
+  bool positions = false;       // explicit query_positions (else the right-aligned default)
+  bool token_to_req = false;    // flattened rows mapped by token_to_req instead of cu_seqlens
+  bool views = false;           // sliced inputs with offsets, strided out with bytes around it
+};
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) { return info.param.name; }
+
+// Fills a device view with NaN before a run, so unwritten elements cannot pass.
+void poison_device(const TensorView& view) {
+  Tensor h = Tensor::empty(view.shape(), view.dtype());
+  testing::poison(h.view());
+  copy_into(view, h.view());
+}
+
+// Host-side problem: contents the oracle reads, and device tensors the kernel reads.
+struct Problem {
+  Case c;
+  int64_t batch = 0, rows = 0, q_len = 0, num_pages = 0, max_pages = 0, kv_cap = 0;
+  std::vector<int64_t> row_req, row_pos;  // per row; row_req -1 for padding rows
+  Tensor q, k, v, idx, gate, block_table, cu_seqlens_q, seq_lens_q, seq_lens_k, positions,
+      token_to_req;
+};
+
+Tensor host_i32(const Shape& shape, const std::vector<int32_t>& values) {
+  return testing::int32_tensor(shape, values);
+}
+
+Problem make_problem(const Case& c, std::mt19937_64& rng) {
+  Problem pb;
+  pb.c = c;
+  pb.batch = static_cast<int64_t>(c.q_rows.size());
+  pb.q_len = c.padded_q ? *std::max_element(c.q_rows.begin(), c.q_rows.end()) : 0;
+  pb.rows = c.padded_q ? pb.batch * pb.q_len
+                       : std::accumulate(c.q_rows.begin(), c.q_rows.end(), int64_t{0});
+  std::uniform_real_distribution<double> u01(0, 1);
+
+  // Row -> (request, position).
+  std::vector<int32_t> cu{0}, t2r, pos_flat;
+  for (int64_t b = 0; b < pb.batch; ++b) {
+    const int64_t nrow = c.padded_q ? pb.q_len : c.q_rows[b];
+    for (int64_t i = 0; i < nrow; ++i) {
+      const bool real = i < c.q_rows[b];
+      int64_t p = c.k_lens[b] - c.q_rows[b] + i;
+      if (c.positions) p = std::uniform_int_distribution<int64_t>(0, c.k_lens[b] - 1)(rng);
+      pb.row_req.push_back(real ? b : -1);
+      pb.row_pos.push_back(p);
+      pos_flat.push_back(static_cast<int32_t>(p));
+      t2r.push_back(static_cast<int32_t>(b));
+    }
+    cu.push_back(static_cast<int32_t>(cu.back() + c.q_rows[b]));
+  }
+  if (c.token_to_req) {
+    // Interleave the requests' rows; ranks within a request keep their order.
+    std::vector<int64_t> order(pb.rows);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return (a * 7919) % 5 < (b * 7919) % 5;  // deterministic interleave of request blocks
+    });
+    std::vector<int64_t> req2, pos2;
+    std::vector<int32_t> t2r2;
+    for (int64_t r : order) {
+      req2.push_back(pb.row_req[r]);
+      t2r2.push_back(t2r[r]);
+    }
+    // Positions follow the new order: the n-th row of request b is at k_len - q_rows + n.
+    std::vector<int64_t> seen(pb.batch, 0);
+    for (int64_t r = 0; r < pb.rows; ++r) {
+      const int64_t b = req2[r];
+      pos2.push_back(c.k_lens[b] - c.q_rows[b] + seen[b]++);
+    }
+    pb.row_req = req2;
+    pb.row_pos = pos2;
+    t2r = t2r2;
+    pb.token_to_req = host_i32({pb.rows}, t2r);
+  }
+
+  // K/V storage and the block table.
+  const int64_t max_k = *std::max_element(c.k_lens.begin(), c.k_lens.end());
+  std::vector<int32_t> bt;
+  if (c.paged) {
+    pb.max_pages = (max_k + c.page_size - 1) / c.page_size + 1;
+    int64_t need = 0;
+    for (int64_t kl : c.k_lens) need += (kl + c.page_size - 1) / c.page_size;
+    pb.num_pages = need + 3;
+    std::vector<int32_t> phys(pb.num_pages);
+    std::iota(phys.begin(), phys.end(), 0);
+    std::shuffle(phys.begin(), phys.end(), rng);
+    int64_t next = 0;
+    bt.assign(pb.batch * pb.max_pages, -1);
+    for (int64_t b = 0; b < pb.batch; ++b) {
+      const int64_t np = (c.k_lens[b] + c.page_size - 1) / c.page_size;
+      for (int64_t j = 0; j < np; ++j) bt[b * pb.max_pages + j] = phys[next++];
+    }
+    if (c.hole_page) bt[0] = -1;
+    pb.kv_cap = pb.max_pages * c.page_size;
+    pb.block_table = host_i32({pb.batch, pb.max_pages}, bt);
+  } else {
+    pb.kv_cap = max_k + 5;
+  }
+  const int64_t kv_outer = c.paged ? pb.num_pages : pb.batch;
+  const int64_t kv_inner = c.paged ? c.page_size : pb.kv_cap;
+  pb.k = testing::random_tensor({kv_outer, kv_inner, c.hkv, kD}, c.dtype, rng, -2.f, 2.f);
+  pb.v = testing::random_tensor({kv_outer, kv_inner, c.hkv, kD}, c.dtype, rng);
+  pb.q = testing::random_tensor({pb.rows, c.hq, kD}, c.dtype, rng, -2.f, 2.f);
+
+  // Selections: valid ids up to the position (duplicates allowed), mixed with -1,
+  // out-of-range and future ids.
+  std::vector<int32_t> ids(pb.rows * c.width);
+  for (int64_t r = 0; r < pb.rows; ++r) {
+    const int64_t b = pb.row_req[r] < 0 ? 0 : pb.row_req[r];
+    const int64_t kl = c.k_lens[b], p = pb.row_pos[r];
+    for (int64_t w = 0; w < c.width; ++w) {
+      int64_t t;
+      const double x = u01(rng);
+      if (x < c.invalid_share / 3) {
+        t = -1;
+      } else if (x < 2 * c.invalid_share / 3) {
+        t = kl + std::uniform_int_distribution<int64_t>(0, 1000)(rng);
+      } else if (x < c.invalid_share) {
+        t = std::min<int64_t>(p + 1 + std::uniform_int_distribution<int64_t>(0, 50)(rng),
+                              std::numeric_limits<int32_t>::max());
+      } else {
+        t = std::uniform_int_distribution<int64_t>(0, std::max<int64_t>(0, std::min(p, kl - 1)))(
+            rng);
+      }
+      ids[r * c.width + w] = static_cast<int32_t>(t);
+    }
+  }
+  pb.idx = host_i32({pb.rows, c.width}, ids);
+  if (c.gate == Gate::kElementwise) pb.gate = testing::random_tensor({pb.rows, c.hq, kD}, c.dtype, rng, -3.f, 3.f);
+  if (c.gate == Gate::kPerHead) pb.gate = testing::random_tensor({pb.rows, c.hq}, c.dtype, rng, -3.f, 3.f);
+
+  std::vector<int32_t> kl32(c.k_lens.begin(), c.k_lens.end());
+  pb.seq_lens_k = host_i32({pb.batch}, kl32);
+  pb.cu_seqlens_q = host_i32({pb.batch + 1}, cu);
+  std::vector<int32_t> ql32(c.q_rows.begin(), c.q_rows.end());
+  pb.seq_lens_q = host_i32({pb.batch}, ql32);
+  std::vector<int32_t> pos32(pb.row_pos.begin(), pb.row_pos.end());
+  pb.positions = c.padded_q ? host_i32({pb.batch, pb.q_len}, pos32) : host_i32({pb.rows}, pos32);
+  return pb;
+}
+
+struct Expected {
+  std::vector<double> out;  // [rows, Hq, D]
+  std::vector<double> lse;  // [rows, Hq]
+};
+
+// The oracle: plain loops in double over the row's valid entries.
+Expected oracle(const Problem& pb) {
+  const Case& c = pb.c;
+  const auto q = to_vector(pb.q.view()), k = to_vector(pb.k.view()), v = to_vector(pb.v.view());
+  const auto ids = to_vector(pb.idx.view());
+  const std::vector<double> gate = c.gate == Gate::kNone ? std::vector<double>{}
+                                                         : to_vector(pb.gate.view());
+  const std::vector<double> bt = c.paged ? to_vector(pb.block_table.view()) : std::vector<double>{};
+  const int64_t group = c.hq / c.hkv;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(kD));
+  Expected e{std::vector<double>(pb.rows * c.hq * kD, 0.0), std::vector<double>(pb.rows * c.hq, -kInf)};
+  for (int64_t r = 0; r < pb.rows; ++r) {
+    if (pb.row_req[r] < 0) continue;
+    const int64_t b = pb.row_req[r], kl = c.k_lens[b], p = pb.row_pos[r];
+    std::vector<int64_t> kv_rows;  // flat [outer, inner] row of each valid entry
+    for (int64_t w = 0; w < c.width; ++w) {
+      const int64_t t = static_cast<int64_t>(ids[r * c.width + w]);
+      if (t < 0 || t >= kl || t > p) continue;
+      if (c.paged) {
+        const int64_t page = static_cast<int64_t>(bt[b * pb.max_pages + t / c.page_size]);
+        if (page < 0 || page >= pb.num_pages) continue;
+        kv_rows.push_back(page * c.page_size + t % c.page_size);
+      } else {
+        kv_rows.push_back(b * pb.kv_cap + t);
+      }
+    }
+    for (int64_t h = 0; h < c.hq; ++h) {
+      const int64_t kvh = h / group;
+      std::vector<double> s(kv_rows.size());
+      double mx = -kInf;
+      for (size_t j = 0; j < kv_rows.size(); ++j) {
+        double dot = 0;
+        for (int64_t d = 0; d < kD; ++d) {
+          dot += q[(r * c.hq + h) * kD + d] * k[(kv_rows[j] * c.hkv + kvh) * kD + d];
+        }
+        s[j] = dot * scale;
+        mx = std::max(mx, s[j]);
+      }
+      if (kv_rows.empty()) continue;
+      double sum = 0;
+      for (double& x : s) sum += (x = std::exp(x - mx));
+      e.lse[r * c.hq + h] = mx + std::log(sum);
+      for (int64_t d = 0; d < kD; ++d) {
+        double o = 0;
+        for (size_t j = 0; j < kv_rows.size(); ++j) o += s[j] * v[(kv_rows[j] * c.hkv + kvh) * kD + d];
+        o /= sum;
+        if (c.gate == Gate::kElementwise) o /= 1 + std::exp(-gate[(r * c.hq + h) * kD + d]);
+        if (c.gate == Gate::kPerHead) o /= 1 + std::exp(-gate[r * c.hq + h]);
+        e.out[(r * c.hq + h) * kD + d] = o;
+      }
+    }
+  }
+  return e;
+}
+
+// A device copy of `host` placed inside a larger random buffer (extra leading rows/columns on
+// its first and last axes), so the view has an offset and non-default strides.
+TensorView embed(const Tensor& host, std::vector<Tensor>& keep, std::mt19937_64& rng) {
+  Shape big = host.shape();
+  big.front() += 1;
+  big.back() += 8;
+  Tensor outer_host = host.dtype() == DType::kI32 ? testing::random_int32(big, rng, -5, 5)
+                                                  : testing::random_tensor(big, host.dtype(), rng);
+  Tensor outer = to_device(outer_host);
+  keep.push_back(outer);
+  TensorView view = outer.view().narrow(0, 1, host.shape().front()).narrow(
+      outer.view().dim() - 1, 8, host.shape().back());
+  copy_into(view, host.view());
+  return view;
+}
+
+struct DeviceProblem {
+  std::vector<Tensor> keep;
+  TensorView q, k, v, idx, out, lse;
+  Tensor out_outer, out_outer_before;  // with views: out lives inside this buffer
+  SparseAttentionOptions opts;
+};
+
+DeviceProblem to_device_problem(const Problem& pb, std::mt19937_64& rng) {
+  const Case& c = pb.c;
+  DeviceProblem dp;
+  auto put = [&](const Tensor& h) -> TensorView {
+    if (c.views && h.shape().size() >= 2) return embed(h, dp.keep, rng);
+    Tensor d = to_device(h);
+    dp.keep.push_back(d);
+    return d.view();
+  };
+  dp.q = put(pb.q);
+  dp.k = put(pb.k);
+  dp.v = put(pb.v);
+  dp.idx = put(pb.idx);
+  if (c.padded_q) {
+    dp.q = dp.q.as_strided({pb.batch, pb.q_len, c.hq, kD},
+                           {pb.q_len * dp.q.stride(0), dp.q.stride(0), dp.q.stride(1), dp.q.stride(2)});
+    dp.idx = dp.idx.as_strided({pb.batch, pb.q_len, c.width},
+                               {pb.q_len * dp.idx.stride(0), dp.idx.stride(0), dp.idx.stride(1)});
+  }
+  Shape out_shape = dp.q.shape();
+  if (c.views) {
+    // out = big[..., ::2] on the last axis, with a head of padding: every other byte around.
+    Shape big = out_shape;
+    big.back() *= 2;
+    big[big.size() - 2] += 1;
+    dp.out_outer_before = testing::random_tensor(big, c.dtype, rng);
+    dp.out_outer = to_device(dp.out_outer_before);
+    Shape strides(big.size());
+    int64_t st = 1;
+    for (int i = static_cast<int>(big.size()) - 1; i >= 0; --i) {
+      strides[i] = st;
+      st *= big[i];
+    }
+    Shape out_strides = strides;
+    out_strides.back() = 2;
+    dp.out = dp.out_outer.view().as_strided(out_shape, out_strides, strides[big.size() - 2]);
+  } else {
+    Tensor o = testing::poisoned_device(out_shape, c.dtype);
+    dp.keep.push_back(o);
+    dp.out = o.view();
+  }
+  if (c.lse) {
+    Shape ls(out_shape.begin(), out_shape.end() - 1);
+    Tensor l = testing::poisoned_device(ls, DType::kF32);
+    dp.keep.push_back(l);
+    dp.lse = l.view();
+  }
+  auto& o = dp.opts;
+  o.backend = Backend::kNative;
+  o.num_splits = c.num_splits;
+  o.seq_lens_k = put(pb.seq_lens_k);
+  if (c.paged) {
+    o.block_table = put(pb.block_table);
+    o.page_size = c.page_size;
+  }
+  if (c.padded_q) {
+    o.seq_lens_q = put(pb.seq_lens_q);
+  } else if (c.token_to_req) {
+    o.token_to_req = put(pb.token_to_req);
+  } else {
+    o.cu_seqlens_q = put(pb.cu_seqlens_q);
+  }
+  if (c.positions) o.query_positions = put(pb.positions);
+  if (c.gate != Gate::kNone) {
+    TensorView g = put(pb.gate);
+    if (c.padded_q) {
+      Shape gs = {pb.batch, pb.q_len};
+      Shape gst = {pb.q_len * g.stride(0), g.stride(0)};
+      for (int d = 1; d < g.dim(); ++d) {
+        gs.push_back(g.size(d));
+        gst.push_back(g.stride(d));
+      }
+      g = g.as_strided(gs, gst);
+    }
+    o.gate = g;
+  }
+  return dp;
+}
+
+void expect_matches(const Problem& pb, const DeviceProblem& dp, const Expected& e) {
+  Tensor out = Tensor::to_host(dp.out);
+  const double atol = testing::default_atol(pb.c.dtype), rtol = testing::default_rtol(pb.c.dtype);
+  EXPECT_TRUE(testing::all_close(out.view(), e.out, atol, rtol)) << "out";
+  if (pb.c.lse) {
+    Tensor lse = Tensor::to_host(dp.lse);
+    EXPECT_TRUE(testing::all_close(lse.view(), e.lse, 2e-3, 2e-3)) << "lse";
+  }
+  if (pb.c.views) {
+    // Every element of the outer buffer that is not part of `out` kept its bytes.
+    Tensor after = Tensor::to_host(dp.out_outer.view());
+    const auto a = to_vector(after.view()), b = to_vector(dp.out_outer_before.view());
+    const int64_t last = dp.out_outer.shape().back(), heads = dp.out_outer.shape()[dp.out_outer.view().dim() - 2];
+    int64_t changed = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      const int64_t col = static_cast<int64_t>(i) % last, head = static_cast<int64_t>(i) / last % heads;
+      const bool in_out = head >= 1 && col % 2 == 0;
+      if (!in_out && std::memcmp(&a[i], &b[i], sizeof(double)) != 0) ++changed;
+    }
+    EXPECT_EQ(changed, 0) << "bytes around the out view were written";
+  }
+}
+
+class GpuSparseAttention : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GpuSparseAttention, MatchesOracle) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = testing::make_rng();
+  const Problem pb = make_problem(GetParam(), rng);
+  DeviceProblem dp = to_device_problem(pb, rng);
+  std::optional<TensorView> lse;
+  if (pb.c.lse) lse = dp.lse;
+  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, lse, dp.opts);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  expect_matches(pb, dp, oracle(pb));
+}
+
+Case decode(std::string name, int64_t b) {
+  Case c;
+  c.name = std::move(name);
+  c.q_rows.assign(b, 1);
+  for (int64_t i = 0; i < b; ++i) c.k_lens.push_back(2500 + 977 * i % 6000);
+  return c;
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> v;
+  v.push_back(decode("decode_b8_canonical_page64_heuristic", 8));
+  {
+    Case c = decode("decode_b3_splits1", 3);
+    c.num_splits = 1;
+    v.push_back(c);
+  }
+  {
+    Case c = decode("decode_b3_splits5_gate_elementwise", 3);
+    c.num_splits = 5;
+    c.gate = Gate::kElementwise;
+    v.push_back(c);
+  }
+  {
+    Case c = decode("decode_b2_splits1000_gate_per_head_nolse", 2);
+    c.num_splits = 1000;
+    c.gate = Gate::kPerHead;
+    c.lse = false;
+    v.push_back(c);
+  }
+  {
+    Case c = decode("decode_b4_page16_fp16_positions", 4);
+    c.page_size = 16;
+    c.dtype = DType::kF16;
+    c.positions = true;
+    v.push_back(c);
+  }
+  {
+    Case c = decode("decode_b2_hole_page", 2);
+    c.hole_page = true;
+    v.push_back(c);
+  }
+  {
+    Case c;
+    c.name = "prefill_flat_rows37_1_20_page16_width515";
+    c.q_rows = {37, 1, 20};
+    c.k_lens = {300, 40, 700};
+    c.page_size = 16;
+    c.width = 515;
+    v.push_back(c);
+  }
+  {
+    Case c;
+    c.name = "prefill_flat_width4103_two_index_passes_gate";
+    c.q_rows = {5, 4};
+    c.k_lens = {5000, 4500};
+    c.width = 4103;
+    c.gate = Gate::kElementwise;
+    v.push_back(c);
+  }
+  {
+    Case c;
+    c.name = "prefill_padded_q9_seqlens_9_4_0_page64";
+    c.padded_q = true;
+    c.q_rows = {9, 4, 0};
+    c.k_lens = {400, 100, 64};
+    c.width = 259;
+    c.gate = Gate::kPerHead;
+    v.push_back(c);
+  }
+  {
+    Case c;
+    c.name = "prefill_padded_q5_dense_kv_splits1";
+    c.padded_q = true;
+    c.paged = false;
+    c.q_rows = {5, 3};
+    c.k_lens = {200, 90};
+    c.width = 131;
+    c.num_splits = 1;
+    v.push_back(c);
+  }
+  {
+    Case c;
+    c.name = "prefill_token_to_req_default_positions";
+    c.token_to_req = true;
+    c.q_rows = {6, 5, 7};
+    c.k_lens = {120, 80, 300};
+    c.width = 67;
+    v.push_back(c);
+  }
+  {
+    Case c = decode("all_ids_invalid", 3);
+    c.invalid_share = 1.0;
+    c.gate = Gate::kElementwise;
+    v.push_back(c);
+  }
+  {
+    Case c = decode("views_sliced_inputs_strided_out_splits3", 3);
+    c.views = true;
+    c.num_splits = 3;
+    c.gate = Gate::kElementwise;
+    v.push_back(c);
+  }
+  {
+    Case c;
+    c.name = "views_prefill_padded_fp16_page16";
+    c.views = true;
+    c.padded_q = true;
+    c.dtype = DType::kF16;
+    c.q_rows = {3, 2};
+    c.k_lens = {70, 33};
+    c.page_size = 16;
+    c.width = 99;
+    v.push_back(c);
+  }
+  for (auto [hq, hkv] : std::vector<std::pair<int64_t, int64_t>>{
+           {1, 1}, {3, 1}, {5, 5}, {16, 1}, {16, 2}, {32, 2}, {12, 4}}) {
+    Case c;
+    c.name = "group" + std::to_string(hq / hkv) + "_hq" + std::to_string(hq) + "_hkv" +
+             std::to_string(hkv);
+    c.hq = hq;
+    c.hkv = hkv;
+    c.q_rows = {3, 1};
+    c.k_lens = {500, 90};
+    c.width = 301;
+    c.gate = hq % 2 ? Gate::kPerHead : Gate::kNone;
+    v.push_back(c);
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Forms, GpuSparseAttention, ::testing::ValuesIn(cases()), case_name);
+
+// More rows than a grid's y/z limit: rows run on gridDim.x.
+TEST(GpuSparseAttentionRows, MoreThan65535Rows) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = testing::make_rng();
+  Case c;
+  c.hq = 2;
+  c.hkv = 1;
+  c.q_rows = {70001};
+  c.k_lens = {70001};
+  c.width = 5;
+  c.gate = Gate::kPerHead;
+  const Problem pb = make_problem(c, rng);
+  DeviceProblem dp = to_device_problem(pb, rng);
+  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  expect_matches(pb, dp, oracle(pb));
+}
+
+// Same inputs, same bits, for the SplitKV path and the single-split path.
+TEST(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = testing::make_rng();
+  for (int64_t splits : {1, 6}) {
+    Case c = decode("det", 4);
+    c.num_splits = splits;
+    c.gate = Gate::kElementwise;
+    const Problem pb = make_problem(c, rng);
+    DeviceProblem dp = to_device_problem(pb, rng);
+    qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);
+    const Tensor first = Tensor::to_host(dp.out), first_lse = Tensor::to_host(dp.lse);
+    for (int rep = 0; rep < 3; ++rep) {
+      poison_device(dp.out);
+      qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);
+      const Tensor again = Tensor::to_host(dp.out), again_lse = Tensor::to_host(dp.lse);
+      ASSERT_EQ(std::memcmp(first.data(), again.data(), first.numel() * 2), 0) << splits;
+      ASSERT_EQ(std::memcmp(first_lse.data(), again_lse.data(), first_lse.numel() * 4), 0);
+    }
+  }
+}
+
+// Physical ids into flattened K/V: no requests, no causal mask, duplicates counted, ids < 0
+// or >= total_kv masked, the lse buffer written; rows with nothing valid give 0 and -inf.
+TEST(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = testing::make_rng();
+  const int64_t rows = 9, hq = 24, hkv = 2, total = 3000, width = 2051;
+  Tensor q = testing::random_tensor({rows, hq, kD}, DType::kBF16, rng, -2.f, 2.f);
+  Tensor k = testing::random_tensor({total, hkv, kD}, DType::kBF16, rng, -2.f, 2.f);
+  Tensor v = testing::random_tensor({total, hkv, kD}, DType::kBF16, rng);
+  std::vector<int32_t> ids(rows * width);
+  std::uniform_int_distribution<int32_t> any(-3, total + 3), some(0, 40);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t w = 0; w < width; ++w) {
+      ids[r * width + w] = r == 4 ? -1 : (r == 2 ? some(rng) : any(rng));  // 2: duplicates
+    }
+  }
+  Tensor idx = testing::int32_tensor({rows, width}, ids);
+  Tensor dq = to_device(q), dk = to_device(k), dv = to_device(v), didx = to_device(idx);
+  Tensor out = testing::poisoned_device({rows, hq, kD}, DType::kBF16);
+  Tensor lse = testing::poisoned_device({rows, hq}, DType::kF32);
+  SparseAttentionOptions o;
+  o.selected_kv_indices = didx.view();
+  qsa_sparse_attention(dq, dk, dv, std::nullopt, out, lse.view(), o);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+  const auto qv = to_vector(q.view()), kv = to_vector(k.view()), vv = to_vector(v.view());
+  std::vector<double> eo(rows * hq * kD, 0.0), el(rows * hq, -kInf);
+  const double scale = 1.0 / 16.0;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t h = 0; h < hq; ++h) {
+      const int64_t g = h / (hq / hkv);
+      std::vector<double> s;
+      std::vector<int64_t> js;
+      for (int64_t w = 0; w < width; ++w) {
+        const int64_t t = ids[r * width + w];
+        if (t < 0 || t >= total) continue;
+        double dot = 0;
+        for (int64_t d = 0; d < kD; ++d) dot += qv[(r * hq + h) * kD + d] * kv[(t * hkv + g) * kD + d];
+        s.push_back(dot * scale);
+        js.push_back(t);
+      }
+      if (s.empty()) continue;
+      const double mx = *std::max_element(s.begin(), s.end());
+      double sum = 0;
+      for (double& x : s) sum += (x = std::exp(x - mx));
+      el[r * hq + h] = mx + std::log(sum);
+      for (int64_t d = 0; d < kD; ++d) {
+        double acc = 0;
+        for (size_t j = 0; j < s.size(); ++j) acc += s[j] * vv[(js[j] * hkv + g) * kD + d];
+        eo[(r * hq + h) * kD + d] = acc / sum;
+      }
+    }
+  }
+  EXPECT_TRUE(testing::all_close(Tensor::to_host(out.view()).view(), eo, 1e-2, 1e-2));
+  EXPECT_TRUE(testing::all_close(Tensor::to_host(lse.view()).view(), el, 2e-3, 2e-3));
+}
+
+// A captured graph reads the metadata current at replay: new ids, lengths and positions
+// written into the same buffers change the result accordingly.
+TEST(GpuSparseAttentionGraph, ReplayReadsCurrentMetadata) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = testing::make_rng();
+  Case c = decode("graph", 4);
+  c.gate = Gate::kElementwise;
+  c.positions = true;
+  Problem pb = make_problem(c, rng);
+  DeviceProblem dp = to_device_problem(pb, rng);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  dp.opts.stream = stream;
+  // Warm-up outside capture, then capture one call.
+  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+
+  for (int step = 0; step < 2; ++step) {
+    // New selections and positions, written into the captured buffers.
+    Problem next = make_problem(c, rng);
+    next.q = pb.q;
+    next.k = pb.k;
+    next.v = pb.v;
+    next.gate = pb.gate;
+    next.block_table = pb.block_table;
+    next.num_pages = pb.num_pages;
+    next.max_pages = pb.max_pages;
+    copy_into(dp.idx, next.idx.view());
+    copy_into(*dp.opts.query_positions, next.positions.view());
+    poison_device(dp.out);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    expect_matches(next, dp, oracle(next));
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace
+}  // namespace sparse_attn
