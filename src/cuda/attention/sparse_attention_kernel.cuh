@@ -35,8 +35,9 @@ struct SparseAttentionLaunch {
   // LSEs (log2 units, -inf for an empty split); null when num_splits == 1.
   float* o_partial = nullptr;
   float* lse_partial = nullptr;
-  // RowMapping::kTokenToReq without query_positions only: [rows] request-local row index and
-  // [batch] rows per request, from the rank pre-pass; null otherwise.
+  // RowMapping::kTokenToReq when the row index matters (no query_positions, or seq_lens_q):
+  // [rows] request-local row index and [batch] rows per request, from the rank pre-pass;
+  // null otherwise.
   const int32_t* row_rank = nullptr;
   const int32_t* request_rows = nullptr;
 };
@@ -85,15 +86,12 @@ __device__ inline RowInfo resolve_row(const SparseAttentionParams& p,
     ri.seq_len_k = p.total_kv;
     return ri;
   }
-  int64_t i = 0, seq_len_q = 0;
+  int64_t i = 0, rows_b = 0;  // request-local row index, rows of the request in the layout
   switch (p.row_mapping) {
     case RowMapping::kPadded:
       ri.b = static_cast<int>(r / p.q_len);
       i = r % p.q_len;
-      seq_len_q = p.seq_lens_q
-                      ? clamp64(p.seq_lens_q[ri.b * p.seq_lens_q_stride], 0, p.q_len)
-                      : p.q_len;
-      ri.active = i < seq_len_q;
+      rows_b = p.q_len;
       break;
     case RowMapping::kCuSeqlens: {
       // The last request whose first row is <= r.
@@ -105,7 +103,7 @@ __device__ inline RowInfo resolve_row(const SparseAttentionParams& p,
       ri.b = lo;
       const int64_t first = p.cu_seqlens_q[lo * p.cu_seqlens_q_stride];
       i = r - first;
-      seq_len_q = p.cu_seqlens_q[(lo + 1) * p.cu_seqlens_q_stride] - first;
+      rows_b = p.cu_seqlens_q[(lo + 1) * p.cu_seqlens_q_stride] - first;
       break;
     }
     case RowMapping::kTokenToReq:
@@ -113,16 +111,19 @@ __device__ inline RowInfo resolve_row(const SparseAttentionParams& p,
           clamp64(p.token_to_req[r * p.token_to_req_stride], 0, p.batch - 1));
       if (x.row_rank) {
         i = x.row_rank[r];
-        seq_len_q = x.request_rows[ri.b];
+        rows_b = x.request_rows[ri.b];
       }
       break;
     case RowMapping::kSingleRequest:
       i = r;
-      seq_len_q = p.rows;
+      rows_b = p.rows;
       break;
     case RowMapping::kNone:
       break;
   }
+  const int64_t seq_len_q =
+      p.seq_lens_q ? clamp64(p.seq_lens_q[ri.b * p.seq_lens_q_stride], 0, rows_b) : rows_b;
+  ri.active = i < seq_len_q;
   ri.seq_len_k = p.seq_lens_k
                      ? clamp64(p.seq_lens_k[ri.b * p.seq_lens_k_stride], 0, p.kv_capacity)
                      : p.kv_capacity;
@@ -472,8 +473,8 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// kTokenToReq without query_positions: row i of a request is its i-th row in row order, and
-// the default position needs each request's row count. One CTA walks the rows in chunks of
+// kTokenToReq: row i of a request is its i-th row in row order; the default position and
+// seq_lens_q need i and each request's row count. One CTA walks the rows in chunks of
 // its size; `request_rows` ([batch], zeroed by the caller) carries the counts across chunks.
 __global__ void __launch_bounds__(1024)
     sparse_attention_row_rank_kernel(const __grid_constant__ SparseAttentionParams p,

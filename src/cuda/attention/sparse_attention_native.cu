@@ -56,25 +56,10 @@ class DeviceGuard {
 
 void native_sparse_attention(const SparseAttentionParams& p) {
   using C = cuda::SparseAttentionConfig;
-  if (p.head_dim != C::kHeadDim) {
-    throw NotSupportedError("qsa_sparse_attention: the native kernels take head_dim 256, got " +
-                            std::to_string(p.head_dim));
-  }
-  if (p.group < 1 || p.group > C::kHeadRows) {
-    throw NotSupportedError(
-        "qsa_sparse_attention: the native kernels take a GQA group (Hq / Hkv) of 1 to 16, got " +
-        std::to_string(p.group));
-  }
-  if (p.kv_layout == KVLayout::kVarlen) {
-    throw NotSupportedError(
-        "qsa_sparse_attention: flattened-varlen K/V (cu_seqlens_k) runs on backend='reference' "
-        "only; pass paged K/V with a block_table for the native kernels");
-  }
+  // Validation (check_native in src/api/qsa_attention.cpp) has settled head_dim == 256,
+  // group <= 16 and a paged, padded or physical K/V layout.
+  static_assert(C::kHeadRows == 16 && C::kHeadDim == 256, "check_native's limits");
   if (p.rows == 0) return;
-  if (p.rows > 0x7fffffff || p.num_kv_heads > 65535) {
-    throw NotSupportedError("qsa_sparse_attention: the native kernels take at most 2^31 - 1 "
-                            "query rows and 65535 KV heads");
-  }
   cuda::DeviceGuard guard(p.device_index);
   auto stream = static_cast<cudaStream_t>(p.stream);
 
@@ -91,7 +76,8 @@ void native_sparse_attention(const SparseAttentionParams& p) {
   x.split_cols = tiles_per_split * C::kBlockTokens;
   x.num_splits = static_cast<int>((tiles + tiles_per_split - 1) / tiles_per_split);
 
-  const bool need_rank = p.row_mapping == RowMapping::kTokenToReq && !p.query_positions;
+  const bool need_rank =
+      p.row_mapping == RowMapping::kTokenToReq && (!p.query_positions || p.seq_lens_q);
   const size_t partial_slots =
       x.num_splits > 1 ? static_cast<size_t>(x.num_splits * p.rows * p.num_q_heads) : 0;
   const size_t rank_ints = need_rank ? static_cast<size_t>(p.rows + p.batch) : 0;
