@@ -1,6 +1,6 @@
-// sm90 sparse attention: gather-based forward kernel, SplitKV merge kernel, and the row-rank
-// pre-pass for token_to_req layouts. The math is docs/qsa.md's; the reference backend
-// (src/reference) is its executable form and the GPU suite compares against it.
+// sm90 sparse attention: gather-based forward kernel and SplitKV merge kernel. The math is
+// docs/qsa.md's; the reference backend (src/reference) is its executable form and the GPU
+// suite compares against it.
 //
 // Forward, per CTA = (query row r, KV head, split):
 //   1. resolve the row: request b, causal position p, KV length (all read from device
@@ -23,24 +23,10 @@
 
 #include "api/qsa_attention_params.h"
 #include "cuda/attention/sparse_attention_config.h"
+#include "cuda/attention/sparse_attention_launch.h"
 #include "cuda/common/mma.cuh"
 
 namespace sparse_attn::cuda {
-
-// What the launcher adds to the validated params: the split schedule and device workspace.
-struct SparseAttentionLaunch {
-  int num_splits = 1;       // >= 1
-  int64_t split_cols = 0;   // index columns per split, a multiple of kBlockTokens
-  // [num_splits, rows, Hq, D] normalised partial outputs and [num_splits, rows, Hq] partial
-  // LSEs (log2 units, -inf for an empty split); null when num_splits == 1.
-  float* o_partial = nullptr;
-  float* lse_partial = nullptr;
-  // RowMapping::kTokenToReq when the row index matters (no query_positions, or seq_lens_q):
-  // [rows] request-local row index and [batch] rows per request, from the rank pre-pass;
-  // null otherwise.
-  const int32_t* row_rank = nullptr;
-  const int32_t* request_rows = nullptr;
-};
 
 template <typename T>
 struct ElementTraits;
@@ -470,36 +456,6 @@ __global__ void __launch_bounds__(256)
       p.lse[r * p.lse_row_stride + h * p.lse_head_stride] =
           l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
     }
-  }
-}
-
-// kTokenToReq: row i of a request is its i-th row in row order; the default position and
-// seq_lens_q need i and each request's row count. One CTA walks the rows in chunks of
-// its size; `request_rows` ([batch], zeroed by the caller) carries the counts across chunks.
-__global__ void __launch_bounds__(1024)
-    sparse_attention_row_rank_kernel(const __grid_constant__ SparseAttentionParams p,
-                                     int32_t* row_rank, int32_t* request_rows) {
-  __shared__ int32_t req[1024];
-  for (int64_t c0 = 0; c0 < p.rows; c0 += blockDim.x) {
-    const int64_t r = c0 + threadIdx.x;
-    const bool live = r < p.rows;
-    const int32_t b = live ? static_cast<int32_t>(clamp64(
-                                 p.token_to_req[r * p.token_to_req_stride], 0, p.batch - 1))
-                           : -1;
-    req[threadIdx.x] = b;
-    __syncthreads();
-    const int n = static_cast<int>(min(static_cast<int64_t>(blockDim.x), p.rows - c0));
-    int before = 0;
-    bool last = live;
-    for (int t = 0; t < n; ++t) {
-      if (req[t] != b) continue;
-      if (t < static_cast<int>(threadIdx.x)) ++before;
-      if (t > static_cast<int>(threadIdx.x)) last = false;
-    }
-    if (live) row_rank[r] = request_rows[b] + before;
-    __syncthreads();  // every rank read request_rows before the last rows advance it
-    if (live && last) request_rows[b] += before + 1;
-    __syncthreads();
   }
 }
 

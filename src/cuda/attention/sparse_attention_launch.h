@@ -1,14 +1,29 @@
 // Launchers of the sm90 sparse-attention kernels, one explicit instantiation per element type
-// (instantiations/*.cu). The runtime dtype becomes T in sparse_attention_native.cu only.
+// (instantiations/*.cu). The runtime dtype becomes T in sparse_attention_native.cpp only.
 #pragma once
 
 #include <cuda_runtime_api.h>
+
+#include <cstdint>
 
 #include "api/qsa_attention_params.h"
 
 namespace sparse_attn::cuda {
 
-struct SparseAttentionLaunch;
+// What the launcher adds to the validated params: the split schedule and device workspace.
+struct SparseAttentionLaunch {
+  int num_splits = 1;       // >= 1
+  int64_t split_cols = 0;   // index columns per split, a multiple of kBlockTokens
+  // [num_splits, rows, Hq, D] normalised partial outputs and [num_splits, rows, Hq] partial
+  // LSEs (log2 units, -inf for an empty split); null when num_splits == 1.
+  float* o_partial = nullptr;
+  float* lse_partial = nullptr;
+  // RowMapping::kTokenToReq when the row index matters (no query_positions, or seq_lens_q):
+  // [rows] request-local row index and [batch] rows per request, from the rank pre-pass;
+  // null otherwise.
+  const int32_t* row_rank = nullptr;
+  const int32_t* request_rows = nullptr;
+};
 
 // Runs the forward kernel and, when x.num_splits > 1, the merge kernel on `stream`.
 template <typename T>

@@ -6,7 +6,7 @@
 
 #include "api/qsa_attention_params.h"
 #include "cuda/attention/sparse_attention_heuristics.h"
-#include "cuda/attention/sparse_attention_kernel.cuh"
+#include "cuda/attention/sparse_attention_config.h"
 #include "cuda/attention/sparse_attention_launch.h"
 #include "cuda/common/check.h"
 #include "cuda/common/dispatch.h"
@@ -14,14 +14,6 @@
 
 namespace sparse_attn {
 namespace cuda {
-
-void launch_sparse_attention_row_rank(const SparseAttentionParams& p, int32_t* row_rank,
-                                      int32_t* request_rows, cudaStream_t stream) {
-  SPARSE_ATTN_CUDA_CHECK(
-      cudaMemsetAsync(request_rows, 0, static_cast<size_t>(p.batch) * sizeof(int32_t), stream));
-  sparse_attention_row_rank_kernel<<<1, 1024, 0, stream>>>(p, row_rank, request_rows);
-  SPARSE_ATTN_CUDA_CHECK_LAUNCH();
-}
 
 namespace {
 
