@@ -98,4 +98,10 @@ struct Workload {
 // ValueError naming the option when a size, count or strength is out of range.
 Workload make_workload(const WorkloadOptions& options);
 
+// Compressed indexer keys from raw per-token keys (host): compressed key c of request b is
+// the mean of raw[b, c * block .. c * block + block - 1, :], divided by its RMS. raw: floating
+// [B, L, Di], any strides; out: floating [B, L / block, Di] (a trailing partial block is
+// dropped: only complete blocks are compressed).
+void compress_index_keys(const TensorView& raw, const TensorView& out, int64_t block = 4);
+
 }  // namespace sparse_attn

@@ -341,6 +341,40 @@ Tensor to_device(Tensor host, Device device) {
 
 }  // namespace
 
+void compress_index_keys(const TensorView& raw, const TensorView& out, int64_t block) {
+  detail::check_rank(raw, "raw", {3});
+  detail::check_rank(out, "out", {3});
+  detail::check_dtype(raw, "raw", {DType::kBF16, DType::kF16, DType::kF32});
+  detail::check_dtype(out, "out", {DType::kBF16, DType::kF16, DType::kF32});
+  if (block < 1) detail::throw_value_error("block: expected >= 1, got {}", block);
+  const int64_t B = raw.size(0), L = raw.size(1), Di = raw.size(2), nb = L / block;
+  detail::check_shape(out, "out", {B, nb, Di}, "[raw.shape[0], raw.shape[1] / block, raw.shape[2]]");
+  if (raw.device().is_cuda() || out.device().is_cuda())
+    detail::throw_not_supported("compress_index_keys: host tensors only, got {} and {}",
+                                raw.device().str(), out.device().str());
+#pragma omp parallel
+  {
+    std::vector<double> mean(static_cast<size_t>(Di));
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t c = 0; c < nb; ++c) {
+        std::fill(mean.begin(), mean.end(), 0.0);
+        for (int64_t t = c * block; t < (c + 1) * block; ++t)
+          for (int64_t d = 0; d < Di; ++d)
+            mean[d] += load_as_float(raw.data(), raw.dtype(),
+                                     b * raw.stride(0) + t * raw.stride(1) + d * raw.stride(2)) /
+                       double(block);
+        double ms = 0;
+        for (double x : mean) ms += x * x;
+        const double inv = 1.0 / std::sqrt(ms / double(Di) + 1e-12);
+        for (int64_t d = 0; d < Di; ++d)
+          store_from_float(out.data(), out.dtype(),
+                           b * out.stride(0) + c * out.stride(1) + d * out.stride(2),
+                           float(mean[d] * inv));
+      }
+  }
+}
+
 Workload make_workload(const WorkloadOptions& options) {
   validate(options);
   WorkloadOptions o = options;
@@ -371,7 +405,6 @@ Workload make_workload(const WorkloadOptions& options) {
   void* const k = w.key.data();
   void* const v = w.value.data();
   void* const qi = indexer ? w.index_query.data() : nullptr;
-  void* const ki = indexer ? w.index_key.data() : nullptr;
   const DType dt = o.dtype;
 
 #pragma omp parallel for collapse(2) schedule(static)
@@ -465,35 +498,27 @@ Workload make_workload(const WorkloadOptions& options) {
     }
   }
 
-  // Compressed indexer keys: mean of the block's raw keys, then RMS-normalised.
+  // Raw indexer keys of every token, then compressed.
   if (indexer) {
+    Tensor raw = Tensor::empty({B, Lk, Di}, DType::kF32);
+    float* const rk = raw.data_as<float>();
 #pragma omp parallel
     {
-      std::vector<float> raw(static_cast<size_t>(Di)), scratch;
-      std::vector<double> mean(static_cast<size_t>(Di));
+      std::vector<float> scratch;
 #pragma omp for collapse(2) schedule(static)
       for (int64_t b = 0; b < B; ++b)
-        for (int64_t c = 0; c < nblocks; ++c) {
-          std::fill(mean.begin(), mean.end(), 0.0);
-          for (int64_t t = c * blk; t < (c + 1) * blk; ++t) {
-            if (structured) {
-              index->build(raw.data(), latent->at(b, t), t, -1, 0, t < o.num_sinks,
-                           key_needles(b, t), scratch);
-              for (int64_t d = 0; d < Di; ++d)
-                raw[d] += index->noise_std() * float(rng.normal(kIndexKeyNoise, b, t, d));
-            } else {
-              for (int64_t d = 0; d < Di; ++d)
-                raw[d] = float(rng.normal(kIndexKeyNoise, b, t, d));
-            }
-            for (int64_t d = 0; d < Di; ++d) mean[d] += raw[d] / double(blk);
-          }
-          double ms = 0;
-          for (double x : mean) ms += x * x;
-          const double inv = 1.0 / std::sqrt(ms / double(Di) + 1e-12);
+        for (int64_t t = 0; t < Lk; ++t) {
+          float* out = rk + (b * Lk + t) * Di;
+          if (structured)
+            index->build(out, latent->at(b, t), t, -1, 0, t < o.num_sinks, key_needles(b, t),
+                         scratch);
           for (int64_t d = 0; d < Di; ++d)
-            store_from_float(ki, dt, (b * nblocks + c) * Di + d, float(mean[d] * inv));
+            out[d] = (structured ? out[d] + index->noise_std() * float(rng.normal(
+                                                 kIndexKeyNoise, b, t, d))
+                                 : float(rng.normal(kIndexKeyNoise, b, t, d)));
         }
     }
+    compress_index_keys(raw.view(), w.index_key.view(), blk);
   }
 
   w.query = to_device(w.query, o.device);
