@@ -175,11 +175,11 @@ TEST(QsaExpand, TailForEachPositionModFour) {
   poison(tokens);
   poison(blocks);
   qsa_expand_blocks(ids, pos, tokens, blocks.view());
-  EXPECT_EQ(to_vector(tokens), (std::vector<double>{
-                                   0, 1, 2, 3, 4, -1, -1, -1, -1, -1, -1,  // p = 4: tail 4
-                                   0, 1, 2, 3, 4, 5, -1, -1, -1, -1, -1,   // p = 5: tail 4, 5
-                                   0, 1, 2, 3, 4, 5, 6, -1, -1, -1, -1,    // p = 6: tail 4..6
-                                   0, 1, 2, 3, 4, 5, 6, 7, -1, -1, -1}));  // p = 7: block 1 whole
+  EXPECT_EQ(to_vector(tokens),
+            (std::vector<double>{0, 1, 2, 3, 4, -1, -1, -1, -1, -1, -1,     // p = 4: tail 4
+                                 0, 1, 2, 3, 4, 5,  -1, -1, -1, -1, -1,     // p = 5: tail 4, 5
+                                 0, 1, 2, 3, 4, 5,  6,  -1, -1, -1, -1,     // p = 6: tail 4..6
+                                 0, 1, 2, 3, 4, 5,  6,  7,  -1, -1, -1}));  // p = 7: block 1 whole
   EXPECT_EQ(to_vector(blocks), (std::vector<double>{0, -1, 0, -1, 0, -1, 0, 1}));
 }
 
@@ -392,8 +392,8 @@ TEST(QsaSelectValidation, ExpandTokenIndicesOverlapsBlockIds) {
 TEST(QsaSelectValidation, ExpandBlockIndicesShape) {
   SelectInputs in;
   Tensor blocks = Tensor::empty({4, 4}, DType::kI32);
-  expect_error<ValueError>(
-      [&] { qsa_expand_blocks(in.ids, in.pos, in.tokens, blocks.view()); }, "block_indices");
+  expect_error<ValueError>([&] { qsa_expand_blocks(in.ids, in.pos, in.tokens, blocks.view()); },
+                           "block_indices");
 }
 
 TEST(QsaSelectValidation, ExpandBlockIndicesOverlapsTokenIndices) {
