@@ -16,19 +16,10 @@
 #include <optional>
 #include <string_view>
 
+#include "sparse_attn/common.h"
 #include "sparse_attn/tensor.h"
 
 namespace sparse_attn {
-
-// Which implementation runs a call. Parsing accepts "native" (the default), "tilelang" (the
-// seed's name for its native backend, an alias of native) and "reference" (the CPU oracle;
-// CUDA tensors are staged through the host). There is no automatic fallback.
-enum class Backend : uint8_t { kNative, kReference };
-Backend parse_backend(std::string_view name);
-const char* backend_name(Backend backend);
-
-// A cudaStream_t passed without CUDA types; nullptr is the legacy default stream.
-using StreamHandle = void*;
 
 // ---------------------------------------------------------------------------------------
 // MQA indexer scores
