@@ -1,0 +1,236 @@
+// Benchmarks of native qsa_sparse_attention (issue 7, item 5), canonical 24/2/256 BF16, paged
+// K/V with page size 64, pages scattered over the pool:
+//   decode: B = 1, 8, 32, 128 requests, contexts uniform in [8K, 128K], one query row each,
+//     2051-token selections (512 four-token blocks among the visible ones, plus the tail).
+//     Floor: the selected K/V rows read once, plus Q, O, the element-wise gate and the
+//     indices, at the copy ceiling measured in the same run.
+//   prefill: one request of 16K, 64K, 128K tokens, every row attending to its 2051-token
+//     structured selection: the 64 most recent complete blocks plus the 448 most important
+//     older ones under a fixed per-block importance, so neighbouring rows share most blocks
+//     (the mean Jaccard of consecutive rows' block sets is printed). The useful FLOP rate
+//     counts valid selected tokens only: 4 * tokens * Hq * D per row. Dense cuDNN causal
+//     attention of the same shape is bench/sdpa_baseline.py's (same device call).
+// Usage: qsa_sparse_attention_bench [results.csv]. Prints a table last.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench_util.h"
+#include "sparse_attn/qsa.h"
+
+using namespace sparse_attn;
+using namespace sparse_attn::bench;
+
+namespace {
+
+constexpr int64_t kHq = 24, kHkv = 2, kD = 256, kPage = 64, kBlocks = 512, kRecent = 64;
+constexpr int64_t kWidth = 4 * kBlocks + 3;
+
+struct Result {
+  std::string name;
+  double ms;
+  double tflops;    // useful: valid selected tokens only
+  double tbps;      // counted bytes over time
+  double floor_ms;  // HBM floor (decode); 0 where the floor is not a byte count
+  std::string note;
+};
+
+Tensor int32_device(const std::vector<int32_t>& v, const Shape& shape) {
+  Tensor h = Tensor::empty(shape, DType::kI32);
+  std::copy(v.begin(), v.end(), h.data_as<int32_t>());
+  Tensor d = Tensor::empty(shape, DType::kI32, Device::cuda());
+  copy_into(d.view(), h.view());
+  return d;
+}
+
+// Paged layout for requests of the given lengths: a shuffled pool and its block table.
+struct Pages {
+  int64_t pool = 0, max_pages = 0;
+  std::vector<int32_t> table;
+};
+Pages make_pages(const std::vector<int64_t>& lens, std::mt19937_64& rng) {
+  Pages pg;
+  for (int64_t l : lens) {
+    pg.pool += (l + kPage - 1) / kPage;
+    pg.max_pages = std::max(pg.max_pages, (l + kPage - 1) / kPage);
+  }
+  std::vector<int32_t> perm(pg.pool);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  pg.table.assign(lens.size() * pg.max_pages, -1);
+  int64_t next = 0;
+  for (size_t b = 0; b < lens.size(); ++b)
+    for (int64_t j = 0; j < (lens[b] + kPage - 1) / kPage; ++j)
+      pg.table[b * pg.max_pages + j] = perm[next++];
+  return pg;
+}
+
+// Writes the token row of a block selection: 4b..4b+3 per block, the tail 4*((p+1)/4)..p,
+// valid ids first, -1 after. Returns the number of valid ids.
+int64_t expand(const std::vector<int32_t>& blocks, int64_t p, int32_t* row) {
+  int64_t n = 0;
+  for (int32_t b : blocks)
+    for (int j = 0; j < 4; ++j) row[n++] = 4 * b + j;
+  for (int64_t t = 4 * ((p + 1) / 4); t <= p; ++t) row[n++] = static_cast<int32_t>(t);
+  std::fill(row + n, row + kWidth, -1);
+  return n;
+}
+
+Result bench_decode(Timer& timer, const Ceilings& c, int64_t batch) {
+  std::mt19937_64 rng(100 + batch);
+  std::uniform_int_distribution<int64_t> ctx(8192, 131072);
+  std::vector<int64_t> lens(batch);
+  for (auto& l : lens) l = ctx(rng);
+  const Pages pg = make_pages(lens, rng);
+  std::vector<int32_t> ids(batch * kWidth);
+  int64_t valid = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t p = lens[b] - 1, visible = (p + 1) / 4;
+    std::vector<int32_t> all(visible);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    all.resize(std::min<int64_t>(kBlocks, visible));
+    std::sort(all.begin(), all.end());
+    valid += expand(all, p, &ids[b * kWidth]);
+  }
+  std::vector<int32_t> lens32(lens.begin(), lens.end()), cu(batch + 1);
+  for (int64_t b = 0; b <= batch; ++b) cu[b] = static_cast<int32_t>(b);
+  Tensor q = random_device({batch, kHq, kD}, DType::kBF16, 1);
+  Tensor gate = random_device({batch, kHq, kD}, DType::kBF16, 2);
+  Tensor k = random_device({pg.pool, kPage, kHkv, kD}, DType::kBF16, 3);
+  Tensor v = random_device({pg.pool, kPage, kHkv, kD}, DType::kBF16, 4);
+  Tensor idx = int32_device(ids, {batch, kWidth});
+  Tensor table = int32_device(pg.table, {batch, pg.max_pages});
+  Tensor dl = int32_device(lens32, {batch}), dcu = int32_device(cu, {batch + 1});
+  Tensor out = Tensor::empty({batch, kHq, kD}, DType::kBF16, Device::cuda());
+  Tensor lse = Tensor::empty({batch, kHq}, DType::kF32, Device::cuda());
+  SparseAttentionOptions o;
+  o.block_table = table.view();
+  o.seq_lens_k = dl.view();
+  o.cu_seqlens_q = dcu.view();
+  o.gate = gate.view();
+  const Timing t = timer.time([&](cudaStream_t s) {
+    o.stream = s;
+    qsa_sparse_attention(q, k, v, idx.view(), out, lse.view(), o);
+  });
+  const double bytes = 2.0 * valid * kHkv * kD * 2 + 3.0 * batch * kHq * kD * 2 +
+                       4.0 * batch * kWidth + 4.0 * batch * kHq;
+  const double sec = t.median_ms * 1e-3;
+  return {fmt::format("decode_b{}", batch), t.median_ms,
+          4.0 * valid * kHq * kD / sec / 1e12, bytes / sec / 1e12,
+          bytes / (c.copy_tbps * 1e12) * 1e3, "heuristic splits, gate, lse"};
+}
+
+Result bench_prefill(Timer& timer, int64_t tokens, bool structured) {
+  std::mt19937_64 rng(7 + tokens);
+  const int64_t nblocks = tokens / 4;
+  // Importance order of blocks: a fixed random permutation (first = most important).
+  std::vector<int32_t> order(nblocks);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  std::vector<int32_t> ids(tokens * kWidth);
+  std::vector<int32_t> blocks, prev;
+  double valid = 0, jaccard = 0;
+  int64_t jaccard_rows = 0;
+  for (int64_t p = 0; p < tokens; ++p) {
+    const int64_t visible = (p + 1) / 4;
+    blocks.clear();
+    if (visible <= kBlocks) {
+      for (int32_t b = 0; b < visible; ++b) blocks.push_back(b);
+    } else if (structured) {
+      for (int64_t b = visible - kRecent; b < visible; ++b) blocks.push_back(static_cast<int32_t>(b));
+      for (size_t i = 0; i < order.size() && static_cast<int64_t>(blocks.size()) < kBlocks; ++i)
+        if (order[i] < visible - kRecent) blocks.push_back(order[i]);
+    } else {
+      std::uniform_int_distribution<int64_t> pick(0, visible - 1);
+      std::vector<char> taken(visible, 0);
+      while (static_cast<int64_t>(blocks.size()) < kBlocks) {
+        const int64_t b = pick(rng);
+        if (!taken[b]) {
+          taken[b] = 1;
+          blocks.push_back(static_cast<int32_t>(b));
+        }
+      }
+    }
+    std::sort(blocks.begin(), blocks.end());
+    if (visible > kBlocks && p % 97 == 0 && !prev.empty()) {
+      std::vector<int32_t> inter;
+      std::set_intersection(blocks.begin(), blocks.end(), prev.begin(), prev.end(),
+                            std::back_inserter(inter));
+      jaccard += double(inter.size()) / double(blocks.size() + prev.size() - inter.size());
+      ++jaccard_rows;
+    }
+    prev = blocks;
+    valid += double(expand(blocks, p, &ids[p * kWidth]));
+  }
+  const std::vector<int64_t> lens{tokens};
+  const Pages pg = make_pages(lens, rng);
+  Tensor q = random_device({tokens, kHq, kD}, DType::kBF16, 5);
+  Tensor k = random_device({pg.pool, kPage, kHkv, kD}, DType::kBF16, 6);
+  Tensor v = random_device({pg.pool, kPage, kHkv, kD}, DType::kBF16, 7);
+  Tensor idx = int32_device(ids, {tokens, kWidth});
+  Tensor table = int32_device(pg.table, {1, pg.max_pages});
+  Tensor out = Tensor::empty({tokens, kHq, kD}, DType::kBF16, Device::cuda());
+  SparseAttentionOptions o;
+  o.block_table = table.view();
+  const Timing t = timer.time([&](cudaStream_t s) {
+    o.stream = s;
+    qsa_sparse_attention(q, k, v, idx.view(), out, std::nullopt, o);
+  }, 1, 5);
+  const double sec = t.median_ms * 1e-3;
+  const double bytes = 2.0 * valid * kHkv * kD * 2 + 2.0 * tokens * kHq * kD * 2;
+  return {fmt::format("prefill_{}k_{}", tokens / 1024, structured ? "structured" : "random"),
+          t.median_ms, 4.0 * valid * kHq * kD / sec / 1e12, bytes / sec / 1e12, 0.0,
+          fmt::format("mean valid {:.0f}/row, consecutive-row Jaccard {:.3f}", valid / tokens,
+                      jaccard_rows ? jaccard / jaccard_rows : 1.0)};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  cudaDeviceProp prop{};
+  BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
+  Timer timer;
+  const Ceilings c = measure_ceilings(timer);
+  fmt::print("device {} ({} SMs, L2 {} MB)\n", prop.name, prop.multiProcessorCount,
+             prop.l2CacheSize >> 20);
+  fmt::print("ceilings: copy {:.2f} TB/s (read + write), cuBLAS bf16 GEMM {:.0f} TFLOP/s\n",
+             c.copy_tbps, c.gemm_tflops);
+  // One launch's fixed cost under the same timing (flush, events): a 4-byte memset.
+  void* tiny = nullptr;
+  BENCH_CUDA(cudaMalloc(&tiny, 4));
+  const double launch_ms =
+      timer.time([&](cudaStream_t s) { BENCH_CUDA(cudaMemsetAsync(tiny, 0, 4, s)); }).median_ms;
+  fmt::print("one launch (4-byte memset, same timing): {:.4f} ms\n", launch_ms);
+  std::vector<Result> results;
+  for (int64_t b : {1, 8, 32, 128}) results.push_back(bench_decode(timer, c, b));
+  for (int64_t n : {16384, 65536, 131072}) results.push_back(bench_prefill(timer, n, true));
+  results.push_back(bench_prefill(timer, 16384, false));
+
+  if (argc > 1) {
+    std::FILE* f = std::fopen(argv[1], "w");
+    if (f == nullptr) {
+      fmt::print(stderr, "cannot write {}\n", argv[1]);
+      return 2;
+    }
+    fmt::print(f, "name,ms,useful_tflops,tbps,floor_ms,note,copy_tbps,gemm_tflops\n");
+    for (const Result& r : results)
+      fmt::print(f, "{},{:.5f},{:.2f},{:.3f},{:.5f},\"{}\",{:.3f},{:.1f}\n", r.name, r.ms,
+                 r.tflops, r.tbps, r.floor_ms, r.note, c.copy_tbps, c.gemm_tflops);
+    std::fclose(f);
+  }
+  fmt::print("\n{:<26} {:>9} {:>8} {:>7} {:>9} {:>6}  {}\n", "benchmark", "ms", "TFLOP/s",
+             "TB/s", "floor ms", "floor%", "note");
+  for (const Result& r : results) {
+    fmt::print("{:<26} {:>9.4f} {:>8.1f} {:>7.2f} {:>9.4f} {:>6}  {}\n", r.name, r.ms, r.tflops,
+               r.tbps, r.floor_ms,
+               r.floor_ms > 0 ? fmt::format("{:.0f}%", 100 * r.floor_ms / r.ms) : "-", r.note);
+  }
+  return 0;
+}
