@@ -51,7 +51,8 @@ struct SparseAttentionSmem {
   // Compacted valid tokens of the current index pass: (outer, token) coordinates into K/V,
   // i.e. (page, slot) for paged caches, (request, token) for padded ones, (0, row) physical.
   int2 token_loc[C::kIndexChunk];
-  int warp_count[C::kIndexChunk / C::kThreads * C::kWarps];  // valid entries per (pass step, warp)
+  // Valid-entry ballots of one pass, per (entry step j, warp).
+  unsigned warp_ballot[C::kIndexChunk / C::kThreads * C::kWarps];
 };
 
 }  // namespace sparse_attn::cuda

@@ -62,7 +62,27 @@ __device__ inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
   return x < lo ? lo : (x > hi ? hi : x);
 }
 
-// Request, position and KV length of row r. Contents the caller promised (request ids,
+// The request of flattened row r: the last b with cu_seqlens_q[b] <= r (empty requests before
+// it share its offset). A blockDim-ary search: each round every thread probes one offset and
+// the count of probes <= r narrows the range blockDim-fold, so decode batches of up to 128
+// requests take one round of loads instead of log2(B) dependent ones. Called by the whole CTA.
+__device__ inline int find_request(const SparseAttentionParams& p, int64_t r) {
+  int lo = 0, hi = static_cast<int>(p.batch) - 1;  // invariant: the answer is in [lo, hi]
+  while (lo < hi) {
+    const int step = (hi - lo + static_cast<int>(blockDim.x)) / static_cast<int>(blockDim.x);
+    const int probe = lo + static_cast<int>(threadIdx.x) * step;
+    const bool at_or_before =
+        probe <= hi && p.cu_seqlens_q[probe * p.cu_seqlens_q_stride] <= r;
+    // Offsets are nondecreasing, so the true probes are a prefix; at least the first one
+    // (cu_seqlens_q[lo] <= r), unless the promised contents are broken.
+    const int count = max(1, __syncthreads_count(at_or_before));
+    lo += (count - 1) * step;
+    hi = min(hi, lo + step - 1);
+  }
+  return lo;
+}
+
+// Request, position and KV length of row r (called by the whole CTA). Contents the caller promised (request ids,
 // monotonic offsets, lengths within capacity) are clamped so no access leaves its tensor.
 __device__ inline RowInfo resolve_row(const SparseAttentionParams& p,
                                       const SparseAttentionLaunch& x, int64_t r) {
@@ -80,16 +100,10 @@ __device__ inline RowInfo resolve_row(const SparseAttentionParams& p,
       rows_b = p.q_len;
       break;
     case RowMapping::kCuSeqlens: {
-      // The last request whose first row is <= r.
-      int lo = 0, hi = static_cast<int>(p.batch) - 1;
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (p.cu_seqlens_q[mid * p.cu_seqlens_q_stride] <= r) lo = mid; else hi = mid - 1;
-      }
-      ri.b = lo;
-      const int64_t first = p.cu_seqlens_q[lo * p.cu_seqlens_q_stride];
+      ri.b = find_request(p, r);
+      const int64_t first = p.cu_seqlens_q[ri.b * p.cu_seqlens_q_stride];
       i = r - first;
-      rows_b = p.cu_seqlens_q[(lo + 1) * p.cu_seqlens_q_stride] - first;
+      rows_b = p.cu_seqlens_q[(ri.b + 1) * p.cu_seqlens_q_stride] - first;
       break;
     }
     case RowMapping::kTokenToReq:
@@ -180,7 +194,22 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
   const int64_t r = blockIdx.x;
   const int kvh = blockIdx.y, split = blockIdx.z;
   const int group = static_cast<int>(p.group);
-  const RowInfo ri = resolve_row(p, x, r);
+
+  // The first pass's index columns do not depend on the row's metadata: load them first, so
+  // their latency overlaps the Q tile and the request lookup.
+  constexpr int kPerThread = C::kIndexChunk / C::kThreads;
+  const int32_t* idx_row = p.token_indices + r * p.token_indices_row_stride;
+  const int64_t col_begin = static_cast<int64_t>(split) * x.split_cols;
+  const int64_t split_end = min(p.width, col_begin + x.split_cols);
+  int32_t ids[kPerThread];
+  auto load_ids = [&](int64_t c0, int64_t c1) {
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      const int64_t e = c0 + j * C::kThreads + tid;
+      ids[j] = e < c1 ? idx_row[e * p.token_indices_col_stride] : -1;
+    }
+  };
+  load_ids(col_begin, min(split_end, col_begin + C::kIndexChunk));
 
   // ----- Q tile: the group's heads, zero rows past the group ------------------------------
   {
@@ -204,6 +233,7 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
       sm.q[hr][swz(hr, chunk)] = v;
     }
   }
+  const RowInfo ri = resolve_row(p, x, r);
 
   // Per-warp softmax state: rows g = lane / 4 and g + 8 of the head tile.
   float o_acc[C::kHeadDim / 8][4];
@@ -214,30 +244,25 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
 
   const T* k_head = static_cast<const T*>(p.k) + kvh * p.k_head_stride;
   const T* v_head = static_cast<const T*>(p.v) + kvh * p.v_head_stride;
-  const int32_t* idx_row = p.token_indices + r * p.token_indices_row_stride;
-  const int64_t col_begin = static_cast<int64_t>(split) * x.split_cols;
-  const int64_t col_end = ri.active ? min(p.width, col_begin + x.split_cols) : col_begin;
+  const int64_t col_end = ri.active ? split_end : col_begin;
 
   for (int64_t c0 = col_begin; c0 < col_end; c0 += C::kIndexChunk) {
     const int64_t c1 = min(col_end, c0 + C::kIndexChunk);
     // ----- compact this pass's valid tokens (index order) ---------------------------------
-    constexpr int kPerThread = C::kIndexChunk / C::kThreads;
-    int32_t ids[kPerThread];
+    if (c0 != col_begin) load_ids(c0, c1);
+    // Validity first, for every entry, so that all page-table reads are in flight before the
+    // first ballot waits; coordinates are recomputed for the valid entries when they are
+    // written (their page-table lines are in L1 by then), which keeps registers for o_acc.
+    unsigned valid_mask = 0;
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
-      const int64_t e = c0 + j * C::kThreads + tid;
-      ids[j] = e < c1 ? idx_row[e * p.token_indices_col_stride] : -1;
+      int2 loc;
+      if (token_location(p, ri, ids[j], &loc)) valid_mask |= 1u << j;
     }
-    // Two loops, so that every page-table read is in flight before the first ballot waits.
-    int2 locs[kPerThread];
-    bool valid[kPerThread];
-#pragma unroll
-    for (int j = 0; j < kPerThread; ++j) valid[j] = token_location(p, ri, ids[j], &locs[j]);
-    unsigned ballots[kPerThread];
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
-      ballots[j] = __ballot_sync(0xffffffffu, valid[j]);
-      if (lane == 0) sm.warp_count[j * C::kWarps + warp] = __popc(ballots[j]);
+      const unsigned ballot = __ballot_sync(0xffffffffu, (valid_mask >> j) & 1u);
+      if (lane == 0) sm.warp_ballot[j * C::kWarps + warp] = ballot;
     }
     __syncthreads();
     // Entry (j, warp, lane) goes after every valid entry of earlier j, of earlier warps at
@@ -247,12 +272,15 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
     for (int j = 0; j < kPerThread; ++j) {
       int before_warp = 0, in_j = 0;
       for (int w = 0; w < C::kWarps; ++w) {
-        const int cnt = sm.warp_count[j * C::kWarps + w];
+        const int cnt = __popc(sm.warp_ballot[j * C::kWarps + w]);
         if (w < warp) before_warp += cnt;
         in_j += cnt;
       }
-      if ((ballots[j] >> lane) & 1u) {
-        sm.token_loc[n_valid + before_warp + __popc(ballots[j] & ((1u << lane) - 1u))] = locs[j];
+      if ((valid_mask >> j) & 1u) {
+        const unsigned mine = sm.warp_ballot[j * C::kWarps + warp];
+        int2 loc;
+        token_location(p, ri, ids[j], &loc);
+        sm.token_loc[n_valid + before_warp + __popc(mine & ((1u << lane) - 1u))] = loc;
       }
       n_valid += in_j;
     }
