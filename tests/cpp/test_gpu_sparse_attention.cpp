@@ -518,6 +518,44 @@ std::vector<Case> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Forms, GpuSparseAttention, ::testing::ValuesIn(cases()), case_name);
 
+// The block hint with the compact-blocks contract and warp_specialized (canonical geometry):
+// the result is the token-only one. Selections are built as the producer builds them: distinct
+// visible blocks compacted to the front, expanded to 4 tokens each, the row's tail after them.
+TEST(GpuSparseAttentionBlockHint, HintAndProducerContractGiveTheTokenResult) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = testing::make_rng();
+  constexpr int64_t kNb = 100;
+  Case c;
+  c.q_rows = {37, 5};
+  c.k_lens = {3000, 200};
+  c.width = 4 * kNb + 3;
+  c.gate = Gate::kPerHead;
+  Problem pb = make_problem(c, rng);
+  std::vector<int32_t> blocks(pb.rows * kNb, -1), ids(pb.rows * c.width, -1);
+  for (int64_t r = 0; r < pb.rows; ++r) {
+    const int64_t p = pb.row_pos[r], visible = (p + 1) / 4;
+    std::vector<int32_t> all(visible);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    all.resize(std::min<int64_t>(kNb, visible));
+    int64_t n = 0;
+    for (size_t j = 0; j < all.size(); ++j) {
+      blocks[r * kNb + j] = all[j];
+      for (int t = 0; t < 4; ++t) ids[r * c.width + n++] = 4 * all[j] + t;
+    }
+    for (int64_t t = 4 * ((p + 1) / 4); t <= p; ++t) ids[r * c.width + n++] = static_cast<int32_t>(t);
+  }
+  pb.idx = testing::int32_tensor({pb.rows, c.width}, ids);
+  DeviceProblem dp = to_device_problem(pb, rng);
+  Tensor db = to_device(testing::int32_tensor({pb.rows, kNb}, blocks));
+  dp.opts.block_indices = db.view();
+  dp.opts.assume_compact_blocks = true;
+  dp.opts.warp_specialized = true;
+  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  expect_matches(pb, dp, oracle(pb));
+}
+
 // More rows than a grid's y/z limit: rows run on gridDim.x.
 TEST(GpuSparseAttentionRows, MoreThan65535Rows) {
   SPARSE_ATTN_REQUIRE_GPU();
