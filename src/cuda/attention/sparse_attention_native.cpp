@@ -3,12 +3,14 @@
 // captured graph owns its allocation), and turns the runtime dtype into the kernel's T.
 #include <algorithm>
 #include <array>
+#include <atomic>
 
 #include "api/qsa_attention_params.h"
 #include "cuda/attention/sparse_attention_heuristics.h"
 #include "cuda/attention/sparse_attention_config.h"
 #include "cuda/attention/sparse_attention_launch.h"
 #include "cuda/common/check.h"
+#include "cuda/common/device_guard.h"
 #include "cuda/common/dispatch.h"
 #include "sparse_attn/errors.h"
 
@@ -18,30 +20,15 @@ namespace cuda {
 namespace {
 
 int sm_count(int device) {
-  static std::array<int, 64> cache{};  // 0: not read yet; a race rereads the same value
-  if (device < 0 || device >= static_cast<int>(cache.size())) device = 0;
-  if (cache[device] == 0) {
-    int n = 0;
-    SPARSE_ATTN_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    cache[device] = n;
+  static std::array<std::atomic<int>, 64> cache{};  // 0: not read yet
+  if (device >= 0 && device < static_cast<int>(cache.size()) && cache[device] != 0) {
+    return cache[device];
   }
-  return cache[device];
+  int n = 0;
+  SPARSE_ATTN_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  if (device >= 0 && device < static_cast<int>(cache.size())) cache[device] = n;
+  return n;
 }
-
-// Restores the caller's current device on every exit path.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    SPARSE_ATTN_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) SPARSE_ATTN_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 }  // namespace
 }  // namespace cuda

@@ -5,25 +5,13 @@
 #include <vector>
 
 #include "cuda/common/check.h"
+#include "cuda/common/device_guard.h"
 #include "sparse_attn/errors.h"
 
 namespace sparse_attn::detail {
 namespace {
 
-// Makes `device` current for the scope and restores the caller's device after it.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(Device device) {
-    SPARSE_ATTN_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (device.index != previous_) SPARSE_ATTN_CUDA_CHECK(cudaSetDevice(device.index));
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
+using cuda::DeviceGuard;
 
 // The bytes [lo, hi) a view touches, as a pointer and a length.
 struct Span {
@@ -57,7 +45,7 @@ struct HostMirror {
 }  // namespace
 
 std::shared_ptr<void> device_alloc(size_t bytes, Device device) {
-  DeviceGuard guard(device);
+  DeviceGuard guard(device.index);
   void* p = nullptr;
   SPARSE_ATTN_CUDA_CHECK(cudaMalloc(&p, bytes));
   // A deleter cannot throw; a failing cudaFree means the context is already gone.
@@ -66,7 +54,7 @@ std::shared_ptr<void> device_alloc(size_t bytes, Device device) {
 
 void device_copy(const TensorView& dst, const TensorView& src) {
   const Device device = dst.device().is_cuda() ? dst.device() : src.device();
-  DeviceGuard guard(device);
+  DeviceGuard guard(device.index);
   // Dense on both sides: one copy. Strided: through host mirrors of the byte spans, which
   // keeps the bytes between a strided destination's elements as they were. Both are
   // synchronous, as the reference's staging needs.
