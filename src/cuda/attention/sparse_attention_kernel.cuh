@@ -461,6 +461,7 @@ __global__ void __launch_bounds__(256)
     sparse_attention_merge_kernel(const __grid_constant__ SparseAttentionParams p,
                                   const __grid_constant__ SparseAttentionLaunch x) {
   constexpr int D = SparseAttentionConfig::kHeadDim;
+  cudaGridDependencySynchronize();  // the forward grid's partials are complete and visible
   const int64_t r = blockIdx.x;
   for (int e = threadIdx.x; e < p.num_q_heads * D; e += blockDim.x) {
     const int64_t h = e / D;

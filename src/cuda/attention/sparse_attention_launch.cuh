@@ -23,8 +23,18 @@ void launch_sparse_attention(const SparseAttentionParams& p, const SparseAttenti
   sparse_attention_fwd_kernel<T><<<grid, C::kThreads, kSmem, stream>>>(p, x);
   SPARSE_ATTN_CUDA_CHECK_LAUNCH();
   if (x.num_splits > 1) {
-    sparse_attention_merge_kernel<T><<<static_cast<unsigned>(p.rows), 256, 0, stream>>>(p, x);
-    SPARSE_ATTN_CUDA_CHECK_LAUNCH();
+    // Programmatic dependent launch: the merge grid is set up while the forward grid drains
+    // and waits for it in cudaGridDependencySynchronize, which hides one launch gap in decode.
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(p.rows));
+    cfg.blockDim = dim3(256);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    SPARSE_ATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sparse_attention_merge_kernel<T>, p, x));
   }
 }
 
