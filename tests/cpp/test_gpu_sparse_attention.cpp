@@ -36,6 +36,7 @@ struct Case {
   // Query layout: flattened rows (cu_seqlens_q) unless padded_q ([B, Q] with seq_lens_q).
   bool padded_q = false;
   std::vector<int64_t> q_rows;  // query rows per request
+  std::vector<int64_t> q_real;  // flattened: seq_lens_q (rows past it are padding); empty: none
   std::vector<int64_t> k_lens;  // KV length per request
   bool paged = true;
   int64_t page_size = 64;
@@ -81,44 +82,45 @@ Problem make_problem(const Case& c, std::mt19937_64& rng) {
                        : std::accumulate(c.q_rows.begin(), c.q_rows.end(), int64_t{0});
   std::uniform_real_distribution<double> u01(0, 1);
 
-  // Row -> (request, position).
-  std::vector<int32_t> cu{0}, t2r, pos_flat;
+  // Row -> (request, request-local index i). Padded: row b * Q + i. Flattened: the requests'
+  // rows in order, or interleaved when token_to_req maps them (i counts earlier rows of the
+  // same request).
+  std::vector<int32_t> cu{0}, t2r;
+  std::vector<int64_t> rank;
   for (int64_t b = 0; b < pb.batch; ++b) {
     const int64_t nrow = c.padded_q ? pb.q_len : c.q_rows[b];
     for (int64_t i = 0; i < nrow; ++i) {
-      const bool real = i < c.q_rows[b];
-      int64_t p = c.k_lens[b] - c.q_rows[b] + i;
-      if (c.positions) p = std::uniform_int_distribution<int64_t>(0, c.k_lens[b] - 1)(rng);
-      pb.row_req.push_back(real ? b : -1);
-      pb.row_pos.push_back(p);
-      pos_flat.push_back(static_cast<int32_t>(p));
       t2r.push_back(static_cast<int32_t>(b));
+      rank.push_back(i);
     }
     cu.push_back(static_cast<int32_t>(cu.back() + c.q_rows[b]));
   }
   if (c.token_to_req) {
-    // Interleave the requests' rows; ranks within a request keep their order.
     std::vector<int64_t> order(pb.rows);
     std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-      return (a * 7919) % 5 < (b * 7919) % 5;  // deterministic interleave of request blocks
+    std::stable_sort(order.begin(), order.end(), [](int64_t a, int64_t b) {
+      return (a * 7919) % 5 < (b * 7919) % 5;  // a fixed interleave of the requests' rows
     });
-    std::vector<int64_t> req2, pos2;
     std::vector<int32_t> t2r2;
-    for (int64_t r : order) {
-      req2.push_back(pb.row_req[r]);
-      t2r2.push_back(t2r[r]);
-    }
-    // Positions follow the new order: the n-th row of request b is at k_len - q_rows + n.
     std::vector<int64_t> seen(pb.batch, 0);
-    for (int64_t r = 0; r < pb.rows; ++r) {
-      const int64_t b = req2[r];
-      pos2.push_back(c.k_lens[b] - c.q_rows[b] + seen[b]++);
+    rank.clear();
+    for (int64_t r : order) {
+      t2r2.push_back(t2r[r]);
+      rank.push_back(seen[t2r[r]]++);
     }
-    pb.row_req = req2;
-    pb.row_pos = pos2;
     t2r = t2r2;
     pb.token_to_req = host_i32({pb.rows}, t2r);
+  }
+  // Real rows (i < seq_len_q) and their positions: explicit, or right-aligned.
+  std::vector<int32_t> pos32;
+  for (int64_t r = 0; r < pb.rows; ++r) {
+    const int64_t b = t2r[r], i = rank[r];
+    const int64_t seq_len_q = c.q_real.empty() ? c.q_rows[b] : c.q_real[b];
+    int64_t p = c.k_lens[b] - seq_len_q + i;
+    if (c.positions) p = std::uniform_int_distribution<int64_t>(0, c.k_lens[b] - 1)(rng);
+    pb.row_req.push_back(i < seq_len_q ? b : -1);
+    pb.row_pos.push_back(p);
+    pos32.push_back(static_cast<int32_t>(p));
   }
 
   // K/V storage and the block table.
@@ -180,9 +182,9 @@ Problem make_problem(const Case& c, std::mt19937_64& rng) {
   std::vector<int32_t> kl32(c.k_lens.begin(), c.k_lens.end());
   pb.seq_lens_k = host_i32({pb.batch}, kl32);
   pb.cu_seqlens_q = host_i32({pb.batch + 1}, cu);
-  std::vector<int32_t> ql32(c.q_rows.begin(), c.q_rows.end());
+  const std::vector<int64_t>& seq_q = c.q_real.empty() ? c.q_rows : c.q_real;
+  std::vector<int32_t> ql32(seq_q.begin(), seq_q.end());
   pb.seq_lens_q = host_i32({pb.batch}, ql32);
-  std::vector<int32_t> pos32(pb.row_pos.begin(), pb.row_pos.end());
   pb.positions = c.padded_q ? host_i32({pb.batch, pb.q_len}, pos32) : host_i32({pb.rows}, pos32);
   return pb;
 }
@@ -325,11 +327,10 @@ DeviceProblem to_device_problem(const Problem& pb, std::mt19937_64& rng) {
     o.block_table = put(pb.block_table);
     o.page_size = c.page_size;
   }
-  if (c.padded_q) {
-    o.seq_lens_q = put(pb.seq_lens_q);
-  } else if (c.token_to_req) {
+  if (c.padded_q || !c.q_real.empty()) o.seq_lens_q = put(pb.seq_lens_q);
+  if (c.token_to_req) {
     o.token_to_req = put(pb.token_to_req);
-  } else {
+  } else if (!c.padded_q) {
     o.cu_seqlens_q = put(pb.cu_seqlens_q);
   }
   if (c.positions) o.query_positions = put(pb.positions);
@@ -473,6 +474,27 @@ std::vector<Case> cases() {
     c.q_rows = {6, 5, 7};
     c.k_lens = {120, 80, 300};
     c.width = 67;
+    v.push_back(c);
+  }
+  {
+    Case c;
+    c.name = "prefill_token_to_req_seq_lens_q";
+    c.token_to_req = true;
+    c.q_rows = {6, 5, 7};
+    c.q_real = {4, 5, 0};
+    c.k_lens = {120, 80, 300};
+    c.width = 67;
+    c.gate = Gate::kElementwise;
+    v.push_back(c);
+  }
+  {
+    Case c;
+    c.name = "prefill_cu_seqlens_seq_lens_q_splits2";
+    c.q_rows = {7, 3};
+    c.q_real = {5, 3};
+    c.k_lens = {900, 64};
+    c.width = 333;
+    c.num_splits = 2;
     v.push_back(c);
   }
   {
