@@ -541,15 +541,27 @@ std::vector<Case> cases() {
 INSTANTIATE_TEST_SUITE_P(Forms, GpuSparseAttention, ::testing::ValuesIn(cases()), case_name);
 
 // The block hint with the compact-blocks contract and warp_specialized (canonical geometry):
-// the result is the token-only one. Selections are built as the producer builds them: distinct
-// visible blocks compacted to the front, expanded to 4 tokens each, the row's tail after them.
-TEST(GpuSparseAttentionBlockHint, HintAndProducerContractGiveTheTokenResult) {
+// the result is the token-only one, on the structured path (page sizes divisible by 4, with
+// and without SplitKV, the tail derived from the position) and where the hint is ignored (page
+// size 6). Selections are built as the producer builds them: distinct visible blocks compacted
+// to the front, expanded to 4 tokens each, the row's tail after them, -1 after that.
+struct HintCase {
+  int64_t page_size;
+  std::optional<int64_t> num_splits;
+  std::vector<int64_t> q_rows, k_lens;
+};
+
+class GpuSparseAttentionBlockHint : public ::testing::TestWithParam<HintCase> {};
+
+TEST_P(GpuSparseAttentionBlockHint, HintAndProducerContractGiveTheTokenResult) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = testing::make_rng();
   constexpr int64_t kNb = 100;
   Case c;
-  c.q_rows = {37, 5};
-  c.k_lens = {3000, 200};
+  c.q_rows = GetParam().q_rows;
+  c.k_lens = GetParam().k_lens;
+  c.page_size = GetParam().page_size;
+  c.num_splits = GetParam().num_splits;
   c.width = 4 * kNb + 3;
   c.gate = Gate::kPerHead;
   Problem pb = make_problem(c, rng);
@@ -577,6 +589,18 @@ TEST(GpuSparseAttentionBlockHint, HintAndProducerContractGiveTheTokenResult) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   expect_matches(pb, dp, oracle(pb));
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Pages, GpuSparseAttentionBlockHint,
+    ::testing::Values(HintCase{64, std::nullopt, {37, 5}, {3000, 203}},
+                      HintCase{16, 3, {1, 1, 1}, {5001, 2998, 401}},
+                      HintCase{64, 1, {9}, {58}},
+                      HintCase{6, std::nullopt, {7, 2}, {500, 66}}),
+    [](const ::testing::TestParamInfo<HintCase>& info) {
+      return "page" + std::to_string(info.param.page_size) + "_splits" +
+             (info.param.num_splits ? std::to_string(*info.param.num_splits) : "auto") + "_rows" +
+             std::to_string(info.param.q_rows.size());
+    });
 
 // More rows than a grid's y/z limit: rows run on gridDim.x.
 TEST(GpuSparseAttentionRows, MoreThan65535Rows) {

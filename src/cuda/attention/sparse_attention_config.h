@@ -22,9 +22,12 @@ struct SparseAttentionConfig {
   static constexpr int kBlockTokens = kWarps * kWarpTokens;  // 64 gathered tokens per stage
   static constexpr int kStages = 3;             // cp.async ring depth (2 tiles in flight)
   static constexpr int kChunks = kHeadDim * 2 / 16;  // 16-byte chunks per 256-element row
-  // Index entries compacted per pass. The canonical selection (2051) needs one pass; wider
-  // token-only selections take several, each ending with at most one partial tile.
-  static constexpr int kIndexChunk = 2048;
+  // Tokens one index pass can hold (17 per thread). A token-path pass reads this many ids, so
+  // the canonical 2051-token selection takes one pass; wider token-only selections take
+  // several, each ending with at most one partial tile. A block-hint pass reads up to 512
+  // blocks (the seed's limit) plus the tail entry: at most 2051 tokens.
+  static constexpr int kPassTokens = 17 * kThreads;
+  static constexpr int kBlockPassEntries = 512 + 1;
   static constexpr int kMergePad = 8;           // floats of padding per merge row (banks)
   static constexpr int kMaxSplits = 64;         // heuristic's ceiling; explicit counts may exceed
 };
@@ -50,9 +53,9 @@ struct SparseAttentionSmem {
   uint4 q[C::kHeadRows][C::kChunks];
   // Compacted valid tokens of the current index pass: (outer, token) coordinates into K/V,
   // i.e. (page, slot) for paged caches, (request, token) for padded ones, (0, row) physical.
-  int2 token_loc[C::kIndexChunk];
-  // Valid-entry ballots of one pass, per (entry step j, warp).
-  unsigned warp_ballot[C::kIndexChunk / C::kThreads * C::kWarps];
+  int2 token_loc[C::kPassTokens];
+  // Valid tokens of one pass per (entry step j, warp), for the compaction's prefix sums.
+  int warp_count[C::kPassTokens / C::kThreads * C::kWarps];
 };
 
 }  // namespace sparse_attn::cuda

@@ -138,9 +138,9 @@ __device__ inline RowInfo resolve_row(const SparseAttentionParams& p,
   return ri;
 }
 
-// K/V coordinates of index entry t of a row, or false when the entry is masked.
+// K/V coordinates of token t of a row, or false when the token is masked.
 __device__ inline bool token_location(const SparseAttentionParams& p, const RowInfo& ri,
-                                      int32_t t, int2* loc) {
+                                      int64_t t, int2* loc) {
   if (t < 0 || t >= ri.seq_len_k || t > ri.pos) return false;
   switch (p.kv_layout) {
     case KVLayout::kPaged: {
@@ -152,12 +152,31 @@ __device__ inline bool token_location(const SparseAttentionParams& p, const RowI
       return true;
     }
     case KVLayout::kPadded:
-      *loc = make_int2(ri.b, t);
+      *loc = make_int2(ri.b, static_cast<int>(t));
       return true;
     default:  // kPhysical: seq_len_k is total_kv and pos unbounded
-      *loc = make_int2(0, t);
+      *loc = make_int2(0, static_cast<int>(t));
       return true;
   }
+}
+
+// The tokens behind index entry e of a row: [first, first + *count). Token path: the entry's
+// id. Block hint: block b is 4b .. 4b+3; entry num_blocks is the tail of the row's current
+// incomplete block, 4 * ((p + 1) / 4) .. p, derived from the position (0 to 3 tokens).
+__device__ inline int64_t entry_tokens(const SparseAttentionParams& p,
+                                       const SparseAttentionLaunch& x, const RowInfo& ri,
+                                       int64_t e, int32_t id, int* count) {
+  if (!x.block_hint) {
+    *count = 1;
+    return id;
+  }
+  if (e < p.num_blocks) {
+    *count = 4;
+    return 4 * static_cast<int64_t>(id);
+  }
+  const int64_t first = 4 * ((ri.pos + 1) / 4);
+  *count = ri.pos < 0 ? 0 : static_cast<int>(ri.pos - first + 1);
+  return first;
 }
 
 __device__ inline float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
@@ -195,21 +214,31 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
   const int kvh = blockIdx.y, split = blockIdx.z;
   const int group = static_cast<int>(p.group);
 
-  // The first pass's index columns do not depend on the row's metadata: load them first, so
-  // their latency overlaps the Q tile and the request lookup.
-  constexpr int kPerThread = C::kIndexChunk / C::kThreads;
-  const int32_t* idx_row = p.token_indices + r * p.token_indices_row_stride;
+  // Index entries: token ids, or with the block hint one block per entry plus the tail entry.
+  // The first pass's entries do not depend on the row's metadata: load them first, so their
+  // latency overlaps the Q tile and the request lookup.
+  constexpr int kPerThread = C::kPassTokens / C::kThreads;
+  static_assert(C::kBlockPassEntries <= kPerThread * C::kThreads &&
+                    4 * C::kBlockPassEntries <= C::kPassTokens + 4,
+                "a block-hint pass must fit the entry registers and the token list");
+  const int64_t n_entries = x.block_hint ? p.num_blocks + 1 : p.width;
+  const int64_t pass_entries = x.block_hint ? C::kBlockPassEntries : C::kPassTokens;
   const int64_t col_begin = static_cast<int64_t>(split) * x.split_cols;
-  const int64_t split_end = min(p.width, col_begin + x.split_cols);
+  const int64_t split_end = min(n_entries, col_begin + x.split_cols);
   int32_t ids[kPerThread];
   auto load_ids = [&](int64_t c0, int64_t c1) {
+    const int32_t* row = x.block_hint ? p.block_indices + r * p.block_indices_row_stride
+                                      : p.token_indices + r * p.token_indices_row_stride;
+    const int64_t col_stride =
+        x.block_hint ? p.block_indices_col_stride : p.token_indices_col_stride;
+    const int64_t stored = x.block_hint ? min(c1, p.num_blocks) : c1;  // the tail is not stored
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       const int64_t e = c0 + j * C::kThreads + tid;
-      ids[j] = e < c1 ? idx_row[e * p.token_indices_col_stride] : -1;
+      ids[j] = e < stored ? row[e * col_stride] : -1;
     }
   };
-  load_ids(col_begin, min(split_end, col_begin + C::kIndexChunk));
+  load_ids(col_begin, min(split_end, col_begin + pass_entries));
 
   // ----- Q tile: the group's heads, zero rows past the group ------------------------------
   {
@@ -246,41 +275,71 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
   const T* v_head = static_cast<const T*>(p.v) + kvh * p.v_head_stride;
   const int64_t col_end = ri.active ? split_end : col_begin;
 
-  for (int64_t c0 = col_begin; c0 < col_end; c0 += C::kIndexChunk) {
-    const int64_t c1 = min(col_end, c0 + C::kIndexChunk);
+  for (int64_t c0 = col_begin; c0 < col_end; c0 += pass_entries) {
+    const int64_t c1 = min(col_end, c0 + pass_entries);
     // ----- compact this pass's valid tokens (index order) ---------------------------------
     if (c0 != col_begin) load_ids(c0, c1);
-    // Validity first, for every entry, so that all page-table reads are in flight before the
-    // first ballot waits; coordinates are recomputed for the valid entries when they are
-    // written (their page-table lines are in L1 by then), which keeps registers for o_acc.
-    unsigned valid_mask = 0;
+    // Validity of every token first, so that all page-table reads are in flight together;
+    // coordinates are recomputed for the valid tokens when they are written (their page-table
+    // lines are in L1 by then), which keeps registers for o_acc. Token k of entry j is bit
+    // 4j + k with the block hint (j <= 4), bit j on the token path.
+    uint64_t bits = 0;
+    const int per_entry = x.block_hint ? 4 : 1;
+    auto entry_mask = [&](int j) {
+      return static_cast<unsigned>((bits >> (per_entry * j)) & ((1ull << per_entry) - 1));
+    };
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
-      int2 loc;
-      if (token_location(p, ri, ids[j], &loc)) valid_mask |= 1u << j;
+      const int64_t e = c0 + j * C::kThreads + tid;
+      if (e >= c1) continue;
+      int count;
+      const int64_t first = entry_tokens(p, x, ri, e, ids[j], &count);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        int2 loc;
+        if (k < count && token_location(p, ri, first + k, &loc)) {
+          bits |= 1ull << (per_entry * j + k);
+        }
+      }
     }
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
-      const unsigned ballot = __ballot_sync(0xffffffffu, (valid_mask >> j) & 1u);
-      if (lane == 0) sm.warp_ballot[j * C::kWarps + warp] = ballot;
+      const int total = __reduce_add_sync(0xffffffffu, __popc(entry_mask(j)));
+      if (lane == 0) sm.warp_count[j * C::kWarps + warp] = total;
     }
     __syncthreads();
-    // Entry (j, warp, lane) goes after every valid entry of earlier j, of earlier warps at
-    // this j, and of earlier lanes of this warp.
+    // Token k of entry (j, warp, lane) goes after every valid token of earlier j, of earlier
+    // warps at this j, of earlier lanes of this warp, and of earlier k.
     int n_valid = 0;
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       int before_warp = 0, in_j = 0;
       for (int w = 0; w < C::kWarps; ++w) {
-        const int cnt = __popc(sm.warp_ballot[j * C::kWarps + w]);
+        const int cnt = sm.warp_count[j * C::kWarps + w];
         if (w < warp) before_warp += cnt;
         in_j += cnt;
       }
-      if ((valid_mask >> j) & 1u) {
-        const unsigned mine = sm.warp_ballot[j * C::kWarps + warp];
-        int2 loc;
-        token_location(p, ri, ids[j], &loc);
-        sm.token_loc[n_valid + before_warp + __popc(mine & ((1u << lane) - 1u))] = loc;
+      const unsigned mine = entry_mask(j);
+      int before_lane = __popc(mine);  // inclusive scan over the warp's lanes, made exclusive
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, before_lane, o);
+        if (lane >= o) before_lane += y;
+      }
+      before_lane -= __popc(mine);
+      if (mine) {
+        const int64_t e = c0 + j * C::kThreads + tid;
+        int count;
+        const int64_t first = entry_tokens(p, x, ri, e, ids[j], &count);
+        int at = n_valid + before_warp + before_lane;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          if ((mine >> k) & 1u) {
+            int2 loc;
+            token_location(p, ri, first + k, &loc);
+            sm.token_loc[at++] = loc;
+          }
+        }
       }
       n_valid += in_j;
     }

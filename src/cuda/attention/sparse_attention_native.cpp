@@ -42,17 +42,24 @@ void native_sparse_attention(const SparseAttentionParams& p) {
   cuda::DeviceGuard guard(p.device_index);
   auto stream = static_cast<cudaStream_t>(p.stream);
 
-  // Splits partition the index columns in whole 64-token tiles; a count above the number of
+  // The structured path reads block_indices (one entry per 4-token block, the tail derived
+  // from the position) when the hint is given and pages hold whole blocks.
+  cuda::SparseAttentionLaunch x;
+  x.block_hint =
+      p.block_indices && (p.kv_layout != KVLayout::kPaged || p.page_size % 4 == 0);
+  const int64_t entries = x.block_hint ? p.num_blocks + 1 : p.width;
+  const int64_t entries_per_tile = x.block_hint ? C::kBlockTokens / 4 : C::kBlockTokens;
+
+  // Splits partition the index entries in whole 64-token tiles; a count above the number of
   // tiles would only add empty splits (which the merge skips), so it is capped there.
-  const int64_t tiles = std::max<int64_t>(1, (p.width + C::kBlockTokens - 1) / C::kBlockTokens);
+  const int64_t tiles = std::max<int64_t>(1, (entries + entries_per_tile - 1) / entries_per_tile);
   int64_t splits = p.num_splits > 0
                        ? p.num_splits
                        : cuda::choose_num_splits(p.rows, p.num_kv_heads, p.width,
                                                  cuda::sm_count(p.device_index));
   splits = std::clamp<int64_t>(splits, 1, std::min<int64_t>(tiles, 65535));
-  cuda::SparseAttentionLaunch x;
   const int64_t tiles_per_split = (tiles + splits - 1) / splits;
-  x.split_cols = tiles_per_split * C::kBlockTokens;
+  x.split_cols = tiles_per_split * entries_per_tile;
   x.num_splits = static_cast<int>((tiles + tiles_per_split - 1) / tiles_per_split);
 
   const bool need_rank =
