@@ -8,7 +8,8 @@
 //     structured selection: the 64 most recent complete blocks plus the 448 most important
 //     older ones under a fixed per-block importance, so neighbouring rows share most blocks
 //     (the mean Jaccard of consecutive rows' block sets is printed). The useful FLOP rate
-//     counts valid selected tokens only: 4 * tokens * Hq * D per row. Dense cuDNN causal
+//     counts valid selected tokens only: 4 * tokens * Hq * D per row. 128K runs twice: token
+//     path, and structured path (block_indices hint). Dense cuDNN causal
 //     attention of the same shape is bench/sdpa_baseline.py's (same device call).
 // Usage: qsa_sparse_attention_bench [results.csv]. Prints a table last.
 #include <fmt/format.h>
@@ -127,14 +128,14 @@ Result bench_decode(Timer& timer, const Ceilings& c, int64_t batch) {
           bytes / (c.copy_tbps * 1e12) * 1e3, "heuristic splits, gate, lse"};
 }
 
-Result bench_prefill(Timer& timer, int64_t tokens, bool structured) {
+Result bench_prefill(Timer& timer, int64_t tokens, bool structured, bool hint) {
   std::mt19937_64 rng(7 + tokens);
   const int64_t nblocks = tokens / 4;
   // Importance order of blocks: a fixed random permutation (first = most important).
   std::vector<int32_t> order(nblocks);
   std::iota(order.begin(), order.end(), 0);
   std::shuffle(order.begin(), order.end(), rng);
-  std::vector<int32_t> ids(tokens * kWidth);
+  std::vector<int32_t> ids(tokens * kWidth), hint_blocks(hint ? tokens * kBlocks : 1, -1);
   std::vector<int32_t> blocks, prev;
   double valid = 0, jaccard = 0;
   int64_t jaccard_rows = 0;
@@ -167,6 +168,7 @@ Result bench_prefill(Timer& timer, int64_t tokens, bool structured) {
       ++jaccard_rows;
     }
     prev = blocks;
+    if (hint) std::copy(blocks.begin(), blocks.end(), &hint_blocks[p * kBlocks]);
     valid += double(expand(blocks, p, &ids[p * kWidth]));
   }
   const std::vector<int64_t> lens{tokens};
@@ -177,15 +179,18 @@ Result bench_prefill(Timer& timer, int64_t tokens, bool structured) {
   Tensor idx = int32_device(ids, {tokens, kWidth});
   Tensor table = int32_device(pg.table, {1, pg.max_pages});
   Tensor out = Tensor::empty({tokens, kHq, kD}, DType::kBF16, Device::cuda());
+  Tensor bidx = int32_device(hint_blocks, {hint ? tokens : 1, hint ? kBlocks : 1});
   SparseAttentionOptions o;
   o.block_table = table.view();
+  if (hint) o.block_indices = bidx.view();
   const Timing t = timer.time([&](cudaStream_t s) {
     o.stream = s;
     qsa_sparse_attention(q, k, v, idx.view(), out, std::nullopt, o);
   }, 1, 5);
   const double sec = t.median_ms * 1e-3;
   const double bytes = 2.0 * valid * kHkv * kD * 2 + 2.0 * tokens * kHq * kD * 2;
-  return {fmt::format("prefill_{}k_{}", tokens / 1024, structured ? "structured" : "random"),
+  return {fmt::format("prefill_{}k_{}{}", tokens / 1024, structured ? "structured" : "random",
+                      hint ? "_hint" : ""),
           t.median_ms, 4.0 * valid * kHq * kD / sec / 1e12, bytes / sec / 1e12, 0.0,
           fmt::format("mean valid {:.0f}/row, consecutive-row Jaccard {:.3f}", valid / tokens,
                       jaccard_rows ? jaccard / jaccard_rows : 1.0)};
@@ -210,8 +215,9 @@ int main(int argc, char** argv) {
   fmt::print("one launch (4-byte memset, same timing): {:.4f} ms\n", launch_ms);
   std::vector<Result> results;
   for (int64_t b : {1, 8, 32, 128}) results.push_back(bench_decode(timer, c, b));
-  for (int64_t n : {16384, 65536, 131072}) results.push_back(bench_prefill(timer, n, true));
-  results.push_back(bench_prefill(timer, 16384, false));
+  for (int64_t n : {16384, 65536, 131072}) results.push_back(bench_prefill(timer, n, true, false));
+  results.push_back(bench_prefill(timer, 131072, true, true));
+  results.push_back(bench_prefill(timer, 16384, false, false));
 
   if (argc > 1) {
     std::FILE* f = std::fopen(argv[1], "w");
