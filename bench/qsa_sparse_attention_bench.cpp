@@ -213,11 +213,21 @@ int main(int argc, char** argv) {
   const double launch_ms =
       timer.time([&](cudaStream_t s) { BENCH_CUDA(cudaMemsetAsync(tiny, 0, 4, s)); }).median_ms;
   fmt::print("one launch (4-byte memset, same timing): {:.4f} ms\n", launch_ms);
+  // Each row is printed as soon as it is measured, so a failure later keeps the earlier ones.
+  fmt::print("\n{:<30} {:>9} {:>8} {:>7} {:>9} {:>6}  {}\n", "benchmark", "ms", "TFLOP/s",
+             "TB/s", "floor ms", "floor%", "note");
   std::vector<Result> results;
-  for (int64_t b : {1, 8, 32, 128}) results.push_back(bench_decode(timer, c, b));
-  for (int64_t n : {16384, 65536, 131072}) results.push_back(bench_prefill(timer, n, true, false));
-  results.push_back(bench_prefill(timer, 131072, true, true));
-  results.push_back(bench_prefill(timer, 16384, false, false));
+  auto add = [&](Result r) {
+    fmt::print("{:<30} {:>9.4f} {:>8.1f} {:>7.2f} {:>9.4f} {:>6}  {}\n", r.name, r.ms, r.tflops,
+               r.tbps, r.floor_ms,
+               r.floor_ms > 0 ? fmt::format("{:.0f}%", 100 * r.floor_ms / r.ms) : "-", r.note);
+    std::fflush(stdout);
+    results.push_back(std::move(r));
+  };
+  for (int64_t b : {1, 8, 32, 128}) add(bench_decode(timer, c, b));
+  for (int64_t n : {16384, 65536, 131072}) add(bench_prefill(timer, n, true, false));
+  add(bench_prefill(timer, 16384, false, false));
+  add(bench_prefill(timer, 131072, true, true));
 
   if (argc > 1) {
     std::FILE* f = std::fopen(argv[1], "w");
@@ -230,13 +240,6 @@ int main(int argc, char** argv) {
       fmt::print(f, "{},{:.5f},{:.2f},{:.3f},{:.5f},\"{}\",{:.3f},{:.1f}\n", r.name, r.ms,
                  r.tflops, r.tbps, r.floor_ms, r.note, c.copy_tbps, c.gemm_tflops);
     std::fclose(f);
-  }
-  fmt::print("\n{:<26} {:>9} {:>8} {:>7} {:>9} {:>6}  {}\n", "benchmark", "ms", "TFLOP/s",
-             "TB/s", "floor ms", "floor%", "note");
-  for (const Result& r : results) {
-    fmt::print("{:<26} {:>9.4f} {:>8.1f} {:>7.2f} {:>9.4f} {:>6}  {}\n", r.name, r.ms, r.tflops,
-               r.tbps, r.floor_ms,
-               r.floor_ms > 0 ? fmt::format("{:.0f}%", 100 * r.floor_ms / r.ms) : "-", r.note);
   }
   return 0;
 }
