@@ -1,0 +1,503 @@
+// API boundary of the QSA MQA indexer ops: validation (metadata only), backend choice, params
+// filling. docs/qsa.md ("## Indexer scores") is the user-facing statement of these rules.
+#include <cmath>
+#include <initializer_list>
+#include <utility>
+#include <vector>
+
+#include "api/check.h"
+#include "api/qsa_indexer_params.h"
+#include "api/staging.h"
+#include "reference/qsa_indexer_ref.h"
+#include "sparse_attn/qsa.h"
+
+namespace sparse_attn {
+namespace {
+
+using detail::throw_not_supported;
+using detail::throw_value_error;
+
+// The geometry the native kernels are built for (the seed's H4/D128 indexer).
+constexpr int64_t kNativeHeads = 4;
+constexpr int64_t kNativeDim = 128;
+// QSA compresses exactly four tokens per key; the masks (4b + 3 <= p) assume it.
+constexpr int64_t kQsaBlockSize = 4;
+
+using Named = std::pair<const TensorView*, const char*>;
+
+// scale is a multiplier, score_scale a denominator; at most one, positive; default 1/sqrt(dim).
+float resolve_scale(const std::optional<double>& scale, const std::optional<double>& score_scale,
+                    int64_t dim) {
+  if (scale && score_scale) {
+    throw_value_error("scale: scale (a multiplier) and score_scale (a denominator) are mutually "
+                      "exclusive, got scale = {} and score_scale = {}",
+                      *scale, *score_scale);
+  }
+  if (scale) {
+    detail::check_positive_scalar(*scale, "scale");
+    return static_cast<float>(*scale);
+  }
+  if (score_scale) {
+    detail::check_positive_scalar(*score_scale, "score_scale");
+    return static_cast<float>(1.0 / *score_scale);
+  }
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(dim)));
+}
+
+// q: bfloat16/float16 with at least one head and one feature; k: q's dtype, device and dim.
+void check_query_and_keys(const TensorView& q, const char* q_name, const TensorView& k,
+                          const char* k_name) {
+  detail::check_dtype(q, q_name, {DType::kBF16, DType::kF16});
+  if (k.dtype() != q.dtype()) {
+    detail::throw_type_error("{}: expected dtype {} (the dtype of {}), got {}", k_name,
+                             dtype_name(q.dtype()), q_name, dtype_name(k.dtype()));
+  }
+  detail::check_device(k, k_name, q.device(), q_name);
+  if (q.size(-2) < 1 || q.size(-1) < 1) {
+    throw_value_error("{}: expected at least one head and one feature, got shape {}", q_name,
+                      q.shape_str());
+  }
+  detail::check_size(k, k_name, -1, q.size(-1), std::string(q_name) + ".shape[-1]");
+  detail::check_data(q, q_name);
+  detail::check_data(k, k_name);
+}
+
+// int32 metadata of an exact shape on `device`, used without conversion.
+void check_int32(const TensorView& t, const char* name, const Shape& shape, std::string_view what,
+                 Device device, const char* device_ref) {
+  detail::check_dtype(t, name, {DType::kI32});
+  detail::check_shape(t, name, shape, what);
+  detail::check_device(t, name, device, device_ref);
+  detail::check_data(t, name);
+}
+
+// FP32 output of the given shape on `device`, writable by strides, overlapping no input.
+void check_out(const TensorView& out, const Shape& shape, std::string_view what, Device device,
+               const char* device_ref, std::initializer_list<Named> inputs) {
+  detail::check_dtype(out, "out", {DType::kF32});
+  detail::check_shape(out, "out", shape, what);
+  detail::check_device(out, "out", device, device_ref);
+  detail::check_positive_strides(out, "out");
+  detail::check_data(out, "out");
+  for (const auto& [in, name] : inputs) {
+    if (in != nullptr) detail::check_no_overlap(out, "out", *in, name);
+  }
+}
+
+// What every native indexer kernel requires of a call.
+void check_native(const char* op, const TensorView& q, const char* q_name) {
+  if (!q.device().is_cuda()) {
+    throw_not_supported("{}: backend 'native' runs on CUDA tensors, but {} is on {}; pass "
+                        "backend='reference' for host tensors",
+                        op, q_name, q.device().str());
+  }
+  if (q.size(-2) != kNativeHeads || q.size(-1) != kNativeDim) {
+    throw_not_supported("{}: backend 'native' supports heads == {} and dim == {}, got {} of shape "
+                        "{}; pass backend='reference'",
+                        op, kNativeHeads, kNativeDim, q_name, q.shape_str());
+  }
+}
+
+const TensorView* opt_ptr(const std::optional<TensorView>& t) { return t ? &*t : nullptr; }
+
+// Drops axis `d` (of size 1) from a view: the kernels address [.., 1, D] caches as [.., D].
+TensorView drop_axis(const TensorView& t, int d) { return t.select(d, 0); }
+
+// ---------------------------------------------------------------------------------------
+// qsa_indexer_mqa_score
+// ---------------------------------------------------------------------------------------
+
+// The validated layout of a score call, everything but `out`.
+struct ScoreLayout {
+  bool varlen;
+  bool paged;
+  int64_t batch;       // requests
+  int64_t q_len;       // padded: Q; varlen: total_q
+  int64_t num_blocks;  // N_B
+  int64_t page_size;   // paged only
+  Shape out_shape;
+};
+
+ScoreLayout check_score(const TensorView& q, const TensorView& k,
+                        const IndexerScoreOptions& o) {
+  detail::check_rank(q, "q_idx", {3, 4});
+  ScoreLayout l{};
+  l.varlen = q.dim() == 3;
+  l.paged = o.block_table.has_value();
+  if (o.block_size != kQsaBlockSize) {
+    throw_value_error("block_size: expected {} (QSA compresses four tokens per key), got {}",
+                      kQsaBlockSize, o.block_size);
+  }
+  const Device dev = q.device();
+
+  // Keys: logical [key_batch, N_B, D] or paged [pages, page_size, (1), D] behind block_table.
+  int64_t key_batch;
+  if (l.paged) {
+    detail::check_rank(k, "block_keys", {3, 4});
+    if (k.dim() == 4) detail::check_size(k, "block_keys", 2, 1, "the shared key head");
+    l.page_size = k.size(1);
+    if (o.page_size && *o.page_size != l.page_size) {
+      throw_value_error("page_size: expected {} (block_keys.shape[1]), got {}", l.page_size,
+                        *o.page_size);
+    }
+    if (l.page_size < 1) {
+      throw_value_error("block_keys: expected a positive page size (shape[1]), got shape {}",
+                        k.shape_str());
+    }
+    const TensorView& bt = *o.block_table;
+    detail::check_dtype(bt, "block_table", {DType::kI32});
+    detail::check_rank(bt, "block_table", {2});
+    detail::check_device(bt, "block_table", dev, "q_idx");
+    detail::check_data(bt, "block_table");
+    key_batch = bt.size(0);
+    l.num_blocks = bt.size(1) * l.page_size;
+  } else {
+    if (o.page_size) {
+      throw_value_error("page_size: only valid with block_table (a paged block_keys cache), got "
+                        "page_size = {} without block_table",
+                        *o.page_size);
+    }
+    detail::check_rank(k, "block_keys", {3});
+    key_batch = k.size(0);
+    l.num_blocks = k.size(1);
+  }
+  check_query_and_keys(q, "q_idx", k, "block_keys");
+
+  // Requests and rows.
+  if (!l.varlen) {
+    for (const auto& [given, name] : {std::pair{o.cu_seqlens_q.has_value(), "cu_seqlens_q"},
+                                      std::pair{o.token_to_req.has_value(), "token_to_req"},
+                                      std::pair{o.num_requests.has_value(), "num_requests"}}) {
+      if (given) {
+        throw_value_error("{}: only valid with varlen q_idx [total_q, heads, dim], got padded "
+                          "q_idx of shape {}",
+                          name, q.shape_str());
+      }
+    }
+    l.batch = q.size(0);
+    l.q_len = q.size(1);
+    if (l.batch != key_batch) {
+      throw_value_error("q_idx: expected shape[0] == {} ({}), got shape {}", key_batch,
+                        l.paged ? "block_table.shape[0]" : "block_keys.shape[0]", q.shape_str());
+    }
+    if (o.query_positions) {
+      check_int32(*o.query_positions, "query_positions", {l.batch, l.q_len}, "q_idx.shape[:2]",
+                  dev, "q_idx");
+    }
+    if (o.seq_lens_q) check_int32(*o.seq_lens_q, "seq_lens_q", {l.batch}, "q_idx.shape[0]", dev,
+                                  "q_idx");
+    l.out_shape = {l.batch, l.q_len, l.num_blocks};
+  } else {
+    l.q_len = q.size(0);
+    if (o.cu_seqlens_q.has_value() == o.token_to_req.has_value()) {
+      throw_value_error("cu_seqlens_q: varlen q_idx [total_q, heads, dim] needs exactly one of "
+                        "cu_seqlens_q and token_to_req, got {}",
+                        o.cu_seqlens_q ? "both" : "neither");
+    }
+    if (o.seq_lens_q) {
+      throw_value_error("seq_lens_q: only valid with padded q_idx [B, Q, heads, dim]; varlen "
+                        "rows come from cu_seqlens_q or token_to_req");
+    }
+    if (o.cu_seqlens_q) {
+      if (o.num_requests) {
+        throw_value_error("num_requests: only valid with token_to_req, got it with "
+                          "cu_seqlens_q");
+      }
+      l.batch = key_batch;
+      check_int32(*o.cu_seqlens_q, "cu_seqlens_q", {key_batch + 1},
+                  l.paged ? "block_table.shape[0] + 1" : "block_keys.shape[0] + 1", dev, "q_idx");
+    } else {
+      check_int32(*o.token_to_req, "token_to_req", {l.q_len}, "q_idx.shape[0]", dev, "q_idx");
+      l.batch = o.num_requests.value_or(key_batch);
+      if (l.batch < 0 || l.batch > key_batch) {
+        throw_value_error("num_requests: expected a value in [0, {}] ({}), got {}", key_batch,
+                          l.paged ? "block_table.shape[0]" : "block_keys.shape[0]", l.batch);
+      }
+    }
+    if (o.query_positions) {
+      check_int32(*o.query_positions, "query_positions", {l.q_len}, "q_idx.shape[0]", dev,
+                  "q_idx");
+    }
+    l.out_shape = {l.q_len, l.num_blocks};
+  }
+  return l;
+}
+
+detail::MqaScoreParams score_params(const ScoreLayout& l, const TensorView& q,
+                                    const TensorView& k, const TensorView& out,
+                                    const IndexerScoreOptions& o, float scale) {
+  detail::MqaScoreParams p{};
+  p.dtype = q.dtype();
+  p.varlen = l.varlen;
+  p.batch = l.batch;
+  p.q_len = l.q_len;
+  p.heads = q.size(-2);
+  p.dim = q.size(-1);
+  p.q = q.data();
+  p.q_batch_stride = l.varlen ? 0 : q.stride(0);
+  p.q_row_stride = q.stride(-3);
+  p.q_head_stride = q.stride(-2);
+  p.q_dim_stride = q.stride(-1);
+  if (o.cu_seqlens_q) {
+    p.cu_seqlens_q = o.cu_seqlens_q->data_as<const int32_t>();
+    p.cu_seqlens_q_stride = o.cu_seqlens_q->stride(0);
+  }
+  if (o.token_to_req) {
+    p.token_to_req = o.token_to_req->data_as<const int32_t>();
+    p.token_to_req_stride = o.token_to_req->stride(0);
+  }
+  if (o.query_positions) {
+    p.query_positions = o.query_positions->data_as<const int32_t>();
+    p.query_positions_batch_stride = l.varlen ? 0 : o.query_positions->stride(0);
+    p.query_positions_row_stride = o.query_positions->stride(-1);
+  }
+  if (o.seq_lens_q) {
+    p.seq_lens_q = o.seq_lens_q->data_as<const int32_t>();
+    p.seq_lens_q_stride = o.seq_lens_q->stride(0);
+  }
+  p.num_blocks = l.num_blocks;
+  const TensorView keys = (l.paged && k.dim() == 4) ? drop_axis(k, 2) : k;
+  p.k = keys.data();
+  p.k_batch_stride = keys.stride(0);
+  p.k_row_stride = keys.stride(1);
+  p.k_dim_stride = keys.stride(2);
+  if (l.paged) {
+    p.block_table = o.block_table->data_as<const int32_t>();
+    p.block_table_batch_stride = o.block_table->stride(0);
+    p.block_table_page_stride = o.block_table->stride(1);
+    p.max_pages = o.block_table->size(1);
+    p.page_size = l.page_size;
+    p.num_pages = keys.size(0);
+  }
+  p.scale = scale;
+  p.out = out.data_as<float>();
+  p.out_batch_stride = l.varlen ? 0 : out.stride(0);
+  p.out_row_stride = out.stride(-2);
+  p.out_col_stride = out.stride(-1);
+  p.stream = o.stream;
+  return p;
+}
+
+// ---------------------------------------------------------------------------------------
+// qsa_mqa_prefill
+// ---------------------------------------------------------------------------------------
+
+void check_prefill(const TensorView& q, const TensorView& k) {
+  detail::check_rank(q, "q", {3});
+  detail::check_rank(k, "k", {2, 3});
+  if (k.dim() == 3) detail::check_size(k, "k", 1, 1, "the shared key head");
+  check_query_and_keys(q, "q", k, "k");
+}
+
+detail::MqaPrefillParams prefill_params(const TensorView& q, const TensorView& k,
+                                        const TensorView& row_starts, const TensorView& row_ends,
+                                        const TensorView& out, float scale, StreamHandle stream) {
+  const TensorView keys = k.dim() == 3 ? drop_axis(k, 1) : k;
+  detail::MqaPrefillParams p{};
+  p.dtype = q.dtype();
+  p.rows = q.size(0);
+  p.heads = q.size(1);
+  p.dim = q.size(2);
+  p.q = q.data();
+  p.q_row_stride = q.stride(0);
+  p.q_head_stride = q.stride(1);
+  p.q_dim_stride = q.stride(2);
+  p.keys = keys.size(0);
+  p.k = keys.data();
+  p.k_row_stride = keys.stride(0);
+  p.k_dim_stride = keys.stride(1);
+  p.row_starts = row_starts.data_as<const int32_t>();
+  p.row_starts_stride = row_starts.stride(0);
+  p.row_ends = row_ends.data_as<const int32_t>();
+  p.row_ends_stride = row_ends.stride(0);
+  p.scale = scale;
+  p.out = out.data_as<float>();
+  p.out_row_stride = out.stride(0);
+  p.out_col_stride = out.stride(1);
+  p.stream = stream;
+  return p;
+}
+
+// ---------------------------------------------------------------------------------------
+// qsa_mqa_decode
+// ---------------------------------------------------------------------------------------
+
+// Native decode kernels are specialised for these page sizes (the seed's set).
+bool native_decode_page_size(int64_t page_size) {
+  return page_size == 8 || page_size == 16 || page_size == 32 || page_size == 64;
+}
+
+void check_decode_inputs(const TensorView& q, const TensorView& k_cache, int64_t max_model_len) {
+  detail::check_rank(q, "q", {3, 4});
+  if (q.dim() == 4) detail::check_size(q, "q", 1, 1, "one decode row per request");
+  detail::check_rank(k_cache, "k_cache", {3, 4});
+  if (k_cache.dim() == 4) detail::check_size(k_cache, "k_cache", 2, 1, "the shared key head");
+  check_query_and_keys(q, "q", k_cache, "k_cache");
+  if (k_cache.size(1) < 1) {
+    throw_value_error("k_cache: expected a positive page size (shape[1]), got shape {}",
+                      k_cache.shape_str());
+  }
+  if (max_model_len < 0) {
+    throw_value_error("max_model_len: expected a non-negative output width, got {}",
+                      max_model_len);
+  }
+}
+
+detail::MqaDecodeParams decode_params(const TensorView& q4, const TensorView& k4,
+                                      const TensorView& page_table,
+                                      const TensorView& context_lens, int64_t max_model_len,
+                                      const TensorView& out, float scale, StreamHandle stream) {
+  const TensorView q = q4.dim() == 4 ? drop_axis(q4, 1) : q4;
+  const TensorView k = k4.dim() == 4 ? drop_axis(k4, 2) : k4;
+  detail::MqaDecodeParams p{};
+  p.dtype = q.dtype();
+  p.batch = q.size(0);
+  p.heads = q.size(1);
+  p.dim = q.size(2);
+  p.q = q.data();
+  p.q_batch_stride = q.stride(0);
+  p.q_head_stride = q.stride(1);
+  p.q_dim_stride = q.stride(2);
+  p.k_cache = k.data();
+  p.k_page_stride = k.stride(0);
+  p.k_slot_stride = k.stride(1);
+  p.k_dim_stride = k.stride(2);
+  p.num_pages = k.size(0);
+  p.page_size = k.size(1);
+  p.page_table = page_table.data_as<const int32_t>();
+  p.page_table_batch_stride = page_table.stride(0);
+  p.page_table_page_stride = page_table.stride(1);
+  p.max_pages = page_table.size(1);
+  p.context_lens = context_lens.data_as<const int32_t>();
+  p.context_lens_stride = context_lens.stride(0);
+  p.max_model_len = max_model_len;
+  p.scale = scale;
+  p.out = out.data_as<float>();
+  p.out_batch_stride = out.stride(0);
+  p.out_col_stride = out.stride(1);
+  p.stream = stream;
+  return p;
+}
+
+}  // namespace
+
+Shape qsa_indexer_mqa_score_shape(const TensorView& q_idx, const TensorView& block_keys,
+                                  const IndexerScoreOptions& options) {
+  return check_score(q_idx, block_keys, options).out_shape;
+}
+
+void qsa_indexer_mqa_score(const TensorView& q_idx, const TensorView& block_keys,
+                           const TensorView& out, const IndexerScoreOptions& o) {
+  const ScoreLayout l = check_score(q_idx, block_keys, o);
+  const float scale = resolve_scale(o.scale, o.score_scale, q_idx.size(-1));
+  check_out(out, l.out_shape, "qsa_indexer_mqa_score_shape", q_idx.device(), "q_idx",
+            {{&q_idx, "q_idx"},
+             {&block_keys, "block_keys"},
+             {opt_ptr(o.block_table), "block_table"},
+             {opt_ptr(o.cu_seqlens_q), "cu_seqlens_q"},
+             {opt_ptr(o.token_to_req), "token_to_req"},
+             {opt_ptr(o.query_positions), "query_positions"},
+             {opt_ptr(o.seq_lens_q), "seq_lens_q"}});
+  if (o.backend == Backend::kNative) {
+    check_native("qsa_indexer_mqa_score", q_idx, "q_idx");
+    detail::check_vector_load_layout(q_idx, "q_idx");
+    detail::check_vector_load_layout(block_keys, "block_keys");
+    detail::native_mqa_score(score_params(l, q_idx, block_keys, out, o, scale));
+    return;
+  }
+  detail::HostStaging host;
+  IndexerScoreOptions ho = o;
+  ho.block_table = host.input(o.block_table);
+  ho.cu_seqlens_q = host.input(o.cu_seqlens_q);
+  ho.token_to_req = host.input(o.token_to_req);
+  ho.query_positions = host.input(o.query_positions);
+  ho.seq_lens_q = host.input(o.seq_lens_q);
+  const TensorView hq = host.input(q_idx);
+  const TensorView hk = host.input(block_keys);
+  const TensorView hout = host.output(out);
+  detail::reference_mqa_score(score_params(l, hq, hk, hout, ho, scale));
+  host.commit();
+}
+
+Shape qsa_mqa_prefill_shape(const TensorView& q, const TensorView& k) {
+  check_prefill(q, k);
+  return {q.size(0), k.size(0)};
+}
+
+void qsa_mqa_prefill(const TensorView& q, const TensorView& k, const TensorView& row_starts,
+                     const TensorView& row_ends, const TensorView& out,
+                     const MqaScoreOptions& o) {
+  check_prefill(q, k);
+  const Device dev = q.device();
+  check_int32(row_starts, "row_starts", {q.size(0)}, "q.shape[0]", dev, "q");
+  check_int32(row_ends, "row_ends", {q.size(0)}, "q.shape[0]", dev, "q");
+  const float scale = resolve_scale(o.scale, o.score_scale, q.size(-1));
+  check_out(out, {q.size(0), k.size(0)}, "[q.shape[0], k.shape[0]]", dev, "q",
+            {{&q, "q"}, {&k, "k"}, {&row_starts, "row_starts"}, {&row_ends, "row_ends"}});
+  if (o.backend == Backend::kNative) {
+    check_native("qsa_mqa_prefill", q, "q");
+    detail::check_vector_load_layout(q, "q");
+    detail::check_vector_load_layout(k, "k");
+    detail::native_mqa_prefill(prefill_params(q, k, row_starts, row_ends, out, scale, o.stream));
+    return;
+  }
+  detail::HostStaging host;
+  const TensorView hq = host.input(q);
+  const TensorView hk = host.input(k);
+  const TensorView hs = host.input(row_starts);
+  const TensorView he = host.input(row_ends);
+  const TensorView hout = host.output(out);
+  detail::reference_mqa_prefill(prefill_params(hq, hk, hs, he, hout, scale, o.stream));
+  host.commit();
+}
+
+Shape qsa_mqa_decode_shape(const TensorView& q, int64_t max_model_len) {
+  detail::check_rank(q, "q", {3, 4});
+  if (max_model_len < 0) {
+    throw_value_error("max_model_len: expected a non-negative output width, got {}",
+                      max_model_len);
+  }
+  return {q.size(0), max_model_len};
+}
+
+void qsa_mqa_decode(const TensorView& q, const TensorView& k_cache, const TensorView& page_table,
+                    const TensorView& context_lens, int64_t max_model_len, const TensorView& out,
+                    const MqaScoreOptions& o) {
+  check_decode_inputs(q, k_cache, max_model_len);
+  const Device dev = q.device();
+  const int64_t batch = q.size(0);
+  detail::check_dtype(page_table, "page_table", {DType::kI32});
+  detail::check_rank(page_table, "page_table", {2});
+  detail::check_size(page_table, "page_table", 0, batch, "q.shape[0]");
+  detail::check_device(page_table, "page_table", dev, "q");
+  detail::check_data(page_table, "page_table");
+  check_int32(context_lens, "context_lens", {batch}, "q.shape[0]", dev, "q");
+  const float scale = resolve_scale(o.scale, o.score_scale, q.size(-1));
+  check_out(out, {batch, max_model_len}, "[q.shape[0], max_model_len]", dev, "q",
+            {{&q, "q"},
+             {&k_cache, "k_cache"},
+             {&page_table, "page_table"},
+             {&context_lens, "context_lens"}});
+  if (o.backend == Backend::kNative) {
+    check_native("qsa_mqa_decode", q, "q");
+    if (!native_decode_page_size(k_cache.size(1))) {
+      throw_not_supported("k_cache: backend 'native' supports page sizes 8, 16, 32 and 64, got "
+                          "page size {} (k_cache.shape[1]); pass backend='reference'",
+                          k_cache.size(1));
+    }
+    detail::native_mqa_decode(
+        decode_params(q, k_cache, page_table, context_lens, max_model_len, out, scale, o.stream));
+    return;
+  }
+  detail::HostStaging host;
+  const TensorView hq = host.input(q);
+  const TensorView hk = host.input(k_cache);
+  const TensorView hpt = host.input(page_table);
+  const TensorView hcl = host.input(context_lens);
+  const TensorView hout = host.output(out);
+  detail::reference_mqa_decode(
+      decode_params(hq, hk, hpt, hcl, max_model_len, hout, scale, o.stream));
+  host.commit();
+}
+
+}  // namespace sparse_attn

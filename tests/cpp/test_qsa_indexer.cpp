@@ -1,0 +1,561 @@
+// QSA MQA indexer ops (qsa_indexer_mqa_score, qsa_mqa_prefill / qsa_mqa, qsa_mqa_decode) on the
+// reference backend against double-precision expectations computed here, plus one test per
+// validation rule.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "sparse_attn/errors.h"
+#include "sparse_attn/qsa.h"
+#include "test_util.h"
+
+namespace sparse_attn {
+namespace {
+
+using testing::all_close;
+using testing::get;
+using testing::int32_tensor;
+using testing::make_rng;
+using testing::poison;
+using testing::random_int32;
+using testing::random_tensor;
+using testing::to_vector;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+// Outputs are FP32 sums of FP32 products of exact bf16/fp16 inputs; the expectation is exact
+// double arithmetic on the same inputs.
+constexpr double kAtol = 2e-5;
+constexpr double kRtol = 2e-5;
+
+std::vector<int64_t> cat(std::vector<int64_t> a, std::initializer_list<int64_t> b) {
+  a.insert(a.end(), b);
+  return a;
+}
+
+// sum_h max(0, q[qi.., h, :] . k[ki.., :]) in double.
+double relu_head_sum(const TensorView& q, const std::vector<int64_t>& qi, const TensorView& k,
+                     const std::vector<int64_t>& ki) {
+  const int64_t heads = q.size(-2);
+  const int64_t dim = q.size(-1);
+  double total = 0;
+  for (int64_t h = 0; h < heads; ++h) {
+    double dot = 0;
+    for (int64_t d = 0; d < dim; ++d) dot += get(q, cat(qi, {h, d})) * get(k, cat(ki, {d}));
+    total += std::max(dot, 0.0);
+  }
+  return total;
+}
+
+// One query row of the score op as the test sees it.
+struct Row {
+  std::vector<int64_t> q_index;  // index prefix of the row in q_idx
+  int64_t req;
+  int64_t pos;
+  bool valid;
+};
+
+// Expected scores: rows in output order; keys logical [B, N_B, D] or paged through `table`.
+std::vector<double> expected_scores(const TensorView& q, const TensorView& keys,
+                                    const std::vector<Row>& rows,
+                                    const std::optional<TensorView>& table, int64_t num_blocks,
+                                    double scale) {
+  std::vector<double> out;
+  for (const Row& r : rows) {
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      if (!r.valid || 4 * b + 3 > r.pos) {
+        out.push_back(-kInf);
+        continue;
+      }
+      std::vector<int64_t> ki{r.req, b};
+      if (table) {
+        const int64_t page_size = keys.size(1);
+        const auto page = static_cast<int64_t>(get(*table, {r.req, b / page_size}));
+        if (page < 0 || page >= keys.size(0)) {
+          out.push_back(-kInf);
+          continue;
+        }
+        ki = {page, b % page_size};
+        if (keys.dim() == 4) ki.push_back(0);
+      }
+      out.push_back(scale * relu_head_sum(q, r.q_index, keys, ki));
+    }
+  }
+  return out;
+}
+
+std::vector<Row> padded_rows(int64_t batch, int64_t q_len, const TensorView* positions,
+                             const TensorView* seq_lens) {
+  std::vector<Row> rows;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < q_len; ++i) {
+      const int64_t pos = positions ? static_cast<int64_t>(get(*positions, {b, i})) : i;
+      const bool valid = !seq_lens || i < get(*seq_lens, {b});
+      rows.push_back({{b, i}, b, pos, valid});
+    }
+  }
+  return rows;
+}
+
+// Rows of a varlen query whose row r belongs to request req_of[r]; positions default to the
+// count of earlier rows of the same request.
+std::vector<Row> varlen_rows(const std::vector<int64_t>& req_of, const TensorView* positions) {
+  std::vector<Row> rows;
+  std::vector<int64_t> seen(64, 0);
+  for (size_t r = 0; r < req_of.size(); ++r) {
+    const auto row = static_cast<int64_t>(r);
+    const int64_t pos =
+        positions ? static_cast<int64_t>(get(*positions, {row})) : seen[req_of[r]];
+    ++seen[req_of[r]];
+    rows.push_back({{row}, req_of[r], pos, true});
+  }
+  return rows;
+}
+
+IndexerScoreOptions reference_score() {
+  IndexerScoreOptions o;
+  o.backend = Backend::kReference;
+  return o;
+}
+
+MqaScoreOptions reference_mqa() {
+  MqaScoreOptions o;
+  o.backend = Backend::kReference;
+  return o;
+}
+
+class IndexerDtype : public ::testing::TestWithParam<DType> {};
+
+// ---------------------------------------------------------------------------------------
+// qsa_indexer_mqa_score
+// ---------------------------------------------------------------------------------------
+
+TEST_P(IndexerDtype, ScorePaddedLogicalKeys) {
+  auto rng = make_rng();
+  const int64_t B = 2, Q = 23, H = 4, D = 128, NB = 7;  // positions 0..22 cover p % 4 = 0..3
+  Tensor q = random_tensor({B, Q, H, D}, GetParam(), rng);
+  Tensor k = random_tensor({B, NB, D}, GetParam(), rng);
+  Tensor out = Tensor::empty({B, Q, NB}, DType::kF32);
+  poison(out);
+  qsa_indexer_mqa_score(q, k, out, reference_score());
+  const auto expected = expected_scores(q, k, padded_rows(B, Q, nullptr, nullptr), std::nullopt,
+                                        NB, 1.0 / std::sqrt(128.0));
+  EXPECT_TRUE(all_close(out, expected, kAtol, kRtol));
+  EXPECT_EQ(qsa_indexer_mqa_score_shape(q, k), (Shape{B, Q, NB}));
+}
+
+TEST_P(IndexerDtype, ScorePaddedPositionsAndSeqLensQ) {
+  auto rng = make_rng();
+  const int64_t B = 3, Q = 6, H = 4, D = 64, NB = 12;
+  Tensor q = random_tensor({B, Q, H, D}, GetParam(), rng);
+  Tensor k = random_tensor({B, NB, D}, GetParam(), rng);
+  Tensor pos = random_int32({B, Q}, rng, -2, 4 * NB + 4);
+  Tensor seq_lens = int32_tensor({B}, {6, 0, 4});
+  IndexerScoreOptions o = reference_score();
+  o.query_positions = pos.view();
+  o.seq_lens_q = seq_lens.view();
+  o.scale = 0.37;
+  Tensor out = Tensor::empty({B, Q, NB}, DType::kF32);
+  poison(out);
+  qsa_indexer_mqa_score(q, k, out, o);
+  const TensorView pv = pos.view(), sv = seq_lens.view();
+  EXPECT_TRUE(all_close(
+      out, expected_scores(q, k, padded_rows(B, Q, &pv, &sv), std::nullopt, NB, 0.37), kAtol,
+      kRtol));
+}
+
+TEST_P(IndexerDtype, ScoreVarlenCuSeqlens) {
+  auto rng = make_rng();
+  const int64_t H = 4, D = 128, NB = 9;
+  const std::vector<int32_t> cu{0, 5, 5, 17};  // request 1 has no rows
+  const int64_t total = cu.back();
+  Tensor q = random_tensor({total, H, D}, GetParam(), rng);
+  Tensor k = random_tensor({3, NB, D}, GetParam(), rng);
+  Tensor cu_t = int32_tensor({4}, cu);
+  IndexerScoreOptions o = reference_score();
+  o.cu_seqlens_q = cu_t.view();
+  o.score_scale = 4.0;
+  Tensor out = Tensor::empty({total, NB}, DType::kF32);
+  poison(out);
+  qsa_indexer_mqa_score(q, k, out, o);
+  std::vector<int64_t> req_of;
+  for (int r = 0; r < 3; ++r) req_of.insert(req_of.end(), cu[r + 1] - cu[r], r);
+  EXPECT_TRUE(all_close(
+      out, expected_scores(q, k, varlen_rows(req_of, nullptr), std::nullopt, NB, 0.25), kAtol,
+      kRtol));
+  EXPECT_EQ(qsa_indexer_mqa_score_shape(q, k, o), (Shape{total, NB}));
+}
+
+TEST_P(IndexerDtype, ScoreVarlenTokenToReqInterleavedRows) {
+  auto rng = make_rng();
+  const int64_t H = 4, D = 32, NB = 5, total = 19;
+  Tensor q = random_tensor({total, H, D}, GetParam(), rng);
+  // Four key rows but only three requests in use: num_requests bounds the ids.
+  Tensor k = random_tensor({4, NB, D}, GetParam(), rng);
+  Tensor t2r = random_int32({total}, rng, 0, 2);
+  IndexerScoreOptions o = reference_score();
+  o.token_to_req = t2r.view();
+  o.num_requests = 3;
+  Tensor out = Tensor::empty({total, NB}, DType::kF32);
+  poison(out);
+  qsa_indexer_mqa_score(q, k, out, o);
+  std::vector<int64_t> req_of;
+  for (double v : to_vector(t2r)) req_of.push_back(static_cast<int64_t>(v));
+  EXPECT_TRUE(all_close(out,
+                        expected_scores(q, k, varlen_rows(req_of, nullptr), std::nullopt, NB,
+                                        1.0 / std::sqrt(32.0)),
+                        kAtol, kRtol));
+}
+
+TEST_P(IndexerDtype, ScoreVarlenWithQueryPositions) {
+  auto rng = make_rng();
+  const int64_t H = 4, D = 16, NB = 40, total = 10;
+  Tensor q = random_tensor({total, H, D}, GetParam(), rng);
+  Tensor k = random_tensor({2, NB, D}, GetParam(), rng);
+  Tensor cu = int32_tensor({3}, {0, 3, 10});
+  Tensor pos = random_int32({total}, rng, 0, 4 * NB + 3);  // chunked prefill: arbitrary positions
+  IndexerScoreOptions o = reference_score();
+  o.cu_seqlens_q = cu.view();
+  o.query_positions = pos.view();
+  Tensor out = Tensor::empty({total, NB}, DType::kF32);
+  poison(out);
+  qsa_indexer_mqa_score(q, k, out, o);
+  const TensorView pv = pos.view();
+  EXPECT_TRUE(all_close(
+      out,
+      expected_scores(q, k, varlen_rows({0, 0, 0, 1, 1, 1, 1, 1, 1, 1}, &pv), std::nullopt, NB,
+                      0.25),
+      kAtol, kRtol));
+}
+
+// Paged block keys: -1 and out-of-range pages mask their columns.
+class ScorePaged : public ::testing::TestWithParam<std::tuple<int64_t, bool>> {};
+
+TEST_P(ScorePaged, PaddedQueries) {
+  const auto [page_size, with_head_axis] = GetParam();
+  auto rng = make_rng();
+  const int64_t B = 2, Q = 14, H = 4, D = 128, max_pages = 4, pages = 6;
+  Tensor q = random_tensor({B, Q, H, D}, DType::kBF16, rng);
+  Shape cache_shape{pages, page_size, D};
+  if (with_head_axis) cache_shape = {pages, page_size, 1, D};
+  Tensor cache = random_tensor(cache_shape, DType::kBF16, rng);
+  Tensor table = int32_tensor({B, max_pages}, {3, -1, 0, 5, 6, 1, 100, 2});
+  Tensor pos = random_int32({B, Q}, rng, 0, static_cast<int32_t>(4 * max_pages * page_size + 3));
+  IndexerScoreOptions o = reference_score();
+  o.block_table = table.view();
+  o.page_size = page_size;
+  o.query_positions = pos.view();
+  const int64_t NB = max_pages * page_size;
+  ASSERT_EQ(qsa_indexer_mqa_score_shape(q, cache, o), (Shape{B, Q, NB}));
+  Tensor out = Tensor::empty({B, Q, NB}, DType::kF32);
+  poison(out);
+  qsa_indexer_mqa_score(q, cache, out, o);
+  const TensorView pv = pos.view();
+  EXPECT_TRUE(all_close(out,
+                        expected_scores(q, cache, padded_rows(B, Q, &pv, nullptr), table.view(),
+                                        NB, 1.0 / std::sqrt(128.0)),
+                        kAtol, kRtol));
+}
+
+TEST_P(ScorePaged, VarlenQueries) {
+  const auto [page_size, with_head_axis] = GetParam();
+  auto rng = make_rng();
+  const int64_t H = 4, D = 64, max_pages = 3, pages = 5, total = 11;
+  Tensor q = random_tensor({total, H, D}, DType::kF16, rng);
+  Shape cache_shape{pages, page_size, D};
+  if (with_head_axis) cache_shape = {pages, page_size, 1, D};
+  Tensor cache = random_tensor(cache_shape, DType::kF16, rng);
+  Tensor table = int32_tensor({2, max_pages}, {4, -1, 2, 0, -7, 5});
+  Tensor t2r = int32_tensor({total}, {1, 0, 1, 1, 0, 0, 1, 0, 0, 1, 1});
+  Tensor pos = random_int32({total}, rng, 0, static_cast<int32_t>(4 * max_pages * page_size + 3));
+  IndexerScoreOptions o = reference_score();
+  o.block_table = table.view();
+  o.token_to_req = t2r.view();
+  o.query_positions = pos.view();
+  const int64_t NB = max_pages * page_size;
+  Tensor out = Tensor::empty({total, NB}, DType::kF32);
+  poison(out);
+  qsa_indexer_mqa_score(q, cache, out, o);
+  const TensorView pv = pos.view();
+  EXPECT_TRUE(all_close(out,
+                        expected_scores(q, cache, varlen_rows({1, 0, 1, 1, 0, 0, 1, 0, 0, 1, 1}, &pv),
+                                        table.view(), NB, 1.0 / 8.0),
+                        kAtol, kRtol));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    PageSizes, ScorePaged,
+    ::testing::Combine(::testing::Values<int64_t>(1, 3, 8, 64), ::testing::Bool()),
+    [](const auto& info) {
+      return "page" + std::to_string(std::get<0>(info.param)) +
+             (std::get<1>(info.param) ? "_head_axis" : "_no_head_axis");
+    });
+
+TEST(IndexerScore, GeneralHeadsDimAndStridedInputs) {
+  auto rng = make_rng();
+  const int64_t B = 2, Q = 9, H = 3, D = 20, NB = 4;
+  // q_idx is every other query row of a bigger tensor; keys have a padded block axis.
+  Tensor q_big = random_tensor({B, 2 * Q, H, D}, DType::kBF16, rng);
+  TensorView q = q_big.view().as_strided({B, Q, H, D}, {2 * Q * H * D, 2 * H * D, D, 1});
+  Tensor k_big = random_tensor({B, NB, D + 5}, DType::kBF16, rng);
+  TensorView k = k_big.view().narrow(2, 5, D);
+  Tensor out = Tensor::empty({B, Q, NB}, DType::kF32);
+  poison(out);
+  qsa_indexer_mqa_score(q, k, out, reference_score());
+  EXPECT_TRUE(all_close(out,
+                        expected_scores(q, k, padded_rows(B, Q, nullptr, nullptr), std::nullopt,
+                                        NB, 1.0 / std::sqrt(20.0)),
+                        kAtol, kRtol));
+}
+
+TEST(IndexerScore, OutIntoStridedViewLeavesSurroundingsUntouched) {
+  auto rng = make_rng();
+  const int64_t B = 2, Q = 8, H = 4, D = 128, NB = 3;
+  Tensor q = random_tensor({B, Q, H, D}, DType::kBF16, rng);
+  Tensor k = random_tensor({B, NB, D}, DType::kBF16, rng);
+  Tensor big = Tensor::empty({B, Q, NB + 4}, DType::kF32);
+  poison(big);
+  // Columns 2 .. NB + 1 of every row; columns 0, 1 and NB + 2.. must keep their NaN.
+  TensorView out = big.view().narrow(2, 2, NB);
+  qsa_indexer_mqa_score(q, k, out, reference_score());
+  EXPECT_TRUE(all_close(out,
+                        expected_scores(q, k, padded_rows(B, Q, nullptr, nullptr), std::nullopt,
+                                        NB, 1.0 / std::sqrt(128.0)),
+                        kAtol, kRtol));
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < Q; ++i) {
+      for (int64_t c : {0, 1, 5, 6}) EXPECT_TRUE(std::isnan(get(big, {b, i, c})));
+    }
+  }
+}
+
+TEST(IndexerScore, EmptyDimensions) {
+  auto rng = make_rng();
+  Tensor q = random_tensor({2, 0, 4, 128}, DType::kBF16, rng);
+  Tensor k = random_tensor({2, 0, 128}, DType::kBF16, rng);
+  Tensor out = Tensor::empty({2, 0, 0}, DType::kF32);
+  EXPECT_NO_THROW(qsa_indexer_mqa_score(q, k, out, reference_score()));
+  Tensor qv = random_tensor({0, 4, 128}, DType::kBF16, rng);
+  Tensor cu = int32_tensor({3}, {0, 0, 0});
+  IndexerScoreOptions o = reference_score();
+  o.cu_seqlens_q = cu.view();
+  Tensor k2 = random_tensor({2, 5, 128}, DType::kBF16, rng);
+  Tensor out2 = Tensor::empty({0, 5}, DType::kF32);
+  EXPECT_NO_THROW(qsa_indexer_mqa_score(qv, k2, out2, o));
+}
+
+// Broken metadata contents: the reference reads them and raises instead of reading out of
+// bounds; the output is left as it was.
+void expect_contents_error(const std::function<void(const TensorView&)>& call, const Shape& shape,
+                           const std::string& needle) {
+  Tensor out = Tensor::empty(shape, DType::kF32);
+  poison(out);
+  try {
+    call(out);
+    ADD_FAILURE() << "expected ValueError mentioning " << needle;
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+  for (double v : to_vector(out)) EXPECT_TRUE(std::isnan(v));
+}
+
+TEST(IndexerScore, ReferenceRejectsBrokenCuSeqlens) {
+  auto rng = make_rng();
+  Tensor q = random_tensor({5, 4, 16}, DType::kBF16, rng);
+  Tensor k = random_tensor({2, 3, 16}, DType::kBF16, rng);
+  for (const std::vector<int32_t>& cu : {std::vector<int32_t>{0, 9, 5}, {0, 2, 4}, {1, 3, 5}}) {
+    Tensor cu_t = int32_tensor({3}, cu);
+    IndexerScoreOptions o = reference_score();
+    o.cu_seqlens_q = cu_t.view();
+    expect_contents_error([&](const TensorView& out) { qsa_indexer_mqa_score(q, k, out, o); },
+                          {5, 3}, "cu_seqlens_q");
+  }
+}
+
+TEST(IndexerScore, ReferenceRejectsRequestIdOutOfRange) {
+  auto rng = make_rng();
+  Tensor q = random_tensor({4, 4, 16}, DType::kBF16, rng);
+  Tensor k = random_tensor({3, 3, 16}, DType::kBF16, rng);
+  for (int32_t bad : {-1, 2}) {
+    Tensor t2r = int32_tensor({4}, {0, 1, bad, 0});
+    IndexerScoreOptions o = reference_score();
+    o.token_to_req = t2r.view();
+    o.num_requests = 2;
+    expect_contents_error([&](const TensorView& out) { qsa_indexer_mqa_score(q, k, out, o); },
+                          {4, 3}, "token_to_req");
+  }
+}
+
+TEST(IndexerScore, ReferenceRejectsSeqLensQOutOfRange) {
+  auto rng = make_rng();
+  Tensor q = random_tensor({2, 3, 4, 16}, DType::kBF16, rng);
+  Tensor k = random_tensor({2, 3, 16}, DType::kBF16, rng);
+  for (int32_t bad : {-1, 4}) {
+    Tensor sl = int32_tensor({2}, {1, bad});
+    IndexerScoreOptions o = reference_score();
+    o.seq_lens_q = sl.view();
+    expect_contents_error([&](const TensorView& out) { qsa_indexer_mqa_score(q, k, out, o); },
+                          {2, 3, 3}, "seq_lens_q");
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// qsa_mqa_prefill / qsa_mqa
+// ---------------------------------------------------------------------------------------
+
+std::vector<double> expected_prefill(const TensorView& q, const TensorView& k,
+                                     const TensorView& starts, const TensorView& ends,
+                                     double scale) {
+  std::vector<double> out;
+  for (int64_t r = 0; r < q.size(0); ++r) {
+    const double s = get(starts, {r});
+    const double e = get(ends, {r});
+    for (int64_t j = 0; j < k.size(0); ++j) {
+      const bool visible = j >= s && j < e;
+      out.push_back(visible ? scale * relu_head_sum(q, {r}, k, k.dim() == 3
+                                                                   ? std::vector<int64_t>{j, 0}
+                                                                   : std::vector<int64_t>{j})
+                            : -kInf);
+    }
+  }
+  return out;
+}
+
+TEST_P(IndexerDtype, PrefillIntervalsClampedToKeys) {
+  auto rng = make_rng();
+  const int64_t rows = 9, H = 4, D = 128, keys = 13;
+  Tensor q = random_tensor({rows, H, D}, GetParam(), rng);
+  for (bool head_axis : {false, true}) {
+    Tensor k = random_tensor(head_axis ? Shape{keys, 1, D} : Shape{keys, D}, GetParam(), rng);
+    // Empty (start == end, start > end), negative start, end past keys, whole range.
+    Tensor starts = int32_tensor({rows}, {0, 3, 5, -4, 10, 0, 12, 13, -100});
+    Tensor ends = int32_tensor({rows}, {13, 3, 2, 4, 40, 1, 13, 20, 100});
+    Tensor out = Tensor::empty({rows, keys}, DType::kF32);
+    poison(out);
+    MqaScoreOptions o = reference_mqa();
+    o.score_scale = 2.0;
+    qsa_mqa_prefill(q, k, starts, ends, out, o);
+    EXPECT_TRUE(all_close(out, expected_prefill(q, k, starts, ends, 0.5), kAtol, kRtol));
+    poison(out);
+    qsa_mqa(q, k, starts, ends, out, o);
+    EXPECT_TRUE(all_close(out, expected_prefill(q, k, starts, ends, 0.5), kAtol, kRtol));
+  }
+}
+
+TEST(IndexerPrefill, StridedInputsAndOutputView) {
+  auto rng = make_rng();
+  const int64_t rows = 6, H = 2, D = 24, keys = 7;
+  Tensor q_big = random_tensor({rows, H + 1, D}, DType::kF16, rng);
+  TensorView q = q_big.view().narrow(1, 1, H);
+  Tensor k = random_tensor({keys, D}, DType::kF16, rng);
+  Tensor starts = random_int32({rows}, rng, -2, keys);
+  Tensor ends = random_int32({rows}, rng, 0, keys + 2);
+  Tensor big = Tensor::empty({rows + 2, keys * 2}, DType::kF32);
+  poison(big);
+  // Every other column of rows 1 .. rows.
+  TensorView out = big.view().as_strided({rows, keys}, {2 * keys, 2}, 2 * keys);
+  MqaScoreOptions o = reference_mqa();
+  o.scale = 1.5;
+  qsa_mqa_prefill(q, k, starts, ends, out, o);
+  EXPECT_TRUE(all_close(out, expected_prefill(q, k, starts, ends, 1.5), kAtol, kRtol));
+  for (int64_t r = 0; r < rows + 2; ++r) {
+    for (int64_t c = 0; c < 2 * keys; ++c) {
+      const bool inside = r >= 1 && r <= rows && c % 2 == 0;
+      if (!inside) EXPECT_TRUE(std::isnan(get(big, {r, c}))) << r << "," << c;
+    }
+  }
+  EXPECT_EQ(qsa_mqa_prefill_shape(q, k), (Shape{rows, keys}));
+}
+
+// ---------------------------------------------------------------------------------------
+// qsa_mqa_decode
+// ---------------------------------------------------------------------------------------
+
+std::vector<double> expected_decode(const TensorView& q, const TensorView& cache,
+                                    const TensorView& table, const TensorView& context_lens,
+                                    int64_t max_model_len, double scale) {
+  const int64_t page_size = cache.size(1);
+  std::vector<double> out;
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    for (int64_t c = 0; c < max_model_len; ++c) {
+      const int64_t logical_page = c / page_size;
+      if (c >= get(context_lens, {b}) || logical_page >= table.size(1)) {
+        out.push_back(-kInf);
+        continue;
+      }
+      const auto page = static_cast<int64_t>(get(table, {b, logical_page}));
+      if (page < 0 || page >= cache.size(0)) {
+        out.push_back(-kInf);
+        continue;
+      }
+      std::vector<int64_t> ki{page, c % page_size};
+      if (cache.dim() == 4) ki.push_back(0);
+      std::vector<int64_t> qi{b};
+      if (q.dim() == 4) qi.push_back(0);
+      out.push_back(scale * relu_head_sum(q, qi, cache, ki));
+    }
+  }
+  return out;
+}
+
+class DecodePaged : public ::testing::TestWithParam<std::tuple<int64_t, DType>> {};
+
+TEST_P(DecodePaged, MasksContextAndBadPages) {
+  const auto [page_size, dtype] = GetParam();
+  auto rng = make_rng();
+  const int64_t B = 4, H = 4, D = 128, pages = 7, max_pages = 3;
+  const int64_t capacity = max_pages * page_size;
+  const int64_t max_model_len = capacity + 5;  // columns past the table are -inf too
+  Tensor q = random_tensor({B, H, D}, dtype, rng);
+  Tensor cache = random_tensor({pages, page_size, 1, D}, dtype, rng);
+  Tensor table = int32_tensor({B, max_pages}, {6, 0, 3, -1, 2, 7, 5, 1, -1, 4, 200, 0});
+  const auto cap = static_cast<int32_t>(capacity);
+  Tensor context = int32_tensor({B}, {cap, cap / 2 + 1, 0, cap + 4});
+  Tensor out = Tensor::empty({B, max_model_len}, DType::kF32);
+  poison(out);
+  qsa_mqa_decode(q, cache, table, context, max_model_len, out, reference_mqa());
+  EXPECT_TRUE(all_close(
+      out, expected_decode(q, cache, table, context, max_model_len, 1.0 / std::sqrt(128.0)),
+      kAtol, kRtol));
+  EXPECT_EQ(qsa_mqa_decode_shape(q, max_model_len), (Shape{B, max_model_len}));
+}
+
+INSTANTIATE_TEST_SUITE_P(PageSizes, DecodePaged,
+                         ::testing::Combine(::testing::Values<int64_t>(1, 3, 8, 64),
+                                            ::testing::Values(DType::kBF16, DType::kF16)),
+                         [](const auto& info) {
+                           return "page" + std::to_string(std::get<0>(info.param)) + "_" +
+                                  dtype_name(std::get<1>(info.param));
+                         });
+
+TEST(IndexerDecode, BroadcastQueryRankFourAndNarrowWidth) {
+  auto rng = make_rng();
+  const int64_t B = 3, H = 4, D = 32, pages = 4, page_size = 5, max_pages = 2;
+  // One query vector per request shared by all heads (head stride 0), as [B, 1, H, D].
+  Tensor base = random_tensor({B, D}, DType::kBF16, rng);
+  TensorView q = base.view().as_strided({B, 1, H, D}, {D, D, 0, 1});
+  Tensor cache = random_tensor({pages, page_size, D}, DType::kBF16, rng);
+  Tensor table = int32_tensor({B, max_pages}, {0, 1, 3, 2, 2, -1});
+  Tensor context = int32_tensor({B}, {7, 10, 3});
+  const int64_t max_model_len = 6;  // narrower than the table: context past it is not written
+  Tensor big = Tensor::empty({B, max_model_len + 1}, DType::kF32);
+  poison(big);
+  TensorView out = big.view().narrow(1, 1, max_model_len);
+  MqaScoreOptions o = reference_mqa();
+  o.score_scale = 3.0;
+  qsa_mqa_decode(q, cache, table, context, max_model_len, out, o);
+  EXPECT_TRUE(
+      all_close(out, expected_decode(q, cache, table, context, max_model_len, 1.0 / 3.0), kAtol,
+                kRtol));
+  for (int64_t b = 0; b < B; ++b) EXPECT_TRUE(std::isnan(get(big, {b, 0})));
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, IndexerDtype, ::testing::Values(DType::kBF16, DType::kF16),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+}  // namespace
+}  // namespace sparse_attn
