@@ -1,6 +1,9 @@
 #include "api/check.h"
 
+#include <algorithm>
 #include <cmath>
+#include <utility>
+#include <vector>
 
 namespace sparse_attn::detail {
 
@@ -71,6 +74,24 @@ void check_positive_strides(const TensorView& t, std::string_view name) {
       throw_value_error("{}: expected positive strides, got stride {} on axis {} (shape {})", name,
                         t.stride(d), d, t.shape_str());
     }
+  }
+}
+
+void check_no_self_overlap(const TensorView& t, std::string_view name) {
+  // Sorted by stride, each axis must step past everything the smaller-stride axes span.
+  std::vector<std::pair<int64_t, int64_t>> axes;  // (stride, size) of axes longer than 1
+  for (int d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) axes.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(axes.begin(), axes.end());
+  int64_t span = 0;  // largest offset reachable with the axes so far
+  for (const auto& [stride, size] : axes) {
+    if (stride <= span) {
+      throw_value_error("{}: elements overlap each other (shape {}, strides {}); outputs need a "
+                        "non-overlapping layout",
+                        name, t.shape_str(), shape_str(t.strides(), t.dim()));
+    }
+    span += stride * (size - 1);
   }
 }
 

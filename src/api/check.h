@@ -59,6 +59,10 @@ void check_data(const TensorView& t, std::string_view name);
 // broadcast or run backwards).
 void check_positive_strides(const TensorView& t, std::string_view name);
 
+// ValueError when two different indices of t address the same element (e.g. shape [4, 4] with
+// strides [2, 1]), so writes to an output never race or clobber each other.
+void check_no_self_overlap(const TensorView& t, std::string_view name);
+
 // ValueError unless the leading `n` axes collapse into one row axis without a copy
 // (stride[i] == size[i+1] * stride[i+1] for each adjacent pair of axes longer than 1).
 void check_row_view(const TensorView& t, std::string_view name, int n);
