@@ -4,6 +4,8 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
 
+#include <utility>
+
 #include "bind.h"
 #include "convert.h"
 #include "sparse_attn/qsa.h"
@@ -153,24 +155,45 @@ void sparse_attention(handle query, handle key, handle value, handle token_indic
   qsa_sparse_attention(q, k, v, ids, o, l, opts);
 }
 
+// Every argument accepts None (the binding decides what None means, and says so).
+template <typename Func, typename... Names>
+void def(nb::module_& m, const char* name, Func&& f, Names... arg_names) {
+  m.def(name, std::forward<Func>(f), nb::arg(arg_names).none()...);
+}
+
+Shape sparse_attention_out_shape(handle query) {
+  Borrowed b;
+  return qsa_sparse_attention_out_shape(b.tensor(query, "query"));
+}
+
+Shape sparse_attention_lse_shape(handle query) {
+  Borrowed b;
+  return qsa_sparse_attention_lse_shape(b.tensor(query, "query"));
+}
+
 }  // namespace
 
 void bind_qsa(nb::module_& m) {
-  m.def("qsa_indexer_mqa_score", &indexer_score);
-  m.def("qsa_indexer_mqa_score_shape", &indexer_score_shape);
-  m.def("qsa_mqa_prefill", &mqa_prefill);
-  m.def("qsa_mqa_prefill_shape", &mqa_prefill_shape);
-  m.def("qsa_mqa_decode", &mqa_decode);
-  m.def("qsa_mqa_decode_shape", &mqa_decode_shape);
-  m.def("qsa_sparse_attention", &sparse_attention);
-  m.def("qsa_sparse_attention_out_shape", [](handle query) {
-    Borrowed b;
-    return qsa_sparse_attention_out_shape(b.tensor(query, "query"));
-  });
-  m.def("qsa_sparse_attention_lse_shape", [](handle query) {
-    Borrowed b;
-    return qsa_sparse_attention_lse_shape(b.tensor(query, "query"));
-  });
+  def(m, "qsa_indexer_mqa_score", &indexer_score, "q_idx", "block_keys", "out", "block_table",
+      "page_size", "cu_seqlens_q", "token_to_req", "num_requests", "query_positions",
+      "seq_lens_q", "block_size", "scale", "score_scale", "backend", "stream");
+  def(m, "qsa_indexer_mqa_score_shape", &indexer_score_shape, "q_idx", "block_keys",
+      "block_table", "page_size", "cu_seqlens_q", "token_to_req", "num_requests",
+      "query_positions", "seq_lens_q", "block_size", "scale", "score_scale", "backend");
+  def(m, "qsa_mqa_prefill", &mqa_prefill, "q", "k", "row_starts", "row_ends", "out",
+      "score_scale", "scale", "backend", "stream");
+  def(m, "qsa_mqa_prefill_shape", &mqa_prefill_shape, "q", "k");
+  def(m, "qsa_mqa_decode", &mqa_decode, "q", "k_cache", "page_table", "context_lens",
+      "max_model_len", "out", "score_scale", "scale", "backend", "stream");
+  def(m, "qsa_mqa_decode_shape", &mqa_decode_shape, "q", "max_model_len");
+  def(m, "qsa_sparse_attention", &sparse_attention, "query", "key", "value", "token_indices",
+      "out", "lse", "block_indices", "cu_seqlens_q", "token_to_req", "num_requests",
+      "cu_seqlens_k", "seq_lens_q", "seq_lens_k", "query_positions", "block_table",
+      "page_size", "scale", "gate", "num_splits", "backend", "warp_specialized",
+      "assume_compact_blocks", "selected_kv_indices", "softmax_scale", "k_scale", "v_scale",
+      "compute_dtype", "stream");
+  def(m, "qsa_sparse_attention_out_shape", &sparse_attention_out_shape, "query");
+  def(m, "qsa_sparse_attention_lse_shape", &sparse_attention_lse_shape, "query");
 }
 
 }  // namespace sparse_attn::python

@@ -41,13 +41,16 @@ def poisoned(shape, dtype, device):
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
-def strided_copy(t, pad=3):
+def strided_copy(t, keep_rows=0, pad=3):
     """The same values as `t` in a non-contiguous view with a storage offset: every axis is
-    embedded in a larger buffer (offset 1, room after), the last axis at stride 2."""
-    big_shape = [s + pad for s in t.shape]
+    embedded in a larger buffer (offset 1, room after), the last axis at stride 2. The first
+    `keep_rows` axes are left unpadded, so that they still collapse into one row axis (the
+    seed's zero-copy row view rule for query, indices, gate and out)."""
+    big_shape = [s if i < keep_rows else s + pad for i, s in enumerate(t.shape)]
     big_shape[-1] = 2 * t.shape[-1] + pad
     big = torch.zeros(big_shape, dtype=t.dtype, device=t.device)
-    index = tuple(slice(1, 1 + s) for s in t.shape[:-1]) + (slice(1, 1 + 2 * t.shape[-1], 2),)
+    index = tuple(slice(None) if i < keep_rows else slice(1, 1 + s)
+                  for i, s in enumerate(t.shape[:-1])) + (slice(1, 1 + 2 * t.shape[-1], 2),)
     view = big[index]
     view.copy_(t)
     assert not view.is_contiguous() and view.storage_offset() > 0
@@ -127,4 +130,62 @@ def ref_mqa_decode(q, k_cache, page_table, context_lens, max_model_len, scale):
             if page < 0 or page >= pages:
                 continue
             out[b, c] = ref_relu_scores(q3[b], kc[page, c % page_size][None], scale)[0]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Sparse attention: out[r, h] = softmax_j(scale * q[r, h] . K[j, h // G]) V[j, h // G] over the
+# row's valid selected tokens j (0 <= j < seq_len_k, j <= position, page present; duplicates
+# each count); rows without one give zero output and LSE -inf. Gate: round(round(attn) *
+# sigmoid(gate)).
+# --------------------------------------------------------------------------------------------
+
+def ref_attention_rows(q, ids, kv_of_row, positions, seq_lens_k, active, scale, gate=None,
+                       out_dtype=None, causal=True):
+    """q [R, Hq, D]; ids [R, W]; kv_of_row(r) -> (K [L, Hkv, D], V, present bool [L]) for
+    the row's request; positions, seq_lens_k, active: per-row lists. Returns (out rounded to
+    out_dtype then gated, lse) in float64."""
+    q = q.double().cpu()
+    R, Hq, D = q.shape
+    out = torch.zeros((R, Hq, D), dtype=torch.float64)
+    lse = torch.full((R, Hq), -math.inf, dtype=torch.float64)
+    ids = ids.long().cpu()
+    for r in range(R):
+        if not active[r]:
+            continue
+        K, V, present = kv_of_row(r)
+        group = Hq // K.shape[1]
+        sel = [t for t in ids[r].tolist()
+               if 0 <= t < seq_lens_k[r] and (not causal or t <= positions[r]) and present[t]]
+        if not sel:
+            continue
+        idx = torch.tensor(sel)
+        for h in range(Hq):
+            ks = K[idx, h // group].double()
+            vs = V[idx, h // group].double()
+            logits = scale * (ks @ q[r, h])
+            lse[r, h] = torch.logsumexp(logits, 0)
+            out[r, h] = torch.softmax(logits, 0) @ vs
+    if out_dtype is not None:
+        out = out.to(out_dtype).double()
+    if gate is not None:
+        g = torch.sigmoid(gate.double().cpu())
+        if g.dim() == 2:
+            g = g[..., None]
+        out = (out * g)
+        if out_dtype is not None:
+            out = out.to(out_dtype).double()
+    return out, lse
+
+
+def expand_blocks(blocks, positions):
+    """The SPEC's expansion: each block b -> 4b..4b+3, then the tail 4*((p+1)//4) .. p; valid
+    ids to the front, -1 after; width 4 * nb + 3."""
+    rows, nb = blocks.shape
+    out = torch.full((rows, 4 * nb + 3), -1, dtype=torch.int32)
+    for r in range(rows):
+        ids = [4 * b + t for b in blocks[r].tolist() if b >= 0 for t in range(4)]
+        p = int(positions[r])
+        ids += list(range(4 * ((p + 1) // 4), p + 1))
+        out[r, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
     return out
