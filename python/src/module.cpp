@@ -56,7 +56,7 @@ NB_MODULE(_C, m) {
   m.attr("NotSupportedError") = nb::steal(not_supported);
   nb::register_exception_translator(translate_errors, not_supported);
 
-  m.def("tensor_info", &tensor_info, nb::arg("tensor"),
+  m.def("tensor_info", &tensor_info, nb::arg("tensor").none(),
         "(dtype, device, shape, strides, data pointer) of the view the binding makes of `tensor`");
   // Set by python/CMakeLists.txt from the library's configuration.
   m.attr("built_with_cuda") = nb::bool_(SPARSE_ATTN_PY_WITH_CUDA != 0);
