@@ -5,6 +5,7 @@
 // struct the backends take. The reference fills params from host-staged copies of the views,
 // the native path from the caller's views directly.
 #include <cmath>
+#include <limits>
 #include <numbers>
 #include <string>
 
@@ -104,6 +105,11 @@ SparseAttentionParams validate(const Views& v, bool physical,
   const std::optional<double> scale = o.scale ? o.scale : o.softmax_scale;
   if (scale) detail::check_positive_scalar(*scale, o.scale ? "scale" : "softmax_scale");
   p.scale = static_cast<float>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(p.head_dim)));
+  if (!(std::isfinite(p.scale) && p.scale > 0.f)) {
+    // Kernels and the reference apply the scale in FP32.
+    throw_value_error("{}: expected a value representable as a positive finite float32, got {}",
+                      o.scale ? "scale" : "softmax_scale", *scale);
+  }
   p.scale_log2 = static_cast<float>(static_cast<double>(p.scale) * std::numbers::log2e);
   if (o.k_scale != 1.0) {
     throw_value_error("k_scale: expected 1.0 (FP8 KV is not supported, K is {}), got {}",
@@ -119,7 +125,7 @@ SparseAttentionParams validate(const Views& v, bool physical,
         "enabled",
         dtype_name(q.dtype()), dtype_name(o.compute_dtype));
   }
-  if (o.num_splits && *o.num_splits < 1) {
+  if (o.num_splits && (*o.num_splits < 1 || *o.num_splits > std::numeric_limits<int>::max())) {
     throw_value_error("num_splits: expected a positive split count (1 disables SplitKV) or none "
                       "for the heuristic, got {}",
                       *o.num_splits);

@@ -306,6 +306,9 @@ std::vector<Rule> rules() {
   add("scale_not_positive", [](Call& c) { c.o.scale = 0.0; }, K::kValue, "scale");
   add("softmax_scale_nan", [](Call& c) { c.o.softmax_scale = std::nan(""); }, K::kValue,
       "softmax_scale");
+  add("scale_underflows_float32", [](Call& c) { c.o.scale = 1e-60; }, K::kValue, "scale");
+  add("num_splits_beyond_int32", [](Call& c) { c.o.num_splits = int64_t{1} << 40; }, K::kValue,
+      "num_splits");
   add("k_scale_not_one", [](Call& c) { c.o.k_scale = 0.5; }, K::kValue, "k_scale");
   add("v_scale_not_one", [](Call& c) { c.o.v_scale = 2.0; }, K::kValue, "v_scale");
   add("compute_dtype_float32", [](Call& c) { c.o.compute_dtype = DType::kF32; }, K::kValue,
