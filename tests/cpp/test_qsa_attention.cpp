@@ -41,13 +41,13 @@ struct Case {
   std::vector<int64_t> q_lens = {3, 5};    // real query rows per request
   std::vector<int64_t> k_lens = {17, 40};  // KV length per request
   QForm q_form = QForm::kPadded;
-  int64_t q_pad = 0;        // padded Q; 0: max(q_lens). Rows past q_lens are padding.
-  int64_t extra_rows = 0;   // flattened: padding rows per request after its q_lens real rows
+  int64_t q_pad = 0;       // padded Q; 0: max(q_lens). Rows past q_lens are padding.
+  int64_t extra_rows = 0;  // flattened: padding rows per request after its q_lens real rows
   KVForm kv_form = KVForm::kPadded;
-  int64_t kv_cap = 0;       // padded S_k; 0: max(k_lens) + 3
+  int64_t kv_cap = 0;  // padded S_k; 0: max(k_lens) + 3
   bool pass_seq_lens_k = true;
   int64_t page_size = 8;
-  bool bad_pages = false;   // paged: some table entries -1 or >= num_pages
+  bool bad_pages = false;  // paged: some table entries -1 or >= num_pages
   int64_t width = 24;
   bool explicit_positions = false;
   Gate gate = Gate::kNone;
@@ -88,8 +88,8 @@ class Problem {
   Expected expected() const;
   void check() const {
     const Expected e = expected();
-    EXPECT_TRUE(all_close(out_, e.out, testing::default_atol(c_.dtype),
-                          testing::default_rtol(c_.dtype)))
+    EXPECT_TRUE(
+        all_close(out_, e.out, testing::default_atol(c_.dtype), testing::default_rtol(c_.dtype)))
         << c_.name << ": out";
     EXPECT_TRUE(all_close(lse_, e.lse, 1e-4, 1e-4)) << c_.name << ": lse";
     if (c_.strided_out) {
@@ -147,8 +147,8 @@ void Problem::build() {
   if (c_.q_form == QForm::kPadded) {
     const int64_t max_q = *std::max_element(c_.q_lens.begin(), c_.q_lens.end());
     Q_ = c_.q_pad ? c_.q_pad : max_q;
-    padded_rows_ = std::any_of(c_.q_lens.begin(), c_.q_lens.end(),
-                               [&](int64_t n) { return n != Q_; });
+    padded_rows_ =
+        std::any_of(c_.q_lens.begin(), c_.q_lens.end(), [&](int64_t n) { return n != Q_; });
     for (int64_t b = 0; b < B_; ++b) {
       for (int64_t i = 0; i < Q_; ++i) {
         row_req_.push_back(b);
@@ -631,7 +631,8 @@ TEST(SparseAttentionPhysical, DuplicatesKeptOutOfCapacityMasked) {
       el.push_back(s.empty() ? -kInf : m + std::log(l));
       for (int64_t x = 0; x < d; ++x) {
         double o_ = 0;
-        for (size_t j = 0; j < s.size(); ++j) o_ += std::exp(s[j] - m) / l * get(v, {t_ok[j], g, x});
+        for (size_t j = 0; j < s.size(); ++j)
+          o_ += std::exp(s[j] - m) / l * get(v, {t_ok[j], g, x});
         eo.push_back(o_);
       }
     }
