@@ -1,5 +1,5 @@
 #include "api/check.h"
-#include "sparse_attn/qsa.h"
+#include "sparse_attn/common.h"
 
 namespace sparse_attn {
 

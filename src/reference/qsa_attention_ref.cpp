@@ -223,9 +223,11 @@ void reference_sparse_attention(const SparseAttentionParams& p) {
 #pragma omp parallel
   {
     // Per thread: the row's valid tokens, and their K/V rows of one KV head as float, gathered
-    // once per KV head and reused by the group's query heads.
+    // once per KV head and reused by the group's query heads. K is stored transposed
+    // (kt[d * n + j]) so the score loop runs over tokens; each score is still the plain
+    // sequential sum over d.
     std::vector<int64_t> k_offs, v_offs;
-    std::vector<float> kf, vf, q, s, o;
+    std::vector<float> kt, vf, q, s, o;
     q.resize(D);
     o.resize(D);
 #pragma omp for schedule(dynamic, 1)
@@ -245,13 +247,13 @@ void reference_sparse_attention(const SparseAttentionParams& p) {
         }
       }
       const int64_t n = static_cast<int64_t>(k_offs.size());
-      kf.resize(n * D);
+      kt.resize(n * D);
       vf.resize(n * D);
       s.resize(n);
       for (int64_t g = 0; g < p.num_kv_heads; ++g) {
         for (int64_t j = 0; j < n; ++j) {
           for (int64_t d = 0; d < D; ++d) {
-            kf[j * D + d] = load_as_float(
+            kt[d * n + j] = load_as_float(
                 p.k, dt, k_offs[j] + g * p.k_head_stride + d * p.k_dim_stride);
             vf[j * D + d] = load_as_float(
                 p.v, dt, v_offs[j] + g * p.v_head_stride + d * p.v_dim_stride);
@@ -266,11 +268,13 @@ void reference_sparse_attention(const SparseAttentionParams& p) {
                                    r * p.q_row_stride + h * p.q_head_stride + d * p.q_dim_stride);
             }
             // S = scale * q K^T, then a max-subtracted softmax over the n tokens.
+            std::fill(s.begin(), s.end(), 0.f);
+            for (int64_t d = 0; d < D; ++d) {
+              for (int64_t j = 0; j < n; ++j) s[j] += q[d] * kt[d * n + j];
+            }
             float m = kNegInf;
             for (int64_t j = 0; j < n; ++j) {
-              float acc = 0.f;
-              for (int64_t d = 0; d < D; ++d) acc += q[d] * kf[j * D + d];
-              s[j] = p.scale * acc;
+              s[j] *= p.scale;
               m = std::max(m, s[j]);
             }
             float l = 0.f;

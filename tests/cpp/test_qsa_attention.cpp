@@ -29,7 +29,8 @@ using testing::to_vector;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-enum class QForm { kPadded, kCuSeqlens, kTokenToReq };
+// kSingle: flattened rows of a single request, with no row mapping at all.
+enum class QForm { kPadded, kCuSeqlens, kTokenToReq, kSingle };
 enum class KVForm { kPadded, kVarlen, kPaged };
 enum class Gate { kNone, kElementwise, kPerHead };
 
@@ -41,6 +42,7 @@ struct Case {
   std::vector<int64_t> k_lens = {17, 40};  // KV length per request
   QForm q_form = QForm::kPadded;
   int64_t q_pad = 0;        // padded Q; 0: max(q_lens). Rows past q_lens are padding.
+  int64_t extra_rows = 0;   // flattened: padding rows per request after its q_lens real rows
   KVForm kv_form = KVForm::kPadded;
   int64_t kv_cap = 0;       // padded S_k; 0: max(k_lens) + 3
   bool pass_seq_lens_k = true;
@@ -73,7 +75,7 @@ class Problem {
     if (t2r_.data()) o.token_to_req = t2r_.view();
     if (cu_k_.data()) o.cu_seqlens_k = cu_k_.view();
     if (table_.data()) o.block_table = table_.view();
-    if (c_.q_form == QForm::kPadded && padded_rows_) o.seq_lens_q = seq_q_.view();
+    if (padded_rows_) o.seq_lens_q = seq_q_.view();
     if (c_.pass_seq_lens_k) o.seq_lens_k = seq_k_.view();
     if (c_.explicit_positions) o.query_positions = positions_.view();
     if (c_.gate != Gate::kNone) o.gate = gate_.view();
@@ -155,24 +157,29 @@ void Problem::build() {
     }
     row_shape = {B_, Q_};
   } else {
+    padded_rows_ = c_.extra_rows > 0;
+    const auto local = [&](int64_t b, int64_t i) { return i < c_.q_lens[b] ? i : -1; };
     std::vector<int32_t> cu = {0};
-    for (int64_t b = 0; b < B_; ++b) cu.push_back(cu.back() + static_cast<int32_t>(c_.q_lens[b]));
-    if (c_.q_form == QForm::kCuSeqlens) {
+    for (int64_t b = 0; b < B_; ++b) {
+      cu.push_back(cu.back() + static_cast<int32_t>(c_.q_lens[b] + c_.extra_rows));
+    }
+    if (c_.q_form != QForm::kTokenToReq) {
       for (int64_t b = 0; b < B_; ++b) {
-        for (int64_t i = 0; i < c_.q_lens[b]; ++i) {
+        for (int64_t i = 0; i < c_.q_lens[b] + c_.extra_rows; ++i) {
           row_req_.push_back(b);
-          row_i_.push_back(i);
+          row_i_.push_back(local(b, i));
         }
       }
-      cu_q_ = testing::int32_tensor({B_ + 1}, cu);
+      if (c_.q_form == QForm::kCuSeqlens) cu_q_ = testing::int32_tensor({B_ + 1}, cu);
     } else {
       // Requests interleaved: a row's local index is its rank among its request's rows.
       std::vector<int64_t> left = c_.q_lens, seen(B_, 0);
+      for (int64_t& n : left) n += c_.extra_rows;
       while (std::any_of(left.begin(), left.end(), [](int64_t n) { return n > 0; })) {
         for (int64_t b = B_ - 1; b >= 0; --b) {
           if (left[b]-- > 0) {
             row_req_.push_back(b);
-            row_i_.push_back(seen[b]++);
+            row_i_.push_back(local(b, seen[b]++));
           }
         }
       }
@@ -463,6 +470,20 @@ std::vector<Case> cases() {
   c.q_form = QForm::kTokenToReq;
   c.gate = Gate::kElementwise;
   v.push_back(with(c, "strided_out_flat_gate"));
+  c = {};
+  c.q_form = QForm::kCuSeqlens;
+  c.extra_rows = 2;
+  v.push_back(with(c, "cu_seqlens_q_rows_past_seq_lens_q"));
+  c.q_form = QForm::kTokenToReq;
+  c.kv_form = KVForm::kPaged;
+  v.push_back(with(c, "token_to_req_rows_past_seq_lens_q_paged"));
+  c = {};
+  c.q_form = QForm::kSingle;
+  c.q_lens = {7};
+  c.k_lens = {29};
+  v.push_back(with(c, "flattened_single_request_no_mapping"));
+  c.kv_form = KVForm::kVarlen;
+  v.push_back(with(c, "flattened_single_request_varlen_kv"));
   c = {};
   c.width = 0;
   v.push_back(with(c, "width0_all_rows_empty"));

@@ -1,0 +1,78 @@
+#include "api/xattn_checks.h"
+
+#include <cmath>
+
+#include "api/check.h"
+
+namespace sparse_attn::detail {
+
+void check_xattn_output(const TensorView& t, std::string_view name, DType dtype,
+                        const Shape& shape, std::string_view what, Device device,
+                        std::string_view device_of) {
+  check_dtype(t, name, {dtype});
+  check_shape(t, name, shape, what);
+  check_device(t, name, device, device_of);
+  check_data(t, name);
+  check_positive_strides(t, name);
+}
+
+void check_float_input(const TensorView& t, std::string_view name, const TensorView* like,
+                       std::string_view like_name) {
+  check_dtype(t, name, {DType::kBF16, DType::kF16, DType::kF32});
+  if (like != nullptr) {
+    if (t.dtype() != like->dtype()) {
+      throw_type_error("{}: expected dtype {} (the dtype of {}), got {}", name,
+                       dtype_name(like->dtype()), like_name, dtype_name(t.dtype()));
+    }
+    check_device(t, name, like->device(), like_name);
+  }
+  check_data(t, name);
+}
+
+void check_gqa(int64_t hq, int64_t hkv, std::string_view q_name, std::string_view kv_name) {
+  if (hkv < 1 || hq < 1 || hq % hkv != 0) {
+    throw_value_error(
+        "{}: expected a number of heads that is a positive multiple of the {} heads of {} "
+        "(GQA), got {}",
+        q_name, hkv, kv_name, hq);
+  }
+}
+
+std::vector<double> resolve_thresholds(const BlockSelectOptions& o, int64_t num_heads) {
+  if (o.block_size < 1) {
+    throw_value_error("block_size: expected a positive number of tokens, got {}", o.block_size);
+  }
+  auto check_one = [](double t, std::string_view name) {
+    if (!(t >= 0.0 && t <= 1.0)) {
+      throw_value_error("{}: expected a fraction of the attention mass in [0, 1], got {}", name,
+                        t);
+    }
+  };
+  if (o.head_thresholds.empty()) {
+    check_one(o.threshold, "threshold");
+    return std::vector<double>(static_cast<size_t>(num_heads), o.threshold);
+  }
+  if (static_cast<int64_t>(o.head_thresholds.size()) != num_heads) {
+    throw_value_error("head_thresholds: expected one threshold per query head ({}), got {}",
+                      num_heads, o.head_thresholds.size());
+  }
+  for (size_t h = 0; h < o.head_thresholds.size(); ++h) {
+    check_one(o.head_thresholds[h], fmt::format("head_thresholds[{}]", h));
+  }
+  return o.head_thresholds;
+}
+
+void check_native_device(const TensorView& t, std::string_view name, std::string_view op) {
+  if (!t.device().is_cuda()) {
+    throw_not_supported(
+        "{}: backend 'native' of {} runs on CUDA tensors, got device {}; pass "
+        "backend='reference' for the CPU reference",
+        name, op, t.device().str());
+  }
+}
+
+void copy_strides(const TensorView& t, int64_t* out, int n) {
+  for (int d = 0; d < n; ++d) out[d] = t.stride(d);
+}
+
+}  // namespace sparse_attn::detail

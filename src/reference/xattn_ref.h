@@ -1,0 +1,20 @@
+// The CPU reference of XAttention: the executable form of docs/xattention.md. Plain loops,
+// FP64 accumulation, host memory only (the API stages device tensors). Each function takes
+// validated params; contents the API cannot check without reading them (cu_seqlens,
+// lengths, page ids) are checked here first, raising ValueError before anything is written.
+#pragma once
+
+#include "api/xattn_params.h"
+
+namespace sparse_attn {
+
+// Writes p.attn_sums (every element) from query and key.
+void reference_xattn_estimate_sums(const XAttnEstimateParams& p);
+
+// Writes p.block_mask (every element) from p.attn_sums.
+void reference_find_blocks(const BlockSelectParams& p);
+
+// Writes out (every element of every real query row) and, when wanted, lse.
+void reference_block_sparse_attention(const BlockSparseAttnParams& p);
+
+}  // namespace sparse_attn
