@@ -14,7 +14,8 @@ namespace sparse_attn::detail {
 // ceil(a / b) for a >= 0, b > 0.
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// An output: dtype, exact shape, device, data pointer, positive strides.
+// An output: dtype, exact shape, device, data pointer, positive strides, no two elements at
+// one address.
 void check_xattn_output(const TensorView& t, std::string_view name, DType dtype,
                         const Shape& shape, std::string_view what, Device device,
                         std::string_view device_of);

@@ -150,6 +150,11 @@ TEST_F(EstimateArgs, AttnSumsMustHavePositiveStrides) {
   expect_error<ValueError>([&] { run_with(q, k, s, mask); }, "attn_sums");
 }
 
+TEST_F(EstimateArgs, AttnSumsElementsMustNotShareMemory) {
+  TensorView s = sums.view().as_strided({1, 4, 2, 3}, {24, 3, 2, 1});
+  expect_error<ValueError>([&] { run_with(q, k, s, mask); }, "attn_sums");
+}
+
 TEST_F(EstimateArgs, AttnSumsMustNotOverlapQuery) {
   TensorView s(q.data(), DType::kF32, Device::cpu(), {1, 4, 2, 3});
   expect_error<ValueError>([&] { run_with(q, k, s, mask); }, "attn_sums");
@@ -397,6 +402,11 @@ TEST_F(AttentionArgs, OutShapeMustMatchQ) {
 TEST_F(AttentionArgs, OutDtypeMustMatchQ) {
   Tensor o2 = Tensor::empty({160, 4, 16}, DType::kF32);
   expect_error<TypeError>([&] { run_out(o2); }, "out");
+}
+
+TEST_F(AttentionArgs, OutElementsMustNotShareMemory) {
+  TensorView o2 = out.view().as_strided({160, 4, 16}, {64, 8, 1});
+  expect_error<ValueError>([&] { run_out(o2); }, "out");
 }
 
 TEST_F(AttentionArgs, OutMustNotOverlapQ) {
