@@ -179,12 +179,16 @@ void reference_block_sparse_attention(const BlockSparseAttnParams& p) {
 
           std::vector<double> score;
           std::vector<int64_t> keys;
+          score.reserve(static_cast<size_t>(key_end));
+          keys.reserve(static_cast<size_t>(key_end));
           double max_score = -std::numeric_limits<double>::infinity();
           for (int64_t j = 0; j * BS < key_end; ++j) {
             if (!block_allowed(j)) continue;
             for (int64_t t = j * BS; t < std::min((j + 1) * BS, key_end); ++t) {
               double dot = 0.0;
-              for (int64_t d = 0; d < D; ++d) dot += q[d] * k[t * D + d];
+              const float* kt = &k[t * D];
+#pragma omp simd reduction(+ : dot)
+              for (int64_t d = 0; d < D; ++d) dot += q[d] * kt[d];
               score.push_back(dot * p.softmax_scale);
               keys.push_back(t);
               max_score = std::max(max_score, score.back());
@@ -195,7 +199,9 @@ void reference_block_sparse_attention(const BlockSparseAttnParams& p) {
           for (size_t i = 0; i < keys.size(); ++i) {
             const double w = std::exp(score[i] - max_score);
             denom += w;
-            for (int64_t d = 0; d < D; ++d) acc[d] += w * v[keys[i] * D + d];
+            const float* vt = &v[keys[i] * D];
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) acc[d] += w * vt[d];
           }
           const int64_t obase =
               b * p.out_stride[0] + row * p.out_stride[1] + h * p.out_stride[2];
