@@ -44,11 +44,11 @@ namespace sparse_attn {
 struct BlockSelectOptions {
   double threshold = 0.9;               // in [0, 1]
   std::vector<double> head_thresholds;  // non-empty: one per query head, replaces threshold
-  bool causal = true;       // key blocks past the block of a query block's last key: never kept;
-                            // that last block (the diagonal) is always kept
-  bool keep_sink = false;   // always keep key block 0
-  bool keep_recent = false; // always keep the diagonal block (implied by causal)
-  int64_t block_size = 128; // tokens per query/key block
+  bool causal = true;        // key blocks past the block of a query block's last key: never kept;
+                             // that last block (the diagonal) is always kept
+  bool keep_sink = false;    // always keep key block 0
+  bool keep_recent = false;  // always keep the diagonal block (implied by causal)
+  int64_t block_size = 128;  // tokens per query/key block
   Backend backend = Backend::kNative;
   StreamHandle stream = nullptr;
 };
@@ -74,10 +74,10 @@ void find_blocks_chunked(const TensorView& attn_sums, const TensorView& block_ma
 // ---------------------------------------------------------------------------------------
 
 struct XAttnEstimateOptions : BlockSelectOptions {
-  int64_t stride = 8;         // antidiagonal stride; divides block_size
-  double norm = 1.0;          // score divisor; positive
-  int64_t chunk_size = 16384; // query rows per processing chunk (a multiple of block_size);
-                              // bounds native workspace, never changes a result
+  int64_t stride = 8;          // antidiagonal stride; divides block_size
+  double norm = 1.0;           // score divisor; positive
+  int64_t chunk_size = 16384;  // query rows per processing chunk (a multiple of block_size);
+                               // bounds native workspace, never changes a result
   std::string select_mode = "inverse";  // the only mode implemented
 };
 
@@ -110,8 +110,8 @@ struct BlockSparseAttentionOptions {
   std::vector<int32_t> streaming_info;  // [2 * Hq] (sink, local) block counts per head;
                                         // required (non-negative) when a head is -1
   std::optional<double> softmax_scale;  // default 1 / sqrt(D)
-  bool is_causal = true;  // XAttention's setting (block_sparse_attn_func defaults to false)
-  double p_dropout = 0.0; // inference only: must be 0
+  bool is_causal = true;   // XAttention's setting (block_sparse_attn_func defaults to false)
+  double p_dropout = 0.0;  // inference only: must be 0
   Backend backend = Backend::kNative;
   StreamHandle stream = nullptr;
 };
@@ -143,8 +143,8 @@ void block_sparse_attention_paged(const TensorView& q, const TensorView& k_cache
                                   const TensorView& v_cache, const TensorView& block_table,
                                   const TensorView& seqlens_k, const TensorView& cu_seqlens_q,
                                   const std::optional<TensorView>& base_blockmask,
-                                  int64_t max_seqlen_q, int64_t max_seqlen_k,
-                                  const TensorView& out, const std::optional<TensorView>& lse,
+                                  int64_t max_seqlen_q, int64_t max_seqlen_k, const TensorView& out,
+                                  const std::optional<TensorView>& lse,
                                   const BlockSparseAttentionOptions& options = {});
 
 // ---------------------------------------------------------------------------------------

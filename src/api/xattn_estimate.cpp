@@ -111,8 +111,7 @@ void check_select_outputs(const TensorView& attn_sums, const TensorView& block_m
                           const Shape& shape, std::string_view what, Device device,
                           std::string_view device_of, bool sums_is_output) {
   if (sums_is_output) {
-    detail::check_xattn_output(attn_sums, "attn_sums", DType::kF32, shape, what, device,
-                               device_of);
+    detail::check_xattn_output(attn_sums, "attn_sums", DType::kF32, shape, what, device, device_of);
   }
   detail::check_xattn_output(block_mask, "block_mask", DType::kBool, shape, what, device,
                              device_of);
@@ -143,9 +142,8 @@ void check_estimate_outputs(const XAttnEstimateParams& p, const TensorView& quer
   }
 }
 
-void fill_estimate_pointers(XAttnEstimateParams& p, const TensorView& query,
-                            const TensorView& key, const TensorView& attn_sums,
-                            const TensorView& block_mask) {
+void fill_estimate_pointers(XAttnEstimateParams& p, const TensorView& query, const TensorView& key,
+                            const TensorView& attn_sums, const TensorView& block_mask) {
   p.q = query.data();
   copy_strides(query, p.q_stride, 4);
   p.k = key.data();
@@ -204,8 +202,8 @@ void find_blocks_chunked(const TensorView& attn_sums, const TensorView& block_ma
   }
   if (options.k_len && (s.k_len < 0 || ceil_div(s.k_len, s.block_size) != s.k_blocks)) {
     throw_value_error(
-        "k_len: expected a key length of {} blocks of {} (attn_sums.shape[3]), got {}",
-        s.k_blocks, s.block_size, s.k_len);
+        "k_len: expected a key length of {} blocks of {} (attn_sums.shape[3]), got {}", s.k_blocks,
+        s.block_size, s.k_len);
   }
   if (s.q_len > s.k_len) {
     throw_value_error(

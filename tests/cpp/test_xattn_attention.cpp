@@ -63,8 +63,8 @@ struct Varlen {
     cu_q = testing::int32_tensor({batch + 1}, cq);
     cu_k = testing::int32_tensor({batch + 1}, ck);
     sparse = std::count(heads.types.begin(), heads.types.end(), 1);
-    mask = Tensor::empty(block_sparse_attention_mask_shape(batch, sparse, max_q, max_k),
-                         DType::kBool);
+    mask =
+        Tensor::empty(block_sparse_attention_mask_shape(batch, sparse, max_q, max_k), DType::kBool);
     std::bernoulli_distribution coin(density);
     for (int64_t i = 0; i < mask.numel(); ++i) mask.data_as<uint8_t>()[i] = coin(rng);
     out = Tensor::empty(q.shape(), dtype);
@@ -85,9 +85,7 @@ struct Varlen {
     s.q = [this, q0](int64_t r, int64_t h, int64_t d) { return get(q, {q0 + r, h, d}); };
     s.k = [this, k0](int64_t t, int64_t h, int64_t d) { return get(k, {k0 + t, h, d}); };
     s.v = [this, k0](int64_t t, int64_t h, int64_t d) { return get(v, {k0 + t, h, d}); };
-    s.mask = [this, b](int64_t sh, int64_t i, int64_t j) {
-      return get(mask, {b, sh, i, j}) != 0;
-    };
+    s.mask = [this, b](int64_t sh, int64_t i, int64_t j) { return get(mask, {b, sh, i, j}) != 0; };
     return s;
   }
 
@@ -297,9 +295,11 @@ XAttnPrefillOptions prefill_opts(double threshold) {
 
 // Expected prefill out [B, Hq, Lq, D] and lse [B, Hq, Lq] (row-major) for a given mask (all
 // heads block-sparse), or dense causal when mask is null.
-std::pair<std::vector<double>, std::vector<double>> expected_prefill(
-    const TensorView& q, const TensorView& k, const TensorView& v, const TensorView* mask,
-    bool causal) {
+std::pair<std::vector<double>, std::vector<double>> expected_prefill(const TensorView& q,
+                                                                     const TensorView& k,
+                                                                     const TensorView& v,
+                                                                     const TensorView* mask,
+                                                                     bool causal) {
   const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2), D = q.size(3);
   AttnHeads heads;
   heads.types.assign(Hq, mask ? 1 : 0);
@@ -392,8 +392,8 @@ TEST(XAttentionPrefill, ChunkedPrefillEqualsFullPrefillRows) {
   Tensor v = random_tensor({1, Hkv, L, D}, DType::kBF16, rng);
   const XAttnPrefillOptions o = prefill_opts(0.8);
   const Prefill full(q, k, v, o);
-  for (auto [start, end] : {std::pair<int64_t, int64_t>{0, 128}, {128, 384}, {384, 600},
-                            {512, 600}}) {
+  for (auto [start, end] :
+       {std::pair<int64_t, int64_t>{0, 128}, {128, 384}, {384, 600}, {512, 600}}) {
     SCOPED_TRACE("chunk [" + std::to_string(start) + ", " + std::to_string(end) + ")");
     const Prefill part(q.view().narrow(2, start, end - start), k.view().narrow(2, 0, end),
                        v.view().narrow(2, 0, end), o);

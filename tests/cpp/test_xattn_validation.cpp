@@ -475,7 +475,7 @@ TEST_F(PagedArgs, PageSizeMustDivideOrBeAMultipleOf128) {
 
 TEST_F(PagedArgs, VCacheShapeMustMatchKCache) {
   Tensor v2 = Tensor::empty({7, 64, 2, 16}, DType::kBF16);
-  expect_error<ValueError>([&] { run_paged(kc, v2, table, seqlens); }, "v");
+  expect_error<ValueError>([&] { run_paged(kc, v2, table, seqlens); }, "v_cache");
 }
 
 TEST_F(PagedArgs, BlockTableNeedsOneRowPerSequence) {
