@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -204,6 +205,51 @@ bool to_bool(nb::handle obj, const char* name) {
   const std::string_view type = py_type_name(obj);
   if (type == "numpy.bool_" || type == "numpy.bool") return PyObject_IsTrue(obj.ptr()) == 1;
   throw TypeError(fmt::format("{}: expected a bool, got {}", name, py_type_name(obj)));
+}
+
+namespace {
+
+// Calls fn(item, index) for each item of a list or tuple; None is empty.
+template <typename Fn>
+void for_each_item(nb::handle obj, const char* name, const char* what, Fn&& fn) {
+  if (obj.is_none()) return;
+  if (!PyList_Check(obj.ptr()) && !PyTuple_Check(obj.ptr())) {
+    throw TypeError(fmt::format("{}: expected a list of {} (or a tensor), got {}", name, what,
+                                py_type_name(obj)));
+  }
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(obj.ptr());
+  PyObject** items = PySequence_Fast_ITEMS(obj.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) fn(nb::handle(items[i]), static_cast<int64_t>(i));
+}
+
+}  // namespace
+
+std::vector<int32_t> to_int32_list(nb::handle obj, const char* name) {
+  std::vector<int32_t> out;
+  for_each_item(obj, name, "ints", [&](nb::handle item, int64_t i) {
+    const std::string item_name = fmt::format("{}[{}]", name, i);
+    const int64_t v = to_int(item, item_name.c_str());
+    if (v < INT32_MIN || v > INT32_MAX) {
+      throw ValueError(fmt::format("{}: {} does not fit in int32", item_name, v));
+    }
+    out.push_back(static_cast<int32_t>(v));
+  });
+  return out;
+}
+
+std::vector<double> to_float_list(nb::handle obj, const char* name) {
+  std::vector<double> out;
+  for_each_item(obj, name, "floats", [&](nb::handle item, int64_t i) {
+    out.push_back(to_float(item, fmt::format("{}[{}]", name, i).c_str()));
+  });
+  return out;
+}
+
+std::string to_str(nb::handle obj, const char* name) {
+  if (!PyUnicode_Check(obj.ptr())) {
+    throw TypeError(fmt::format("{}: expected a str, got {}", name, py_type_name(obj)));
+  }
+  return nb::borrow<nb::str>(obj).c_str();
 }
 
 Backend to_backend(nb::handle obj) {

@@ -10,7 +10,9 @@ import torch
 import sparse_attn
 from qsa_testing import call_native_or_skip, needs_cuda, randn
 
-OPS = ["qsa_indexer_mqa_score", "qsa_mqa_prefill", "qsa_mqa_decode", "qsa_sparse_attention"]
+OPS = ["qsa_indexer_mqa_score", "qsa_mqa_prefill", "qsa_mqa_decode", "qsa_sparse_attention",
+       "qsa_topk_blocks", "qsa_expand_blocks", "xattn_estimate", "find_blocks_chunked",
+       "block_sparse_attention", "block_sparse_attention_paged", "xattention_prefill"]
 
 
 def decode_inputs(device, backend):
@@ -62,6 +64,38 @@ def test_opcheck_scores():
     out = torch.empty((9, 3), dtype=torch.float32)
     torch.library.opcheck(torch.ops.sparse_attn.qsa_mqa_prefill.default,
                           (q[0], k[0], starts, ends, out, None, 0.5, "reference"))
+
+
+def test_opcheck_selection_and_xattn():
+    scores = torch.randn(3, 20)
+    torch.library.opcheck(torch.ops.sparse_attn.qsa_topk_blocks.default,
+                          (scores, 4, torch.empty((3, 4), dtype=torch.int32)))
+    blocks = torch.randint(-1, 5, (3, 4), dtype=torch.int32)
+    positions = torch.tensor([3, 17, 25], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.sparse_attn.qsa_expand_blocks.default,
+                          (blocks, positions, torch.empty((3, 19), dtype=torch.int32),
+                           torch.empty((3, 4), dtype=torch.int32)))
+    q = randn((1, 2, 256, 32), torch.float32, "cpu")
+    sums = torch.empty((1, 2, 2, 2))
+    mask = torch.empty((1, 2, 2, 2), dtype=torch.bool)
+    torch.library.opcheck(torch.ops.sparse_attn.xattn_estimate.default,
+                          (q, q, sums, mask, 0.9, None, True, False, False, 128, 8, 1.0, 16384,
+                           "inverse", "reference"))
+    torch.library.opcheck(torch.ops.sparse_attn.xattention_prefill.default,
+                          (q, q, q, sums, mask, torch.empty_like(q), None, 0.0, [0.5, 0.9],
+                           True, True, False, 128, 8, 1.0, 16384, "inverse", None, "reference"))
+
+
+def test_compiled_xattention_matches_eager():
+    q = randn((1, 2, 256, 32), torch.float16, "cpu")
+
+    def fn(q, k, v):
+        return sparse_attn.Xattention_prefill(q, k, v, 8, backend="reference").float() + 1
+
+    expected = fn(q, q, q)
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, q, q)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def layer(query, key, value, ids, q_idx, cache, table, lens):
