@@ -22,8 +22,10 @@ using detail::copy_strides;
 using detail::throw_not_supported;
 using detail::throw_value_error;
 
-// Checks query, key and the estimation options; returns the params with sizes and scalars
-// decided (no pointers yet).
+}  // namespace
+
+namespace detail {
+
 XAttnEstimateParams check_estimate_inputs(const TensorView& query, const TensorView& key,
                                           const XAttnEstimateOptions& o) {
   check_rank(query, "query", {4});
@@ -36,10 +38,11 @@ XAttnEstimateParams check_estimate_inputs(const TensorView& query, const TensorV
   if (query.size(3) < 1) {
     throw_value_error("query: expected head_dim >= 1, got shape {}", query.shape_str());
   }
-  if (query.size(2) > key.size(2)) {
+  if (query.size(2) > key.size(2) && (o.causal || o.keep_recent)) {
     throw_value_error(
-        "query: expected at most as many query rows as keys (the queries are the last Lq "
-        "positions of the key sequence), got Lq = {} with key length Lk = {}",
+        "query: expected at most as many query rows as keys with causal or keep_recent (the "
+        "queries are the last Lq positions of the key sequence), got Lq = {} with key length "
+        "Lk = {}",
         query.size(2), key.size(2));
   }
   if (o.block_size < 1) {
@@ -99,14 +102,17 @@ XAttnEstimateParams check_estimate_inputs(const TensorView& query, const TensorV
   return p;
 }
 
+}  // namespace detail
+
+namespace {
+
 // attn_sums and block_mask of a selection: FP32 and bool [B, H, q_blocks, k_blocks], on
 // `device`, disjoint from each other.
 void check_select_outputs(const TensorView& attn_sums, const TensorView& block_mask,
                           const Shape& shape, std::string_view what, Device device,
                           std::string_view device_of, bool sums_is_output) {
   if (sums_is_output) {
-    detail::check_xattn_output(attn_sums, "attn_sums", DType::kF32, shape, what, device,
-                               device_of);
+    detail::check_xattn_output(attn_sums, "attn_sums", DType::kF32, shape, what, device, device_of);
   }
   detail::check_xattn_output(block_mask, "block_mask", DType::kBool, shape, what, device,
                              device_of);
@@ -123,45 +129,54 @@ void fill_select_pointers(BlockSelectParams& s, const TensorView& attn_sums,
 
 }  // namespace
 
+namespace detail {
+
+void check_estimate_outputs(const XAttnEstimateParams& p, const TensorView& query,
+                            const TensorView& key, const TensorView& attn_sums,
+                            const TensorView& block_mask) {
+  check_select_outputs(attn_sums, block_mask, {p.batch, p.num_q_heads, p.q_blocks, p.k_blocks},
+                       "xattn_estimate_shape(query, key)", query.device(), "query", true);
+  for (const auto& [out, out_name] :
+       {std::pair{attn_sums, "attn_sums"}, std::pair{block_mask, "block_mask"}}) {
+    check_no_overlap(out, out_name, query, "query");
+    check_no_overlap(out, out_name, key, "key");
+  }
+}
+
+void fill_estimate_pointers(XAttnEstimateParams& p, const TensorView& query, const TensorView& key,
+                            const TensorView& attn_sums, const TensorView& block_mask) {
+  p.q = query.data();
+  copy_strides(query, p.q_stride, 4);
+  p.k = key.data();
+  copy_strides(key, p.k_stride, 4);
+  p.attn_sums = attn_sums.data_as<float>();
+  copy_strides(attn_sums, p.sums_stride, 4);
+  fill_select_pointers(p.select, attn_sums, block_mask);
+}
+
+}  // namespace detail
+
 Shape xattn_estimate_shape(const TensorView& query, const TensorView& key,
                            const XAttnEstimateOptions& options) {
-  const XAttnEstimateParams p = check_estimate_inputs(query, key, options);
+  const XAttnEstimateParams p = detail::check_estimate_inputs(query, key, options);
   return {p.batch, p.num_q_heads, p.q_blocks, p.k_blocks};
 }
 
 void xattn_estimate(const TensorView& query, const TensorView& key, const TensorView& attn_sums,
                     const TensorView& block_mask, const XAttnEstimateOptions& options) {
-  XAttnEstimateParams p = check_estimate_inputs(query, key, options);
+  XAttnEstimateParams p = detail::check_estimate_inputs(query, key, options);
   const std::vector<double> thresholds = detail::resolve_thresholds(options, p.num_q_heads);
-  const Shape shape{p.batch, p.num_q_heads, p.q_blocks, p.k_blocks};
-  check_select_outputs(attn_sums, block_mask, shape, "xattn_estimate_shape(query, key)",
-                       query.device(), "query", true);
-  for (const auto& [out, out_name] :
-       {std::pair{attn_sums, "attn_sums"}, std::pair{block_mask, "block_mask"}}) {
-    detail::check_no_overlap(out, out_name, query, "query");
-    detail::check_no_overlap(out, out_name, key, "key");
-  }
+  detail::check_estimate_outputs(p, query, key, attn_sums, block_mask);
   p.select.thresholds = thresholds.data();
-
-  auto fill = [&p](const TensorView& q, const TensorView& k, const TensorView& sums,
-                   const TensorView& mask) {
-    p.q = q.data();
-    copy_strides(q, p.q_stride, 4);
-    p.k = k.data();
-    copy_strides(k, p.k_stride, 4);
-    p.attn_sums = sums.data_as<float>();
-    copy_strides(sums, p.sums_stride, 4);
-    fill_select_pointers(p.select, sums, mask);
-  };
   if (options.backend == Backend::kNative) {
     detail::check_native_device(query, "query", "xattn_estimate");
-    fill(query, key, attn_sums, block_mask);
+    detail::fill_estimate_pointers(p, query, key, attn_sums, block_mask);
     native_xattn_estimate(p);
     return;
   }
   detail::HostStaging staging;
-  fill(staging.input(query), staging.input(key), staging.output(attn_sums),
-       staging.output(block_mask));
+  detail::fill_estimate_pointers(p, staging.input(query), staging.input(key),
+                                 staging.output(attn_sums), staging.output(block_mask));
   reference_xattn_estimate_sums(p);
   reference_find_blocks(p.select);
   staging.commit();
@@ -188,13 +203,13 @@ void find_blocks_chunked(const TensorView& attn_sums, const TensorView& block_ma
   }
   if (options.k_len && (s.k_len < 0 || ceil_div(s.k_len, s.block_size) != s.k_blocks)) {
     throw_value_error(
-        "k_len: expected a key length of {} blocks of {} (attn_sums.shape[3]), got {}",
-        s.k_blocks, s.block_size, s.k_len);
+        "k_len: expected a key length of {} blocks of {} (attn_sums.shape[3]), got {}", s.k_blocks,
+        s.block_size, s.k_len);
   }
-  if (s.q_len > s.k_len) {
+  if (s.q_len > s.k_len && (options.causal || options.keep_recent)) {
     throw_value_error(
-        "attn_sums: expected at most as many query rows as keys (the queries are the last rows "
-        "of the key sequence), got q_len = {} and k_len = {} (shape {})",
+        "attn_sums: expected at most as many query rows as keys with causal or keep_recent (the "
+        "queries are the last rows of the key sequence), got q_len = {} and k_len = {} (shape {})",
         s.q_len, s.k_len, attn_sums.shape_str());
   }
   check_select_outputs(attn_sums, block_mask, attn_sums.shape(), "the shape of attn_sums",

@@ -2,7 +2,7 @@
 // Serves qsa_mqa_prefill and every form of qsa_indexer_mqa_score (padded / varlen queries,
 // logical / paged keys).
 //
-// Work split: a CTA owns 128 query rows (8 warps x 16) and a range of keys. Each warp keeps
+// Work split: a CTA owns 64 query rows (4 warps x 16) and a range of keys. Each warp keeps
 // its 16 rows x 4 heads x 128 features of Q in registers for the whole CTA (128 registers a
 // thread: the A operand of every MMA), and the CTA streams the keys through a 4-stage
 // cp.async pipeline of 64-key tiles. Per 8-key column block a warp issues 4 heads x 8 K-steps
@@ -34,10 +34,14 @@
 
 namespace sparse_attn::cuda::indexer::rows {
 
-inline constexpr int kWarps = 8;
+// 4 warps of ~250 registers let two CTAs share an SM, so one can stream -inf stores while
+// the other runs MMAs (with one 8-warp CTA per SM the two phases serialised: measured 2.42 ms
+// for the 64K prefill, docs/perf-notes.md).
+inline constexpr int kWarps = 4;
+inline constexpr int kCtasPerSm = 2;
 inline constexpr int kThreads = kWarps * 32;
 inline constexpr int kRowsPerWarp = 16;                  // one m16 tile per head
-inline constexpr int kBlockRows = kWarps * kRowsPerWarp;  // 128 query rows per CTA
+inline constexpr int kBlockRows = kWarps * kRowsPerWarp;  // 64 query rows per CTA
 inline constexpr int kBlockKeys = 64;                    // keys per pipeline stage
 inline constexpr int kStages = 4;                        // cp.async stages in flight
 inline constexpr int kChunks = kDim * 2 / 16;            // 16-byte chunks per key (16)
@@ -238,14 +242,16 @@ __device__ __forceinline__ void store_pair(const RowsProblem& p, float* row, int
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, kCtasPerSm)
     mqa_rows_kernel(const RowsProblem p, int64_t keys_per_cta) {
   extern __shared__ uint4 smem_raw[];
   SharedStorage& s = *reinterpret_cast<SharedStorage*>(smem_raw);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
-  // Reverse order: in a causal prefill the last row tiles carry the most work; starting them
-  // first keeps the tail of the grid short.
-  const int64_t row0 = (int64_t(gridDim.x) - 1 - blockIdx.x) * kBlockRows;
+  // Row tiles in zig-zag order (last, first, second last, second, ...): in a causal prefill
+  // neighbouring CTAs then pair a heavy tile with a light, mostly -inf one, so SMs mix MMA
+  // and store work and the grid has no long tail of heavy tiles.
+  const int64_t zig = blockIdx.x;
+  const int64_t row0 = (zig % 2 == 0 ? int64_t(gridDim.x) - 1 - zig / 2 : zig / 2) * kBlockRows;
   const int64_t col0 = int64_t(blockIdx.y) * keys_per_cta;
   const int64_t col1 = min(p.num_keys, col0 + keys_per_cta);
   float* const out = p.out;
@@ -394,15 +400,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// Splits the keys so that the grid has about 8 CTAs per SM over its lifetime (one resident at
-// a time: the Q fragments take 128 registers a thread), which evens out CTAs of very
-// different work (a causal prefill's first row tiles see few keys, its last ones all).
-// Example, the 64K-token prefill (65536 rows, 16384 keys) on 132 SMs: 512 row tiles want
-// ceil(1056 / 512) = 3 splits of 86 tiles (5504 keys). 4K tokens: 32 row tiles x 16 key tiles
-// want 33 splits, so 16 splits of one tile.
+// Splits the keys only as far as needed for two waves of resident CTAs: every split reloads
+// the CTA's Q (64 KB) and pays the prologue again, which dominated small prefills when the
+// keys were split finely (4K tokens: 52 us against a 5 us floor, docs/perf-notes.md).
+// Examples on 132 SMs (264 resident CTAs): the 64K-token prefill has 1024 row tiles, so one
+// split; 16K tokens: 256 row tiles want ceil(528 / 256) = 3 splits of 22 key tiles; 4K
+// tokens: 64 row tiles want 9 splits of 2 key tiles (16 in all).
 inline int64_t rows_keys_per_cta(int64_t row_tiles, int64_t num_keys, int sms) {
   const int64_t key_tiles = (num_keys + kBlockKeys - 1) / kBlockKeys;
-  const int64_t want = (8 * int64_t(sms) + row_tiles - 1) / row_tiles;
+  const int64_t want = (2 * kCtasPerSm * int64_t(sms) + row_tiles - 1) / row_tiles;
   int64_t splits = std::min<int64_t>(std::max<int64_t>(want, 1), key_tiles);
   int64_t tiles = (key_tiles + splits - 1) / splits;
   if ((key_tiles + tiles - 1) / tiles > 65535) tiles = (key_tiles + 65534) / 65535;  // grid.y
