@@ -3,10 +3,9 @@
 // Decode reads every visible key once and does 1 KFLOP per 256-byte key, so it is bound by
 // HBM bandwidth; the kernel's job is to keep enough bytes in flight. Each warp streams its
 // own 128 keys through a 4-stage cp.async ring in shared memory (16 keys = 4 KB a stage), so
-// up to 16 KB per warp are in flight without holding registers, and warps never wait for
-// each other (no CTA barrier). The first version loaded keys straight into registers: 104
-// registers a thread capped the SM at 16 warps, and DRAM ran at 60% of peak (ncu,
-// docs/perf-notes.md).
+// up to 12 KB per warp are in flight without holding registers, and warps never wait for
+// each other (no CTA barrier). The page table is read once per warp up front, and each copy
+// instruction covers whole 512-byte key pairs (docs/perf-notes.md has the versions before).
 //
 // The MMA puts 16 keys on M (A from shared memory, permuted-K layout of mma.cuh) and the 4
 // heads on N (n8, the other 4 columns zero): the tensor cores do the dot products at 50%
@@ -36,7 +35,7 @@ inline constexpr int kStages = 4;                         // groups in flight pe
 inline constexpr int kChunks = kDim * 2 / 16;             // 16-byte chunks per key (16)
 inline constexpr int kKeysPerWarp = kGroupKeys * kGroupsPerWarp;  // 128
 inline constexpr int kKeysPerCta = kWarps * kKeysPerWarp;         // 512
-inline constexpr int kChunksPerLane = kGroupKeys * kChunks / 32;  // 8: lane copies half a key
+inline constexpr int kChunksPerLane = kGroupKeys * kChunks / 32;  // 8 copies per lane a group
 
 struct SharedStorage {
   // [warp][stage][key][chunk], chunk XOR-swizzled by key parity as in the rows kernel.
@@ -90,51 +89,52 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t* pages = p.page_table + b * p.page_table_batch_stride;
   const int64_t slot_mask = (int64_t(1) << p.page_size_log2) - 1;
   const int groups = int((std::min(c1, limit) - c0 + kGroupKeys - 1) / kGroupKeys);
-  // This lane copies chunks [8 half, 8 half + 8) of key `row` of every group.
-  const int row = lane / 2, half = lane % 2;
-  // The physical page of this lane's key in group i, or -1 (past the limit, missing page).
-  const auto page_of = [&](int i) -> int64_t {
-    const int64_t n = c0 + i * kGroupKeys + row;
-    if (n >= limit) return -1;
-    const int64_t page = __ldg(pages + (n >> p.page_size_log2) * p.page_table_page_stride);
-    return page >= 0 && page < p.num_pages ? page : -1;
-  };
-  const auto issue = [&](int i, int64_t page) {
-    uint4* dst = s.keys[warp][i % kStages][row];
-    const uint16_t* src =
-        page < 0 ? k : k + page * p.k_page_stride + ((c0 + i * kGroupKeys + row) & slot_mask) * p.k_slot_stride;
+  // Page of key `lane` (lanes < 16) of every group, all looked up before the first copy so the
+  // page-table latency is paid once, not once per group; -1: past the limit or missing.
+  int32_t page[kGroupsPerWarp];
+#pragma unroll
+  for (int i = 0; i < kGroupsPerWarp; ++i) {
+    const int64_t n = c0 + i * kGroupKeys + lane;
+    int64_t pg = -1;
+    if (i < groups && lane < kGroupKeys && n < limit)
+      pg = __ldg(pages + (n >> p.page_size_log2) * p.page_table_page_stride);
+    page[i] = pg >= 0 && pg < p.num_pages ? int32_t(pg) : -1;
+  }
+  // Copy instruction j moves keys 2j and 2j + 1 (512 contiguous bytes when they share a page):
+  // lane l takes chunk l % 16 of key 2j + l / 16.
+  const auto issue = [&](int i) {
+    const int32_t pg_i = page[i];
 #pragma unroll
     for (int j = 0; j < kChunksPerLane; ++j) {
-      const int chunk = half * kChunksPerLane + j;
+      const int key = 2 * j + lane / kChunks, chunk = lane % kChunks;
+      const int32_t pg = __shfl_sync(0xffffffffu, pg_i, key);
+      const uint16_t* src = pg < 0 ? k
+                                   : k + pg * p.k_page_stride +
+                                         ((c0 + i * kGroupKeys + key) & slot_mask) * p.k_slot_stride;
+      uint4& dst = s.keys[warp][i % kStages][key][swizzle(key, chunk)];
       if (vec_k) {
         // Missing keys are zero-filled without a global read.
         cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
-            *reinterpret_cast<const uint4*>(src + chunk * 8), dst[swizzle(row, chunk)], page >= 0);
+            *reinterpret_cast<const uint4*>(src + chunk * 8), dst, pg >= 0);
       } else {
-        dst[swizzle(row, chunk)] = page >= 0 ? gather8(src, chunk * 8, p.k_dim_stride) : uint4{};
+        dst = pg >= 0 ? gather8(src, chunk * 8, p.k_dim_stride) : uint4{};
       }
     }
   };
 
-  int64_t page_next[kStages];  // pages of the groups in flight, for the validity of each row
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
-    page_next[st] = st < groups ? page_of(st) : -1;
-    if (st < groups) issue(st, page_next[st]);
+    if (st < groups) issue(st);
     cute::cp_async_fence();
   }
-  // Unrolled so that page_next[] is indexed by constants and stays in registers.
+  // Unrolled so that page[] is indexed by constants and stays in registers.
 #pragma unroll
   for (int i = 0; i < kGroupsPerWarp; ++i) {
     if (i >= groups) break;
-    const int64_t page_cur = page_next[i % kStages];
     const int pre = i + kStages - 1;
     // Everyone has finished reading the stage `pre` reuses (group i - 1) before it is refilled.
     __syncwarp();
-    if (pre < groups) {
-      page_next[pre % kStages] = page_of(pre);
-      issue(pre, page_next[pre % kStages]);
-    }
+    if (pre < groups) issue(pre);
     cute::cp_async_fence();
     cute::cp_async_wait<kStages - 1>();
     __syncwarp();
@@ -153,9 +153,9 @@ __global__ void __launch_bounds__(kThreads)
     float s_hi = relu(acc[2]) + relu(acc[3]);
     s_lo += __shfl_xor_sync(0xffffffffu, s_lo, 1);
     s_hi += __shfl_xor_sync(0xffffffffu, s_hi, 1);
-    // Key r of the group was copied by lane 2r; its page says whether the key exists.
-    const bool ok_lo = __shfl_sync(0xffffffffu, page_cur, 2 * g) >= 0;
-    const bool ok_hi = __shfl_sync(0xffffffffu, page_cur, 2 * (g + 8)) >= 0;
+    // Lane r holds the page of key r: whether the key exists.
+    const bool ok_lo = __shfl_sync(0xffffffffu, page[i], g) >= 0;
+    const bool ok_hi = __shfl_sync(0xffffffffu, page[i], g + 8) >= 0;
     // Quad lane 0 writes key g, quad lane 1 key g + 8.
     if (c < 2) {
       const int64_t n = c0 + i * kGroupKeys + 8 * c + g;
