@@ -50,6 +50,21 @@ Tensor int32_device(const std::vector<int32_t>& v, const Shape& shape) {
   return d;
 }
 
+// A device tensor of random values for multi-GB caches: one 64 MB random block (made on the
+// host) copied through it, which takes seconds less than drawing every element on the host.
+// Repeated contents do not change a gather's speed; zeros could (METHOD.md).
+Tensor random_pool(const Shape& shape, uint64_t seed) {
+  constexpr int64_t kBlock = int64_t{1} << 25;  // elements
+  Tensor t = Tensor::empty(shape, DType::kBF16, Device::cuda());
+  const int64_t n = t.numel();
+  Tensor block = random_device({std::min(n, kBlock)}, DType::kBF16, seed);
+  for (int64_t at = 0; at < n; at += kBlock) {
+    BENCH_CUDA(cudaMemcpy(static_cast<uint16_t*>(t.data()) + at, block.data(),
+                          std::min(kBlock, n - at) * sizeof(uint16_t), cudaMemcpyDeviceToDevice));
+  }
+  return t;
+}
+
 // Paged layout for requests of the given lengths: a shuffled pool and its block table.
 struct Pages {
   int64_t pool = 0, max_pages = 0;
@@ -104,8 +119,8 @@ Result bench_decode(Timer& timer, const Ceilings& c, int64_t batch) {
   for (int64_t b = 0; b <= batch; ++b) cu[b] = static_cast<int32_t>(b);
   Tensor q = random_device({batch, kHq, kD}, DType::kBF16, 1);
   Tensor gate = random_device({batch, kHq, kD}, DType::kBF16, 2);
-  Tensor k = random_device({pg.pool, kPage, kHkv, kD}, DType::kBF16, 3);
-  Tensor v = random_device({pg.pool, kPage, kHkv, kD}, DType::kBF16, 4);
+  Tensor k = random_pool({pg.pool, kPage, kHkv, kD}, 3);
+  Tensor v = random_pool({pg.pool, kPage, kHkv, kD}, 4);
   Tensor idx = int32_device(ids, {batch, kWidth});
   Tensor table = int32_device(pg.table, {batch, pg.max_pages});
   Tensor dl = int32_device(lens32, {batch}), dcu = int32_device(cu, {batch + 1});
@@ -173,9 +188,9 @@ Result bench_prefill(Timer& timer, int64_t tokens, bool structured, bool hint) {
   }
   const std::vector<int64_t> lens{tokens};
   const Pages pg = make_pages(lens, rng);
-  Tensor q = random_device({tokens, kHq, kD}, DType::kBF16, 5);
-  Tensor k = random_device({pg.pool, kPage, kHkv, kD}, DType::kBF16, 6);
-  Tensor v = random_device({pg.pool, kPage, kHkv, kD}, DType::kBF16, 7);
+  Tensor q = random_pool({tokens, kHq, kD}, 5);
+  Tensor k = random_pool({pg.pool, kPage, kHkv, kD}, 6);
+  Tensor v = random_pool({pg.pool, kPage, kHkv, kD}, 7);
   Tensor idx = int32_device(ids, {tokens, kWidth});
   Tensor table = int32_device(pg.table, {1, pg.max_pages});
   Tensor out = Tensor::empty({tokens, kHq, kD}, DType::kBF16, Device::cuda());
