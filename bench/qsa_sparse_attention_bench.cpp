@@ -11,12 +11,14 @@
 //     counts valid selected tokens only: 4 * tokens * Hq * D per row. 128K runs twice: token
 //     path, and structured path (block_indices hint). Dense cuDNN causal
 //     attention of the same shape is bench/sdpa_baseline.py's (same device call).
-// Usage: qsa_sparse_attention_bench [results.csv]. Prints a table last.
+// Usage: qsa_sparse_attention_bench [results.csv]. Prints each row as it is measured.
+// BENCH_ONLY=<prefix> runs the rows whose name starts with it (for a profiler run).
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <numeric>
 #include <random>
 #include <string>
@@ -239,10 +241,15 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     results.push_back(std::move(r));
   };
-  for (int64_t b : {1, 8, 32, 128}) add(bench_decode(timer, c, b));
-  for (int64_t n : {16384, 65536, 131072}) add(bench_prefill(timer, n, true, false));
-  add(bench_prefill(timer, 16384, false, false));
-  add(bench_prefill(timer, 131072, true, true));
+  const char* only_env = std::getenv("BENCH_ONLY");
+  const std::string only = only_env ? only_env : "";
+  auto want = [&](const std::string& name) { return name.rfind(only, 0) == 0; };
+  for (int64_t b : {1, 8, 32, 128})
+    if (want(fmt::format("decode_b{}", b))) add(bench_decode(timer, c, b));
+  for (int64_t n : {16384, 65536, 131072})
+    if (want(fmt::format("prefill_{}k_structured", n / 1024))) add(bench_prefill(timer, n, true, false));
+  if (want("prefill_16k_random")) add(bench_prefill(timer, 16384, false, false));
+  if (want("prefill_128k_structured_hint")) add(bench_prefill(timer, 131072, true, true));
 
   if (argc > 1) {
     std::FILE* f = std::fopen(argv[1], "w");
