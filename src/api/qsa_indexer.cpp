@@ -29,9 +29,10 @@ using Named = std::pair<const TensorView*, const char*>;
 float resolve_scale(const std::optional<double>& scale, const std::optional<double>& score_scale,
                     int64_t dim) {
   if (scale && score_scale) {
-    throw_value_error("scale: scale (a multiplier) and score_scale (a denominator) are mutually "
-                      "exclusive, got scale = {} and score_scale = {}",
-                      *scale, *score_scale);
+    throw_value_error(
+        "scale: scale (a multiplier) and score_scale (a denominator) are mutually "
+        "exclusive, got scale = {} and score_scale = {}",
+        *scale, *score_scale);
   }
   if (scale) {
     detail::check_positive_scalar(*scale, "scale");
@@ -87,14 +88,16 @@ void check_out(const TensorView& out, const Shape& shape, std::string_view what,
 // What every native indexer kernel requires of a call.
 void check_native(const char* op, const TensorView& q, const char* q_name) {
   if (!q.device().is_cuda()) {
-    throw_not_supported("{}: backend 'native' runs on CUDA tensors, but {} is on {}; pass "
-                        "backend='reference' for host tensors",
-                        op, q_name, q.device().str());
+    throw_not_supported(
+        "{}: backend 'native' runs on CUDA tensors, but {} is on {}; pass "
+        "backend='reference' for host tensors",
+        op, q_name, q.device().str());
   }
   if (q.size(-2) != kNativeHeads || q.size(-1) != kNativeDim) {
-    throw_not_supported("{}: backend 'native' supports heads == {} and dim == {}, got {} of shape "
-                        "{}; pass backend='reference'",
-                        op, kNativeHeads, kNativeDim, q_name, q.shape_str());
+    throw_not_supported(
+        "{}: backend 'native' supports heads == {} and dim == {}, got {} of shape "
+        "{}; pass backend='reference'",
+        op, kNativeHeads, kNativeDim, q_name, q.shape_str());
   }
 }
 
@@ -118,8 +121,7 @@ struct ScoreLayout {
   Shape out_shape;
 };
 
-ScoreLayout check_score(const TensorView& q, const TensorView& k,
-                        const IndexerScoreOptions& o) {
+ScoreLayout check_score(const TensorView& q, const TensorView& k, const IndexerScoreOptions& o) {
   detail::check_rank(q, "q_idx", {3, 4});
   ScoreLayout l{};
   l.varlen = q.dim() == 3;
@@ -153,9 +155,10 @@ ScoreLayout check_score(const TensorView& q, const TensorView& k,
     l.num_blocks = bt.size(1) * l.page_size;
   } else {
     if (o.page_size) {
-      throw_value_error("page_size: only valid with block_table (a paged block_keys cache), got "
-                        "page_size = {} without block_table",
-                        *o.page_size);
+      throw_value_error(
+          "page_size: only valid with block_table (a paged block_keys cache), got "
+          "page_size = {} without block_table",
+          *o.page_size);
     }
     detail::check_rank(k, "block_keys", {3});
     key_batch = k.size(0);
@@ -169,9 +172,10 @@ ScoreLayout check_score(const TensorView& q, const TensorView& k,
                                       std::pair{o.token_to_req.has_value(), "token_to_req"},
                                       std::pair{o.num_requests.has_value(), "num_requests"}}) {
       if (given) {
-        throw_value_error("{}: only valid with varlen q_idx [total_q, heads, dim], got padded "
-                          "q_idx of shape {}",
-                          name, q.shape_str());
+        throw_value_error(
+            "{}: only valid with varlen q_idx [total_q, heads, dim], got padded "
+            "q_idx of shape {}",
+            name, q.shape_str());
       }
     }
     l.batch = q.size(0);
@@ -181,27 +185,30 @@ ScoreLayout check_score(const TensorView& q, const TensorView& k,
                         l.paged ? "block_table.shape[0]" : "block_keys.shape[0]", q.shape_str());
     }
     if (o.query_positions) {
-      check_int32(*o.query_positions, "query_positions", {l.batch, l.q_len}, "q_idx.shape[:2]",
-                  dev, "q_idx");
+      check_int32(*o.query_positions, "query_positions", {l.batch, l.q_len}, "q_idx.shape[:2]", dev,
+                  "q_idx");
     }
-    if (o.seq_lens_q) check_int32(*o.seq_lens_q, "seq_lens_q", {l.batch}, "q_idx.shape[0]", dev,
-                                  "q_idx");
+    if (o.seq_lens_q)
+      check_int32(*o.seq_lens_q, "seq_lens_q", {l.batch}, "q_idx.shape[0]", dev, "q_idx");
     l.out_shape = {l.batch, l.q_len, l.num_blocks};
   } else {
     l.q_len = q.size(0);
     if (o.cu_seqlens_q.has_value() == o.token_to_req.has_value()) {
-      throw_value_error("cu_seqlens_q: varlen q_idx [total_q, heads, dim] needs exactly one of "
-                        "cu_seqlens_q and token_to_req, got {}",
-                        o.cu_seqlens_q ? "both" : "neither");
+      throw_value_error(
+          "cu_seqlens_q: varlen q_idx [total_q, heads, dim] needs exactly one of "
+          "cu_seqlens_q and token_to_req, got {}",
+          o.cu_seqlens_q ? "both" : "neither");
     }
     if (o.seq_lens_q) {
-      throw_value_error("seq_lens_q: only valid with padded q_idx [B, Q, heads, dim]; varlen "
-                        "rows come from cu_seqlens_q or token_to_req");
+      throw_value_error(
+          "seq_lens_q: only valid with padded q_idx [B, Q, heads, dim]; varlen "
+          "rows come from cu_seqlens_q or token_to_req");
     }
     if (o.cu_seqlens_q) {
       if (o.num_requests) {
-        throw_value_error("num_requests: only valid with token_to_req, got it with "
-                          "cu_seqlens_q");
+        throw_value_error(
+            "num_requests: only valid with token_to_req, got it with "
+            "cu_seqlens_q");
       }
       l.batch = key_batch;
       check_int32(*o.cu_seqlens_q, "cu_seqlens_q", {key_batch + 1},
@@ -215,17 +222,16 @@ ScoreLayout check_score(const TensorView& q, const TensorView& k,
       }
     }
     if (o.query_positions) {
-      check_int32(*o.query_positions, "query_positions", {l.q_len}, "q_idx.shape[0]", dev,
-                  "q_idx");
+      check_int32(*o.query_positions, "query_positions", {l.q_len}, "q_idx.shape[0]", dev, "q_idx");
     }
     l.out_shape = {l.q_len, l.num_blocks};
   }
   return l;
 }
 
-detail::MqaScoreParams score_params(const ScoreLayout& l, const TensorView& q,
-                                    const TensorView& k, const TensorView& out,
-                                    const IndexerScoreOptions& o, float scale) {
+detail::MqaScoreParams score_params(const ScoreLayout& l, const TensorView& q, const TensorView& k,
+                                    const TensorView& out, const IndexerScoreOptions& o,
+                                    float scale) {
   detail::MqaScoreParams p{};
   p.dtype = q.dtype();
   p.varlen = l.varlen;
@@ -338,15 +344,14 @@ void check_decode_inputs(const TensorView& q, const TensorView& k_cache, int64_t
                       k_cache.shape_str());
   }
   if (max_model_len < 0) {
-    throw_value_error("max_model_len: expected a non-negative output width, got {}",
-                      max_model_len);
+    throw_value_error("max_model_len: expected a non-negative output width, got {}", max_model_len);
   }
 }
 
 detail::MqaDecodeParams decode_params(const TensorView& q4, const TensorView& k4,
-                                      const TensorView& page_table,
-                                      const TensorView& context_lens, int64_t max_model_len,
-                                      const TensorView& out, float scale, StreamHandle stream) {
+                                      const TensorView& page_table, const TensorView& context_lens,
+                                      int64_t max_model_len, const TensorView& out, float scale,
+                                      StreamHandle stream) {
   const TensorView q = q4.dim() == 4 ? drop_axis(q4, 1) : q4;
   const TensorView k = k4.dim() == 4 ? drop_axis(k4, 2) : k4;
   detail::MqaDecodeParams p{};
@@ -425,8 +430,7 @@ Shape qsa_mqa_prefill_shape(const TensorView& q, const TensorView& k) {
 }
 
 void qsa_mqa_prefill(const TensorView& q, const TensorView& k, const TensorView& row_starts,
-                     const TensorView& row_ends, const TensorView& out,
-                     const MqaScoreOptions& o) {
+                     const TensorView& row_ends, const TensorView& out, const MqaScoreOptions& o) {
   check_prefill(q, k);
   const Device dev = q.device();
   check_int32(row_starts, "row_starts", {q.size(0)}, "q.shape[0]", dev, "q");
@@ -454,8 +458,7 @@ void qsa_mqa_prefill(const TensorView& q, const TensorView& k, const TensorView&
 Shape qsa_mqa_decode_shape(const TensorView& q, int64_t max_model_len) {
   detail::check_rank(q, "q", {3, 4});
   if (max_model_len < 0) {
-    throw_value_error("max_model_len: expected a non-negative output width, got {}",
-                      max_model_len);
+    throw_value_error("max_model_len: expected a non-negative output width, got {}", max_model_len);
   }
   return {q.size(0), max_model_len};
 }
@@ -481,9 +484,10 @@ void qsa_mqa_decode(const TensorView& q, const TensorView& k_cache, const Tensor
   if (o.backend == Backend::kNative) {
     check_native("qsa_mqa_decode", q, "q");
     if (!native_decode_page_size(k_cache.size(1))) {
-      throw_not_supported("k_cache: backend 'native' supports page sizes 8, 16, 32 and 64, got "
-                          "page size {} (k_cache.shape[1]); pass backend='reference'",
-                          k_cache.size(1));
+      throw_not_supported(
+          "k_cache: backend 'native' supports page sizes 8, 16, 32 and 64, got "
+          "page size {} (k_cache.shape[1]); pass backend='reference'",
+          k_cache.size(1));
     }
     detail::native_mqa_decode(
         decode_params(q, k_cache, page_table, context_lens, max_model_len, out, scale, o.stream));

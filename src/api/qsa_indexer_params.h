@@ -39,7 +39,7 @@ struct MqaScoreParams {
   int64_t q_batch_stride;  // padded: stride of axis 0; varlen: 0 (unused)
   int64_t q_row_stride;    // stride of the query-row axis (padded axis 1, varlen axis 0)
   int64_t q_head_stride;
-  int64_t q_dim_stride;    // 1 on the native path (vector loads)
+  int64_t q_dim_stride;  // 1 on the native path (vector loads)
 
   // Varlen request mapping: exactly one of the two is non-null when varlen, both null when padded.
   const int32_t* cu_seqlens_q;  // [batch + 1] row offsets; request r owns rows [cu[r], cu[r+1])
@@ -78,7 +78,7 @@ struct MqaScoreParams {
   float scale;  // multiplier
 
   // --- output, FP32 ---
-  float* out;  // padded [batch, q_len, num_blocks] / varlen [q_len, num_blocks]
+  float* out;                // padded [batch, q_len, num_blocks] / varlen [q_len, num_blocks]
   int64_t out_batch_stride;  // padded only; 0 for varlen
   int64_t out_row_stride;
   int64_t out_col_stride;

@@ -36,10 +36,10 @@ const void* offset(const void* base, DType dtype, int64_t elements) {
 
 // Where a query row of the score op lives and what it sees.
 struct ScoreRow {
-  int64_t req;   // request index
-  int64_t pos;   // request-local position
-  bool valid;    // false: padded row past seq_lens_q (all -inf)
-  int64_t q_off; // element offset of q[row, 0, 0]
+  int64_t req;    // request index
+  int64_t pos;    // request-local position
+  bool valid;     // false: padded row past seq_lens_q (all -inf)
+  int64_t q_off;  // element offset of q[row, 0, 0]
   int64_t out_off;
 };
 
@@ -52,9 +52,10 @@ std::vector<ScoreRow> score_rows(const MqaScoreParams& p) {
       if (p.seq_lens_q) {
         valid_rows = p.seq_lens_q[b * p.seq_lens_q_stride];
         if (valid_rows < 0 || valid_rows > p.q_len) {
-          throw_value_error("seq_lens_q: expected values in [0, {}] (q_idx.shape[1]), got "
-                            "seq_lens_q[{}] = {}",
-                            p.q_len, b, valid_rows);
+          throw_value_error(
+              "seq_lens_q: expected values in [0, {}] (q_idx.shape[1]), got "
+              "seq_lens_q[{}] = {}",
+              p.q_len, b, valid_rows);
         }
       }
       for (int64_t i = 0; i < p.q_len; ++i) {
@@ -78,9 +79,10 @@ std::vector<ScoreRow> score_rows(const MqaScoreParams& p) {
     }
     for (int64_t r = 0; r < p.batch; ++r) {
       if (cu(r + 1) < cu(r)) {
-        throw_value_error("cu_seqlens_q: expected non-decreasing offsets, got cu_seqlens_q[{}] = "
-                          "{} > cu_seqlens_q[{}] = {}",
-                          r, cu(r), r + 1, cu(r + 1));
+        throw_value_error(
+            "cu_seqlens_q: expected non-decreasing offsets, got cu_seqlens_q[{}] = "
+            "{} > cu_seqlens_q[{}] = {}",
+            r, cu(r), r + 1, cu(r + 1));
       }
     }
     // Monotonic from 0 to q_len: every offset lies in [0, q_len].
@@ -95,9 +97,10 @@ std::vector<ScoreRow> score_rows(const MqaScoreParams& p) {
     for (int64_t row = 0; row < p.q_len; ++row) {
       const int64_t r = p.token_to_req[row * p.token_to_req_stride];
       if (r < 0 || r >= p.batch) {
-        throw_value_error("token_to_req: expected request ids in [0, {}) (num_requests), got "
-                          "token_to_req[{}] = {}",
-                          p.batch, row, r);
+        throw_value_error(
+            "token_to_req: expected request ids in [0, {}) (num_requests), got "
+            "token_to_req[{}] = {}",
+            p.batch, row, r);
       }
       req[row] = r;
       local[row] = seen[r]++;

@@ -108,8 +108,7 @@ std::vector<Row> varlen_rows(const std::vector<int64_t>& req_of, const TensorVie
   std::vector<int64_t> seen(64, 0);
   for (size_t r = 0; r < req_of.size(); ++r) {
     const auto row = static_cast<int64_t>(r);
-    const int64_t pos =
-        positions ? static_cast<int64_t>(get(*positions, {row})) : seen[req_of[r]];
+    const int64_t pos = positions ? static_cast<int64_t>(get(*positions, {row})) : seen[req_of[r]];
     ++seen[req_of[r]];
     rows.push_back({{row}, req_of[r], pos, true});
   }
@@ -142,8 +141,8 @@ TEST_P(IndexerDtype, ScorePaddedLogicalKeys) {
   Tensor out = Tensor::empty({B, Q, NB}, DType::kF32);
   poison(out);
   qsa_indexer_mqa_score(q, k, out, reference_score());
-  const auto expected = expected_scores(q, k, padded_rows(B, Q, nullptr, nullptr), std::nullopt,
-                                        NB, 1.0 / std::sqrt(128.0));
+  const auto expected = expected_scores(q, k, padded_rows(B, Q, nullptr, nullptr), std::nullopt, NB,
+                                        1.0 / std::sqrt(128.0));
   EXPECT_TRUE(all_close(out, expected, kAtol, kRtol));
   EXPECT_EQ(qsa_indexer_mqa_score_shape(q, k), (Shape{B, Q, NB}));
 }
@@ -163,9 +162,9 @@ TEST_P(IndexerDtype, ScorePaddedPositionsAndSeqLensQ) {
   poison(out);
   qsa_indexer_mqa_score(q, k, out, o);
   const TensorView pv = pos.view(), sv = seq_lens.view();
-  EXPECT_TRUE(all_close(
-      out, expected_scores(q, k, padded_rows(B, Q, &pv, &sv), std::nullopt, NB, 0.37), kAtol,
-      kRtol));
+  EXPECT_TRUE(all_close(out,
+                        expected_scores(q, k, padded_rows(B, Q, &pv, &sv), std::nullopt, NB, 0.37),
+                        kAtol, kRtol));
 }
 
 TEST_P(IndexerDtype, ScoreVarlenCuSeqlens) {
@@ -184,9 +183,9 @@ TEST_P(IndexerDtype, ScoreVarlenCuSeqlens) {
   qsa_indexer_mqa_score(q, k, out, o);
   std::vector<int64_t> req_of;
   for (int r = 0; r < 3; ++r) req_of.insert(req_of.end(), cu[r + 1] - cu[r], r);
-  EXPECT_TRUE(all_close(
-      out, expected_scores(q, k, varlen_rows(req_of, nullptr), std::nullopt, NB, 0.25), kAtol,
-      kRtol));
+  EXPECT_TRUE(all_close(out,
+                        expected_scores(q, k, varlen_rows(req_of, nullptr), std::nullopt, NB, 0.25),
+                        kAtol, kRtol));
   EXPECT_EQ(qsa_indexer_mqa_score_shape(q, k, o), (Shape{total, NB}));
 }
 
@@ -205,10 +204,10 @@ TEST_P(IndexerDtype, ScoreVarlenTokenToReqInterleavedRows) {
   qsa_indexer_mqa_score(q, k, out, o);
   std::vector<int64_t> req_of;
   for (double v : to_vector(t2r)) req_of.push_back(static_cast<int64_t>(v));
-  EXPECT_TRUE(all_close(out,
-                        expected_scores(q, k, varlen_rows(req_of, nullptr), std::nullopt, NB,
-                                        1.0 / std::sqrt(32.0)),
-                        kAtol, kRtol));
+  EXPECT_TRUE(all_close(
+      out,
+      expected_scores(q, k, varlen_rows(req_of, nullptr), std::nullopt, NB, 1.0 / std::sqrt(32.0)),
+      kAtol, kRtol));
 }
 
 TEST_P(IndexerDtype, ScoreVarlenWithQueryPositions) {
@@ -225,11 +224,10 @@ TEST_P(IndexerDtype, ScoreVarlenWithQueryPositions) {
   poison(out);
   qsa_indexer_mqa_score(q, k, out, o);
   const TensorView pv = pos.view();
-  EXPECT_TRUE(all_close(
-      out,
-      expected_scores(q, k, varlen_rows({0, 0, 0, 1, 1, 1, 1, 1, 1, 1}, &pv), std::nullopt, NB,
-                      0.25),
-      kAtol, kRtol));
+  EXPECT_TRUE(all_close(out,
+                        expected_scores(q, k, varlen_rows({0, 0, 0, 1, 1, 1, 1, 1, 1, 1}, &pv),
+                                        std::nullopt, NB, 0.25),
+                        kAtol, kRtol));
 }
 
 // Paged block keys: -1 and out-of-range pages mask their columns.
@@ -256,8 +254,8 @@ TEST_P(ScorePaged, PaddedQueries) {
   qsa_indexer_mqa_score(q, cache, out, o);
   const TensorView pv = pos.view();
   EXPECT_TRUE(all_close(out,
-                        expected_scores(q, cache, padded_rows(B, Q, &pv, nullptr), table.view(),
-                                        NB, 1.0 / std::sqrt(128.0)),
+                        expected_scores(q, cache, padded_rows(B, Q, &pv, nullptr), table.view(), NB,
+                                        1.0 / std::sqrt(128.0)),
                         kAtol, kRtol));
 }
 
@@ -281,19 +279,20 @@ TEST_P(ScorePaged, VarlenQueries) {
   poison(out);
   qsa_indexer_mqa_score(q, cache, out, o);
   const TensorView pv = pos.view();
-  EXPECT_TRUE(all_close(out,
-                        expected_scores(q, cache, varlen_rows({1, 0, 1, 1, 0, 0, 1, 0, 0, 1, 1}, &pv),
-                                        table.view(), NB, 1.0 / 8.0),
-                        kAtol, kRtol));
+  EXPECT_TRUE(
+      all_close(out,
+                expected_scores(q, cache, varlen_rows({1, 0, 1, 1, 0, 0, 1, 0, 0, 1, 1}, &pv),
+                                table.view(), NB, 1.0 / 8.0),
+                kAtol, kRtol));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    PageSizes, ScorePaged,
-    ::testing::Combine(::testing::Values<int64_t>(1, 3, 8, 64), ::testing::Bool()),
-    [](const auto& info) {
-      return "page" + std::to_string(std::get<0>(info.param)) +
-             (std::get<1>(info.param) ? "_head_axis" : "_no_head_axis");
-    });
+INSTANTIATE_TEST_SUITE_P(PageSizes, ScorePaged,
+                         ::testing::Combine(::testing::Values<int64_t>(1, 3, 8, 64),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           return "page" + std::to_string(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_head_axis" : "_no_head_axis");
+                         });
 
 TEST(IndexerScore, GeneralHeadsDimAndStridedInputs) {
   auto rng = make_rng();
@@ -307,8 +306,8 @@ TEST(IndexerScore, GeneralHeadsDimAndStridedInputs) {
   poison(out);
   qsa_indexer_mqa_score(q, k, out, reference_score());
   EXPECT_TRUE(all_close(out,
-                        expected_scores(q, k, padded_rows(B, Q, nullptr, nullptr), std::nullopt,
-                                        NB, 1.0 / std::sqrt(20.0)),
+                        expected_scores(q, k, padded_rows(B, Q, nullptr, nullptr), std::nullopt, NB,
+                                        1.0 / std::sqrt(20.0)),
                         kAtol, kRtol));
 }
 
@@ -323,8 +322,8 @@ TEST(IndexerScore, OutIntoStridedViewLeavesSurroundingsUntouched) {
   TensorView out = big.view().narrow(2, 2, NB);
   qsa_indexer_mqa_score(q, k, out, reference_score());
   EXPECT_TRUE(all_close(out,
-                        expected_scores(q, k, padded_rows(B, Q, nullptr, nullptr), std::nullopt,
-                                        NB, 1.0 / std::sqrt(128.0)),
+                        expected_scores(q, k, padded_rows(B, Q, nullptr, nullptr), std::nullopt, NB,
+                                        1.0 / std::sqrt(128.0)),
                         kAtol, kRtol));
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t i = 0; i < Q; ++i) {
@@ -416,9 +415,9 @@ std::vector<double> expected_prefill(const TensorView& q, const TensorView& k,
     const double e = get(ends, {r});
     for (int64_t j = 0; j < k.size(0); ++j) {
       const bool visible = j >= s && j < e;
-      out.push_back(visible ? scale * relu_head_sum(q, {r}, k, k.dim() == 3
-                                                                   ? std::vector<int64_t>{j, 0}
-                                                                   : std::vector<int64_t>{j})
+      out.push_back(visible ? scale * relu_head_sum(q, {r}, k,
+                                                    k.dim() == 3 ? std::vector<int64_t>{j, 0}
+                                                                 : std::vector<int64_t>{j})
                             : -kInf);
     }
   }
@@ -519,8 +518,8 @@ TEST_P(DecodePaged, MasksContextAndBadPages) {
   poison(out);
   qsa_mqa_decode(q, cache, table, context, max_model_len, out, reference_mqa());
   EXPECT_TRUE(all_close(
-      out, expected_decode(q, cache, table, context, max_model_len, 1.0 / std::sqrt(128.0)),
-      kAtol, kRtol));
+      out, expected_decode(q, cache, table, context, max_model_len, 1.0 / std::sqrt(128.0)), kAtol,
+      kRtol));
   EXPECT_EQ(qsa_mqa_decode_shape(q, max_model_len), (Shape{B, max_model_len}));
 }
 
@@ -548,14 +547,648 @@ TEST(IndexerDecode, BroadcastQueryRankFourAndNarrowWidth) {
   MqaScoreOptions o = reference_mqa();
   o.score_scale = 3.0;
   qsa_mqa_decode(q, cache, table, context, max_model_len, out, o);
-  EXPECT_TRUE(
-      all_close(out, expected_decode(q, cache, table, context, max_model_len, 1.0 / 3.0), kAtol,
-                kRtol));
+  EXPECT_TRUE(all_close(out, expected_decode(q, cache, table, context, max_model_len, 1.0 / 3.0),
+                        kAtol, kRtol));
   for (int64_t b = 0; b < B; ++b) EXPECT_TRUE(std::isnan(get(big, {b, 0})));
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, IndexerDtype, ::testing::Values(DType::kBF16, DType::kF16),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+}  // namespace
+}  // namespace sparse_attn
+
+// ---------------------------------------------------------------------------------------
+// Validation: one case per rule, asserting the error kind and that the message names the
+// argument. Inputs are valid except for the one thing each case breaks.
+// ---------------------------------------------------------------------------------------
+
+namespace sparse_attn {
+namespace {
+
+enum class Kind { kValue, kType, kNotSupported };
+
+struct ValidationCase {
+  std::string name;
+  std::function<void()> call;
+  Kind kind;
+  std::string needle;  // must appear in the message (the argument's name)
+};
+
+void PrintTo(const ValidationCase& c, std::ostream* os) { *os << c.name; }
+
+// A view claiming to live on cuda:0 over host memory: validation reads no contents, so every
+// case that uses it must fail before a kernel would touch the memory.
+TensorView on_cuda(const TensorView& t) {
+  return TensorView(t.data(), t.dtype(), Device::cuda(0), t.shape(),
+                    Shape(t.strides(), t.strides() + t.dim()));
+}
+
+struct Fixture {
+  static constexpr int64_t B = 2, Q = 5, H = 4, D = 128, NB = 6, pages = 3, page_size = 8;
+  Tensor q = Tensor::empty({B, Q, H, D}, DType::kBF16);
+  Tensor qv = Tensor::empty({7, H, D}, DType::kBF16);
+  Tensor k = Tensor::empty({B, NB, D}, DType::kBF16);
+  Tensor cache = Tensor::empty({pages, page_size, 1, D}, DType::kBF16);
+  Tensor table = int32_tensor({B, 2}, {0, 1, 2, -1});
+  Tensor cu = int32_tensor({B + 1}, {0, 3, 7});
+  Tensor t2r = int32_tensor({7}, {0, 0, 1, 1, 1, 0, 1});
+  Tensor pos = int32_tensor({B, Q}, {0, 1, 2, 3, 4, 0, 1, 2, 3, 4});
+  Tensor seq = int32_tensor({B}, {5, 2});
+  Tensor out = Tensor::empty({B, Q, NB}, DType::kF32);
+  Tensor out_paged = Tensor::empty({B, Q, 2 * page_size}, DType::kF32);
+  Tensor outv = Tensor::empty({7, NB}, DType::kF32);
+  // prefill
+  Tensor pq = Tensor::empty({9, H, D}, DType::kF16);
+  Tensor pk = Tensor::empty({11, D}, DType::kF16);
+  Tensor starts = int32_tensor({9}, {0, 0, 0, 0, 0, 0, 0, 0, 0});
+  Tensor ends = int32_tensor({9}, {1, 2, 3, 4, 5, 6, 7, 8, 9});
+  Tensor pout = Tensor::empty({9, 11}, DType::kF32);
+  // decode
+  Tensor dq = Tensor::empty({B, H, D}, DType::kBF16);
+  Tensor ctx = int32_tensor({B}, {9, 16});
+  Tensor dout = Tensor::empty({B, 20}, DType::kF32);
+};
+
+Fixture& fx() {
+  static Fixture f;
+  return f;
+}
+
+IndexerScoreOptions paged_options() {
+  IndexerScoreOptions o = reference_score();
+  o.block_table = fx().table.view();
+  return o;
+}
+
+IndexerScoreOptions varlen_options() {
+  IndexerScoreOptions o = reference_score();
+  o.cu_seqlens_q = fx().cu.view();
+  return o;
+}
+
+void score(const TensorView& q, const TensorView& k, const TensorView& out,
+           const IndexerScoreOptions& o) {
+  qsa_indexer_mqa_score(q, k, out, o);
+}
+
+void prefill(const TensorView& q, const TensorView& k, const TensorView& s, const TensorView& e,
+             const TensorView& out, const MqaScoreOptions& o = reference_mqa()) {
+  qsa_mqa_prefill(q, k, s, e, out, o);
+}
+
+void decode(const TensorView& q, const TensorView& cache, const TensorView& table,
+            const TensorView& ctx, int64_t max_model_len, const TensorView& out,
+            const MqaScoreOptions& o = reference_mqa()) {
+  qsa_mqa_decode(q, cache, table, ctx, max_model_len, out, o);
+}
+
+std::vector<ValidationCase> validation_cases() {
+  Fixture& f = fx();
+  const TensorView q = f.q, qv = f.qv, k = f.k, cache = f.cache, out = f.out, outv = f.outv;
+  const TensorView out_paged = f.out_paged;
+  std::vector<ValidationCase> c;
+  auto add = [&](std::string name, std::function<void()> call, Kind kind, std::string needle) {
+    c.push_back({std::move(name), std::move(call), kind, std::move(needle)});
+  };
+  auto with = [](IndexerScoreOptions o, auto edit) {
+    edit(o);
+    return o;
+  };
+  const IndexerScoreOptions ref = reference_score();
+
+  // --- qsa_indexer_mqa_score: tensors ---
+  add(
+      "score_q_idx_rank", [=] { score(q.select(0, 0).select(0, 0), k, out, ref); }, Kind::kValue,
+      "q_idx");
+  add(
+      "score_q_idx_dtype",
+      [=] {
+        Tensor q32 = Tensor::empty({2, 5, 4, 128}, DType::kF32);
+        score(q32, k, out, ref);
+      },
+      Kind::kType, "q_idx");
+  add(
+      "score_block_keys_dtype",
+      [=] {
+        Tensor k16 = Tensor::empty({2, 6, 128}, DType::kF16);
+        score(q, k16, out, ref);
+      },
+      Kind::kType, "block_keys");
+  add(
+      "score_block_keys_device", [=] { score(q, on_cuda(k), out, ref); }, Kind::kValue,
+      "block_keys: expected device");
+  add(
+      "score_block_keys_dim", [=] { score(q, k.narrow(2, 0, 64), out, ref); }, Kind::kValue,
+      "block_keys");
+  add(
+      "score_block_keys_rank", [=] { score(q, cache, out, ref); }, Kind::kValue, "block_keys");
+  add(
+      "score_q_idx_zero_heads", [=] { score(q.narrow(2, 0, 0), k, out, ref); }, Kind::kValue,
+      "q_idx");
+  add(
+      "score_q_idx_null_data",
+      [=] { score(TensorView(nullptr, DType::kBF16, Device::cpu(), q.shape()), k, out, ref); },
+      Kind::kValue, "q_idx");
+  add(
+      "score_batch_mismatch", [=] { score(q.narrow(0, 0, 1), k, out.narrow(0, 0, 1), ref); },
+      Kind::kValue, "q_idx");
+  add(
+      "score_block_size", [=] { score(q, k, out, with(ref, [](auto& o) { o.block_size = 8; })); },
+      Kind::kValue, "block_size");
+  // --- scaling ---
+  add(
+      "score_scale_and_score_scale",
+      [=] {
+        score(q, k, out, with(ref, [](auto& o) {
+                o.scale = 0.1;
+                o.score_scale = 10.0;
+              }));
+      },
+      Kind::kValue, "score_scale");
+  add(
+      "score_scale_not_positive",
+      [=] { score(q, k, out, with(ref, [](auto& o) { o.scale = 0.0; })); }, Kind::kValue, "scale");
+  add(
+      "score_scale_nan", [=] { score(q, k, out, with(ref, [](auto& o) { o.scale = NAN; })); },
+      Kind::kValue, "scale");
+  add(
+      "score_score_scale_negative",
+      [=] { score(q, k, out, with(ref, [](auto& o) { o.score_scale = -2.0; })); }, Kind::kValue,
+      "score_scale");
+  // --- paged keys ---
+  add(
+      "score_page_size_mismatch",
+      [=] { score(q, cache, out_paged, with(paged_options(), [](auto& o) { o.page_size = 4; })); },
+      Kind::kValue, "page_size");
+  add(
+      "score_page_size_without_block_table",
+      [=] { score(q, k, out, with(ref, [](auto& o) { o.page_size = 8; })); }, Kind::kValue,
+      "page_size");
+  add(
+      "score_block_table_dtype",
+      [=] {
+        Tensor t = Tensor::empty({2, 2}, DType::kI64);
+        score(q, cache, out_paged,
+              with(paged_options(), [&](auto& o) { o.block_table = t.view(); }));
+      },
+      Kind::kType, "block_table");
+  add(
+      "score_block_table_rank",
+      [=] {
+        score(q, cache, out_paged,
+              with(paged_options(), [](auto& o) { o.block_table = o.block_table->select(0, 0); }));
+      },
+      Kind::kValue, "block_table");
+  add(
+      "score_block_table_device",
+      [=] {
+        score(q, cache, out_paged,
+              with(paged_options(), [](auto& o) { o.block_table = on_cuda(*o.block_table); }));
+      },
+      Kind::kValue, "block_table: expected device");
+  add(
+      "score_block_table_batch",
+      [=] {
+        score(q, cache, out_paged.narrow(1, 0, 5), with(paged_options(), [](auto& o) {
+                o.block_table = o.block_table->narrow(0, 0, 1);
+              }));
+      },
+      Kind::kValue, "block_table");
+  add(
+      "score_paged_cache_head_axis",
+      [=] {
+        Tensor c2 = Tensor::empty({3, 8, 2, 128}, DType::kBF16);
+        score(q, c2, out_paged, paged_options());
+      },
+      Kind::kValue, "block_keys");
+  add(
+      "score_paged_cache_zero_page_size",
+      [=] {
+        Tensor c0 = Tensor::empty({3, 0, 128}, DType::kBF16);
+        score(q, c0, out_paged.narrow(2, 0, 0), paged_options());
+      },
+      Kind::kValue, "block_keys");
+  // --- request layout ---
+  add(
+      "score_cu_seqlens_with_padded_q",
+      [=] { score(q, k, out, with(ref, [](auto& o) { o.cu_seqlens_q = fx().cu.view(); })); },
+      Kind::kValue, "cu_seqlens_q");
+  add(
+      "score_token_to_req_with_padded_q",
+      [=] { score(q, k, out, with(ref, [](auto& o) { o.token_to_req = fx().t2r.view(); })); },
+      Kind::kValue, "token_to_req");
+  add(
+      "score_num_requests_with_padded_q",
+      [=] { score(q, k, out, with(ref, [](auto& o) { o.num_requests = 2; })); }, Kind::kValue,
+      "num_requests");
+  add(
+      "score_varlen_needs_a_mapping", [=] { score(qv, k, outv, ref); }, Kind::kValue,
+      "cu_seqlens_q");
+  add(
+      "score_varlen_both_mappings",
+      [=] {
+        score(qv, k, outv,
+              with(varlen_options(), [](auto& o) { o.token_to_req = fx().t2r.view(); }));
+      },
+      Kind::kValue, "token_to_req");
+  add(
+      "score_seq_lens_q_with_varlen",
+      [=] {
+        score(qv, k, outv, with(varlen_options(), [](auto& o) { o.seq_lens_q = fx().seq.view(); }));
+      },
+      Kind::kValue, "seq_lens_q");
+  add(
+      "score_num_requests_with_cu_seqlens",
+      [=] { score(qv, k, outv, with(varlen_options(), [](auto& o) { o.num_requests = 2; })); },
+      Kind::kValue, "num_requests");
+  add(
+      "score_cu_seqlens_shape",
+      [=] {
+        score(qv, k, outv, with(varlen_options(), [](auto& o) {
+                o.cu_seqlens_q = o.cu_seqlens_q->narrow(0, 0, 2);
+              }));
+      },
+      Kind::kValue, "cu_seqlens_q");
+  add(
+      "score_cu_seqlens_dtype",
+      [=] {
+        Tensor t = Tensor::empty({3}, DType::kI64);
+        score(qv, k, outv, with(varlen_options(), [&](auto& o) { o.cu_seqlens_q = t.view(); }));
+      },
+      Kind::kType, "cu_seqlens_q");
+  add(
+      "score_token_to_req_shape",
+      [=] {
+        score(qv, k, outv,
+              with(ref, [](auto& o) { o.token_to_req = fx().t2r.view().narrow(0, 0, 6); }));
+      },
+      Kind::kValue, "token_to_req");
+  add(
+      "score_token_to_req_device",
+      [=] { score(qv, k, outv, with(ref, [](auto& o) { o.token_to_req = on_cuda(fx().t2r); })); },
+      Kind::kValue, "token_to_req: expected device");
+  add(
+      "score_num_requests_above_key_batch",
+      [=] {
+        score(qv, k, outv, with(ref, [](auto& o) {
+                o.token_to_req = fx().t2r.view();
+                o.num_requests = 3;
+              }));
+      },
+      Kind::kValue, "num_requests");
+  add(
+      "score_num_requests_negative",
+      [=] {
+        score(qv, k, outv, with(ref, [](auto& o) {
+                o.token_to_req = fx().t2r.view();
+                o.num_requests = -1;
+              }));
+      },
+      Kind::kValue, "num_requests");
+  add(
+      "score_query_positions_shape_padded",
+      [=] {
+        score(q, k, out,
+              with(ref, [](auto& o) { o.query_positions = fx().pos.view().narrow(1, 0, 4); }));
+      },
+      Kind::kValue, "query_positions");
+  add(
+      "score_query_positions_shape_varlen",
+      [=] {
+        score(qv, k, outv,
+              with(varlen_options(), [](auto& o) { o.query_positions = fx().pos.view(); }));
+      },
+      Kind::kValue, "query_positions");
+  add(
+      "score_query_positions_dtype",
+      [=] {
+        Tensor t = Tensor::empty({2, 5}, DType::kI64);
+        score(q, k, out, with(ref, [&](auto& o) { o.query_positions = t.view(); }));
+      },
+      Kind::kType, "query_positions");
+  add(
+      "score_seq_lens_q_shape",
+      [=] { score(q, k, out, with(ref, [](auto& o) { o.seq_lens_q = fx().cu.view(); })); },
+      Kind::kValue, "seq_lens_q");
+  add(
+      "score_seq_lens_q_dtype",
+      [=] {
+        Tensor t = Tensor::empty({2}, DType::kF32);
+        score(q, k, out, with(ref, [&](auto& o) { o.seq_lens_q = t.view(); }));
+      },
+      Kind::kType, "seq_lens_q");
+  // --- out ---
+  add(
+      "score_out_dtype",
+      [=] {
+        Tensor o16 = Tensor::empty({2, 5, 6}, DType::kBF16);
+        score(q, k, o16, ref);
+      },
+      Kind::kType, "out");
+  add(
+      "score_out_shape", [=] { score(q, k, out.narrow(2, 0, 5), ref); }, Kind::kValue, "out");
+  add(
+      "score_out_device", [=] { score(q, k, on_cuda(out), ref); }, Kind::kValue,
+      "out: expected device");
+  add(
+      "score_out_broadcast_stride",
+      [=] {
+        score(q, k, out.as_strided({2, 5, 6}, {30, 0, 1}), ref);
+      },
+      Kind::kValue, "out");
+  add(
+      "score_out_overlaps_q_idx",
+      [=] {
+        score(q, k, TensorView(q.data(), DType::kF32, Device::cpu(), {2, 5, 6}), ref);
+      },
+      Kind::kValue, "overlaps q_idx");
+  add(
+      "score_out_overlaps_block_table",
+      [=] {
+        score(q, cache, TensorView(fx().table.data(), DType::kF32, Device::cpu(), {2, 5, 16}),
+              paged_options());
+      },
+      Kind::kValue, "overlaps block_table");
+  // --- native ---
+  add(
+      "score_native_needs_cuda_tensors", [=] { score(q, k, out, IndexerScoreOptions{}); },
+      Kind::kNotSupported, "q_idx is on cpu");
+  add(
+      "score_native_heads_dim",
+      [=] {
+        Tensor q2 = Tensor::empty({2, 5, 2, 128}, DType::kBF16);
+        score(on_cuda(q2), on_cuda(k), on_cuda(out), IndexerScoreOptions{});
+      },
+      Kind::kNotSupported, "q_idx");
+  add(
+      "score_native_q_idx_alignment",
+      [=] {
+        Tensor big = Tensor::empty({2 * 5 * 4 * 128 + 8}, DType::kBF16);
+        TensorView qm = big.view().as_strided({2, 5, 4, 128}, {2560, 512, 128, 1}, 1);
+        score(on_cuda(qm), on_cuda(k), on_cuda(out), IndexerScoreOptions{});
+      },
+      Kind::kValue, "q_idx: vector loads require unit feature stride and 16-byte alignment");
+  add(
+      "score_native_block_keys_outer_stride",
+      [=] {
+        Tensor big = Tensor::empty({2, 6, 133}, DType::kBF16);
+        score(on_cuda(q), on_cuda(big.view().narrow(2, 0, 128)), on_cuda(out),
+              IndexerScoreOptions{});
+      },
+      Kind::kValue, "block_keys: vector loads");
+  add(
+      "score_native_feature_stride",
+      [=] {
+        Tensor big = Tensor::empty({2, 6, 128, 2}, DType::kBF16);
+        score(on_cuda(q), on_cuda(big.view().select(3, 0)), on_cuda(out), IndexerScoreOptions{});
+      },
+      Kind::kValue, "block_keys: vector loads");
+#ifndef SPARSE_ATTN_TEST_HAS_CUDA
+  add(
+      "score_native_needs_cuda_build",
+      [=] { score(on_cuda(q), on_cuda(k), on_cuda(out), IndexerScoreOptions{}); },
+      Kind::kNotSupported, "CUDA build");
+#endif
+
+  // --- qsa_mqa_prefill ---
+  const TensorView pq = f.pq, pk = f.pk, ps = f.starts, pe = f.ends, pout = f.pout;
+  add(
+      "prefill_q_rank", [=] { prefill(pq.select(1, 0), pk, ps, pe, pout); }, Kind::kValue, "q");
+  add(
+      "prefill_q_dtype",
+      [=] {
+        Tensor t = Tensor::empty({9, 4, 128}, DType::kF32);
+        prefill(t, pk, ps, pe, pout);
+      },
+      Kind::kType, "q");
+  add(
+      "prefill_k_rank",
+      [=] {
+        prefill(pq, pk.as_strided({11, 1, 1, 128}, {128, 128, 128, 1}), ps, pe, pout);
+      },
+      Kind::kValue, "k");
+  add(
+      "prefill_k_head_axis",
+      [=] {
+        Tensor t = Tensor::empty({11, 2, 128}, DType::kF16);
+        prefill(pq, t, ps, pe, pout);
+      },
+      Kind::kValue, "k");
+  add(
+      "prefill_k_dtype",
+      [=] {
+        Tensor t = Tensor::empty({11, 128}, DType::kBF16);
+        prefill(pq, t, ps, pe, pout);
+      },
+      Kind::kType, "k");
+  add(
+      "prefill_k_dim", [=] { prefill(pq, pk.narrow(1, 0, 64), ps, pe, pout); }, Kind::kValue, "k");
+  add(
+      "prefill_row_starts_dtype",
+      [=] {
+        Tensor t = Tensor::empty({9}, DType::kI64);
+        prefill(pq, pk, t, pe, pout);
+      },
+      Kind::kType, "row_starts");
+  add(
+      "prefill_row_starts_shape", [=] { prefill(pq, pk, ps.narrow(0, 0, 8), pe, pout); },
+      Kind::kValue, "row_starts");
+  add(
+      "prefill_row_ends_shape", [=] { prefill(pq, pk, ps, pe.narrow(0, 0, 8), pout); },
+      Kind::kValue, "row_ends");
+  add(
+      "prefill_row_ends_device", [=] { prefill(pq, pk, ps, on_cuda(pe), pout); }, Kind::kValue,
+      "row_ends: expected device");
+  add(
+      "prefill_scale_and_score_scale",
+      [=] {
+        MqaScoreOptions o = reference_mqa();
+        o.scale = 1.0;
+        o.score_scale = 1.0;
+        prefill(pq, pk, ps, pe, pout, o);
+      },
+      Kind::kValue, "score_scale");
+  add(
+      "prefill_out_shape", [=] { prefill(pq, pk, ps, pe, pout.narrow(1, 0, 10)); }, Kind::kValue,
+      "out");
+  add(
+      "prefill_out_overlaps_k",
+      [=] {
+        prefill(pq, pk, ps, pe, TensorView(pk.data(), DType::kF32, Device::cpu(), {9, 11}));
+      },
+      Kind::kValue, "overlaps k");
+  add(
+      "prefill_out_overlaps_row_ends",
+      [=] {
+        prefill(pq, pk, ps, pe, TensorView(pe.data(), DType::kF32, Device::cpu(), {9, 11}));
+      },
+      Kind::kValue, "overlaps row_ends");
+  add(
+      "prefill_native_needs_cuda_tensors",
+      [=] { prefill(pq, pk, ps, pe, pout, MqaScoreOptions{}); }, Kind::kNotSupported,
+      "q is on cpu");
+  add(
+      "prefill_native_q_alignment",
+      [=] {
+        Tensor big = Tensor::empty({9 * 4 * 128 + 8}, DType::kF16);
+        TensorView qm = big.view().as_strided({9, 4, 128}, {512, 128, 1}, 4);
+        prefill(on_cuda(qm), on_cuda(pk), on_cuda(ps), on_cuda(pe), on_cuda(pout),
+                MqaScoreOptions{});
+      },
+      Kind::kValue, "q: vector loads");
+  add(
+      "prefill_native_k_outer_stride",
+      [=] {
+        Tensor big = Tensor::empty({11, 130}, DType::kF16);
+        prefill(on_cuda(pq), on_cuda(big.view().narrow(1, 0, 128)), on_cuda(ps), on_cuda(pe),
+                on_cuda(pout), MqaScoreOptions{});
+      },
+      Kind::kValue, "k: vector loads");
+
+  // --- qsa_mqa_decode ---
+  const TensorView dq = f.dq, table = f.table, ctx = f.ctx, dout = f.dout;
+  add(
+      "decode_q_rank", [=] { decode(dq.select(0, 0), cache, table, ctx, 20, dout); }, Kind::kValue,
+      "q");
+  add(
+      "decode_q_second_axis",
+      [=] {
+        Tensor t = Tensor::empty({2, 2, 4, 128}, DType::kBF16);
+        decode(t, cache, table, ctx, 20, dout);
+      },
+      Kind::kValue, "q");
+  add(
+      "decode_q_dtype",
+      [=] {
+        Tensor t = Tensor::empty({2, 4, 128}, DType::kF32);
+        decode(t, cache, table, ctx, 20, dout);
+      },
+      Kind::kType, "q");
+  add(
+      "decode_k_cache_rank",
+      [=] { decode(dq, cache.select(0, 0).select(0, 0), table, ctx, 20, dout); }, Kind::kValue,
+      "k_cache");
+  add(
+      "decode_k_cache_head_axis",
+      [=] {
+        Tensor t = Tensor::empty({3, 8, 2, 128}, DType::kBF16);
+        decode(dq, t, table, ctx, 20, dout);
+      },
+      Kind::kValue, "k_cache");
+  add(
+      "decode_k_cache_dtype",
+      [=] {
+        Tensor t = Tensor::empty({3, 8, 128}, DType::kF16);
+        decode(dq, t, table, ctx, 20, dout);
+      },
+      Kind::kType, "k_cache");
+  add(
+      "decode_k_cache_zero_page_size",
+      [=] {
+        Tensor t = Tensor::empty({3, 0, 128}, DType::kBF16);
+        decode(dq, t, table, ctx, 20, dout);
+      },
+      Kind::kValue, "k_cache");
+  add(
+      "decode_page_table_dtype",
+      [=] {
+        Tensor t = Tensor::empty({2, 2}, DType::kI64);
+        decode(dq, cache, t, ctx, 20, dout);
+      },
+      Kind::kType, "page_table");
+  add(
+      "decode_page_table_rank", [=] { decode(dq, cache, table.select(1, 0), ctx, 20, dout); },
+      Kind::kValue, "page_table");
+  add(
+      "decode_page_table_batch", [=] { decode(dq, cache, table.narrow(0, 0, 1), ctx, 20, dout); },
+      Kind::kValue, "page_table");
+  add(
+      "decode_context_lens_shape", [=] { decode(dq, cache, table, ctx.narrow(0, 0, 1), 20, dout); },
+      Kind::kValue, "context_lens");
+  add(
+      "decode_context_lens_dtype",
+      [=] {
+        Tensor t = Tensor::empty({2}, DType::kI64);
+        decode(dq, cache, table, t, 20, dout);
+      },
+      Kind::kType, "context_lens");
+  add(
+      "decode_max_model_len_negative", [=] { decode(dq, cache, table, ctx, -1, dout); },
+      Kind::kValue, "max_model_len");
+  add(
+      "decode_score_scale_not_positive",
+      [=] {
+        MqaScoreOptions o = reference_mqa();
+        o.score_scale = 0.0;
+        decode(dq, cache, table, ctx, 20, dout, o);
+      },
+      Kind::kValue, "score_scale");
+  add(
+      "decode_out_shape", [=] { decode(dq, cache, table, ctx, 21, dout); }, Kind::kValue, "out");
+  add(
+      "decode_out_overlaps_context_lens",
+      [=] {
+        decode(dq, cache, table, ctx, 20,
+               TensorView(ctx.data(), DType::kF32, Device::cpu(), {2, 20}));
+      },
+      Kind::kValue, "overlaps context_lens");
+  add(
+      "decode_native_needs_cuda_tensors",
+      [=] { decode(dq, cache, table, ctx, 20, dout, MqaScoreOptions{}); }, Kind::kNotSupported,
+      "q is on cpu");
+  add(
+      "decode_native_page_size",
+      [=] {
+        Tensor t = Tensor::empty({3, 3, 128}, DType::kBF16);
+        decode(on_cuda(dq), on_cuda(t), on_cuda(table), on_cuda(ctx), 20, on_cuda(dout),
+               MqaScoreOptions{});
+      },
+      Kind::kNotSupported, "k_cache");
+  add(
+      "decode_native_heads_dim",
+      [=] {
+        Tensor t = Tensor::empty({2, 4, 64}, DType::kBF16);
+        Tensor c = Tensor::empty({3, 8, 64}, DType::kBF16);
+        decode(on_cuda(t), on_cuda(c), on_cuda(table), on_cuda(ctx), 20, on_cuda(dout),
+               MqaScoreOptions{});
+      },
+      Kind::kNotSupported, "q");
+#ifndef SPARSE_ATTN_TEST_HAS_CUDA
+  // Broadcast queries pass the native checks (decode has no vector-load rule).
+  add(
+      "decode_native_broadcast_q_needs_cuda_build",
+      [=] {
+        TensorView bq = dq.as_strided({2, 4, 128}, {0, 0, 1});
+        decode(on_cuda(bq), on_cuda(cache), on_cuda(table), on_cuda(ctx), 20, on_cuda(dout),
+               MqaScoreOptions{});
+      },
+      Kind::kNotSupported, "CUDA build");
+#endif
+  return c;
+}
+
+class IndexerValidation : public ::testing::TestWithParam<ValidationCase> {};
+
+TEST_P(IndexerValidation, RaisesNamingTheArgument) {
+  const ValidationCase& c = GetParam();
+  try {
+    c.call();
+    FAIL() << "no error; expected one mentioning '" << c.needle << "'";
+  } catch (const NotSupportedError& e) {
+    EXPECT_EQ(c.kind, Kind::kNotSupported) << e.what();
+    EXPECT_NE(std::string(e.what()).find(c.needle), std::string::npos) << e.what();
+  } catch (const ValueError& e) {
+    EXPECT_EQ(c.kind, Kind::kValue) << e.what();
+    EXPECT_NE(std::string(e.what()).find(c.needle), std::string::npos) << e.what();
+  } catch (const TypeError& e) {
+    EXPECT_EQ(c.kind, Kind::kType) << e.what();
+    EXPECT_NE(std::string(e.what()).find(c.needle), std::string::npos) << e.what();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Rules, IndexerValidation, ::testing::ValuesIn(validation_cases()),
+                         [](const auto& info) { return info.param.name; });
 
 }  // namespace
 }  // namespace sparse_attn
