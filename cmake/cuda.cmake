@@ -34,14 +34,9 @@ if(NOT SPARSE_ATTN_WITH_CUDA)
   return()
 endif()
 
-# The architectures come from -gencode below: CMake 3.24 does not know the "90a" spelling,
-# and sm_90a (wgmma, setmaxnreg) must be the 'a' target.
-if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-  set(CMAKE_CUDA_ARCHITECTURES OFF)
-endif()
 enable_language(CUDA)
-set(CMAKE_CUDA_STANDARD 20)
-set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+# C++17 for device code: CMake 3.24/3.25 do not know that nvcc 12+ accepts C++20, and CuTe
+# needs no more. Host-only sources stay C++20.
 find_package(CUDAToolkit REQUIRED)
 
 if(NOT SPARSE_ATTN_CUTLASS_INCLUDE_DIR)
@@ -84,6 +79,10 @@ set(_sa_gencode "-gencode=arch=compute_90a,code=sm_90a")
 foreach(arch IN LISTS SPARSE_ATTN_CUDA_ARCHS)
   list(APPEND _sa_gencode "-gencode=${arch}")
 endforeach()
+# The architectures come from -gencode: CMake 3.24 does not know the "90a" spelling, and
+# sm_90a (wgmma, setmaxnreg) must be the 'a' target.
+set_target_properties(sparse_attn PROPERTIES CUDA_ARCHITECTURES OFF CUDA_STANDARD 17
+                                             CUDA_STANDARD_REQUIRED ON)
 target_compile_options(sparse_attn PRIVATE
   "$<$<COMPILE_LANGUAGE:CUDA>:${_sa_gencode};--expt-relaxed-constexpr;-lineinfo;-Xcompiler=-Wall>")
 target_compile_definitions(sparse_attn PRIVATE SPARSE_ATTN_WITH_CUDA)

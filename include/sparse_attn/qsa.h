@@ -31,13 +31,15 @@ struct IndexerScoreOptions {
   // (or [pages, page_size, D]) and N_B = max_pages * page_size.
   std::optional<TensorView> block_table;
   std::optional<int64_t> page_size;  // must equal block_keys.shape[1] when given
-  // Varlen q_idx [total_q, H, D] only: int32 [B + 1] row offsets, or int32 [total_q] request
-  // id per row (with num_requests, default B of block_keys/block_table).
+  // Varlen q_idx [total_q, H, D] only, exactly one of: int32 [B + 1] row offsets (B = the key
+  // batch: block_keys.shape[0] or block_table.shape[0]), or int32 [total_q] request id per row
+  // with num_requests in [0, B] (default B) bounding the ids.
   std::optional<TensorView> cu_seqlens_q;
   std::optional<TensorView> token_to_req;
   std::optional<int64_t> num_requests;
   // int32 [B, Q] (padded) or [total_q] (varlen): request-local position of each query row.
-  // Omitted: the i-th row of a request is at position i.
+  // Omitted: the i-th row of a request is at position i (with token_to_req: the number of
+  // earlier rows of the same request).
   std::optional<TensorView> query_positions;
   // int32 [B]: valid query rows per request (padded only); rows past it are all -inf.
   std::optional<TensorView> seq_lens_q;
@@ -51,7 +53,10 @@ struct IndexerScoreOptions {
 // [B, Q, N_B] for padded q_idx [B, Q, H, D]; [total_q, N_B] for varlen q_idx [total_q, H, D].
 Shape qsa_indexer_mqa_score_shape(const TensorView& q_idx, const TensorView& block_keys,
                                   const IndexerScoreOptions& options = {});
-// out: FP32 with the shape above, positive strides, not overlapping any input.
+// out: FP32 with the shape above, positive strides, not overlapping any input. Block b is
+// visible to a row at position p iff 4b + 3 <= p (and, paged, its page id is in
+// [0, block_keys.shape[0])); invisible blocks and rows past seq_lens_q are -inf.
+// Native: CUDA tensors, H == 4, D == 128, q_idx/block_keys in the vector-load layout.
 void qsa_indexer_mqa_score(const TensorView& q_idx, const TensorView& block_keys,
                            const TensorView& out, const IndexerScoreOptions& options = {});
 
@@ -63,7 +68,9 @@ struct MqaScoreOptions {
 };
 
 // Packed prefill: q [rows, H, D], k [keys, D] or [keys, 1, D], row_starts/row_ends int32
-// [rows] (visible keys [start, end)). out: FP32 [rows, keys].
+// [rows] (visible keys [start, end), clamped to [0, keys); start >= end is an empty row).
+// out: FP32 [rows, keys], -inf outside the interval.
+// Native: CUDA tensors, H == 4, D == 128, q/k in the vector-load layout.
 Shape qsa_mqa_prefill_shape(const TensorView& q, const TensorView& k);
 void qsa_mqa_prefill(const TensorView& q, const TensorView& k, const TensorView& row_starts,
                      const TensorView& row_ends, const TensorView& out,
@@ -77,7 +84,9 @@ inline void qsa_mqa(const TensorView& q, const TensorView& k, const TensorView& 
 
 // Paged decode: q [B, H, D] or [B, 1, H, D] (broadcast strides allowed), k_cache
 // [pages, page_size, 1, D] or [pages, page_size, D], page_table int32 [B, max_pages],
-// context_lens int32 [B] (compressed keys). out: FP32 [B, max_model_len].
+// context_lens int32 [B] (compressed keys). out: FP32 [B, max_model_len], every column written:
+// -inf where c >= context_lens[b], c / page_size >= max_pages, or the page id is -1 / out of
+// range. Native: CUDA tensors, H == 4, D == 128, page_size 8, 16, 32 or 64.
 Shape qsa_mqa_decode_shape(const TensorView& q, int64_t max_model_len);
 void qsa_mqa_decode(const TensorView& q, const TensorView& k_cache, const TensorView& page_table,
                     const TensorView& context_lens, int64_t max_model_len, const TensorView& out,

@@ -5,6 +5,7 @@
 // struct the backends take. The reference fills params from host-staged copies of the views,
 // the native path from the caller's views directly.
 #include <cmath>
+#include <limits>
 #include <numbers>
 #include <string>
 
@@ -71,8 +72,7 @@ void check_metadata(const TensorView& t, std::string_view name, const Shape& sha
 
 // Checks everything and returns the params with sizes, layouts and scalars decided (pointers
 // and strides are filled later, from whichever views the backend reads).
-SparseAttentionParams validate(const Views& v, bool physical,
-                               const SparseAttentionOptions& o) {
+SparseAttentionParams validate(const Views& v, bool physical, const SparseAttentionOptions& o) {
   SparseAttentionParams p;
   const TensorView& q = v.query;
   const Device dev = q.device();
@@ -97,13 +97,19 @@ SparseAttentionParams validate(const Views& v, bool physical,
 
   // ----- scalars --------------------------------------------------------------------------
   if (o.scale && o.softmax_scale) {
-    throw_value_error("scale, softmax_scale: softmax_scale is an alias of scale; pass one, got "
-                      "both ({} and {})",
-                      *o.scale, *o.softmax_scale);
+    throw_value_error(
+        "scale, softmax_scale: softmax_scale is an alias of scale; pass one, got "
+        "both ({} and {})",
+        *o.scale, *o.softmax_scale);
   }
   const std::optional<double> scale = o.scale ? o.scale : o.softmax_scale;
   if (scale) detail::check_positive_scalar(*scale, o.scale ? "scale" : "softmax_scale");
   p.scale = static_cast<float>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(p.head_dim)));
+  if (!(std::isfinite(p.scale) && p.scale > 0.f)) {
+    // Kernels and the reference apply the scale in FP32.
+    throw_value_error("{}: expected a value representable as a positive finite float32, got {}",
+                      o.scale ? "scale" : "softmax_scale", *scale);
+  }
   p.scale_log2 = static_cast<float>(static_cast<double>(p.scale) * std::numbers::log2e);
   if (o.k_scale != 1.0) {
     throw_value_error("k_scale: expected 1.0 (FP8 KV is not supported, K is {}), got {}",
@@ -119,10 +125,11 @@ SparseAttentionParams validate(const Views& v, bool physical,
         "enabled",
         dtype_name(q.dtype()), dtype_name(o.compute_dtype));
   }
-  if (o.num_splits && *o.num_splits < 1) {
-    throw_value_error("num_splits: expected a positive split count (1 disables SplitKV) or none "
-                      "for the heuristic, got {}",
-                      *o.num_splits);
+  if (o.num_splits && (*o.num_splits < 1 || *o.num_splits > std::numeric_limits<int>::max())) {
+    throw_value_error(
+        "num_splits: expected a positive split count (1 disables SplitKV) or none "
+        "for the heuristic, got {}",
+        *o.num_splits);
   }
   p.num_splits = o.num_splits ? static_cast<int>(*o.num_splits) : 0;
   p.warp_specialized = o.warp_specialized;
@@ -155,10 +162,14 @@ SparseAttentionParams validate(const Views& v, bool physical,
   // ----- physical mode: flattened BF16 Q/K/V and row ids, nothing logical -----------------
   if (physical) {
     const std::pair<const std::optional<TensorView>*, const char*> logical[] = {
-        {&v.block_indices, "block_indices"}, {&v.cu_seqlens_q, "cu_seqlens_q"},
-        {&v.token_to_req, "token_to_req"},   {&v.cu_seqlens_k, "cu_seqlens_k"},
-        {&v.seq_lens_q, "seq_lens_q"},       {&v.seq_lens_k, "seq_lens_k"},
-        {&v.query_positions, "query_positions"}, {&v.block_table, "block_table"},
+        {&v.block_indices, "block_indices"},
+        {&v.cu_seqlens_q, "cu_seqlens_q"},
+        {&v.token_to_req, "token_to_req"},
+        {&v.cu_seqlens_k, "cu_seqlens_k"},
+        {&v.seq_lens_q, "seq_lens_q"},
+        {&v.seq_lens_k, "seq_lens_k"},
+        {&v.query_positions, "query_positions"},
+        {&v.block_table, "block_table"},
         {&v.gate, "gate"}};
     for (const auto& [arg, name] : logical) {
       if (arg->has_value()) {
@@ -169,22 +180,26 @@ SparseAttentionParams validate(const Views& v, bool physical,
       }
     }
     if (o.num_requests) {
-      throw_value_error("num_requests: cannot be combined with selected_kv_indices (physical "
-                        "indices take no logical request metadata)");
+      throw_value_error(
+          "num_requests: cannot be combined with selected_kv_indices (physical "
+          "indices take no logical request metadata)");
     }
     if (o.page_size) {
-      throw_value_error("page_size: cannot be combined with selected_kv_indices (physical "
-                        "indices take no page metadata)");
+      throw_value_error(
+          "page_size: cannot be combined with selected_kv_indices (physical "
+          "indices take no page metadata)");
     }
     if (padded_q) {
-      throw_value_error("query: selected_kv_indices needs flattened queries [rows, Hq, D], got "
-                        "shape {}",
-                        q.shape_str());
+      throw_value_error(
+          "query: selected_kv_indices needs flattened queries [rows, Hq, D], got "
+          "shape {}",
+          q.shape_str());
     }
     if (k.dim() != 3) {
-      throw_value_error("key: selected_kv_indices needs flattened K/V [total_kv, Hkv, D], got "
-                        "shape {}",
-                        k.shape_str());
+      throw_value_error(
+          "key: selected_kv_indices needs flattened K/V [total_kv, Hkv, D], got "
+          "shape {}",
+          k.shape_str());
     }
     check_dtype(q, "query", {DType::kBF16});
     check_dtype(k, "key", {DType::kBF16});
@@ -204,13 +219,15 @@ SparseAttentionParams validate(const Views& v, bool physical,
     if (v.block_table) {
       const TensorView& bt = *v.block_table;
       if (k.dim() != 4) {
-        throw_value_error("key: block_table makes key a paged cache [pages, page_size, Hkv, D], "
-                          "got shape {}",
-                          k.shape_str());
+        throw_value_error(
+            "key: block_table makes key a paged cache [pages, page_size, Hkv, D], "
+            "got shape {}",
+            k.shape_str());
       }
       if (v.cu_seqlens_k) {
-        throw_value_error("cu_seqlens_k: describes flattened-varlen K/V and cannot be combined "
-                          "with block_table");
+        throw_value_error(
+            "cu_seqlens_k: describes flattened-varlen K/V and cannot be combined "
+            "with block_table");
       }
       check_dtype(bt, "block_table", {DType::kI32});
       check_rank(bt, "block_table", {2});
@@ -223,9 +240,10 @@ SparseAttentionParams validate(const Views& v, bool physical,
       p.batch = bt.size(0);
       p.kv_capacity = p.max_pages * p.page_size;
       if (o.page_size && *o.page_size != p.page_size) {
-        throw_value_error("page_size: expected key.shape[1] == {} (the page size of the cache), "
-                          "got {}",
-                          p.page_size, *o.page_size);
+        throw_value_error(
+            "page_size: expected key.shape[1] == {} (the page size of the cache), "
+            "got {}",
+            p.page_size, *o.page_size);
       }
       if (p.page_size < 1) {
         throw_value_error("key: expected a page size (shape[1]) of at least 1, got shape {}",
@@ -237,25 +255,26 @@ SparseAttentionParams validate(const Views& v, bool physical,
       }
       if (k.dim() == 4) {
         if (v.cu_seqlens_k) {
-          throw_value_error("cu_seqlens_k: describes flattened-varlen K/V [total_k, Hkv, D], but "
-                            "key is padded with shape {}",
-                            k.shape_str());
+          throw_value_error(
+              "cu_seqlens_k: describes flattened-varlen K/V [total_k, Hkv, D], but "
+              "key is padded with shape {}",
+              k.shape_str());
         }
         p.kv_layout = KVLayout::kPadded;
         p.batch = k.size(0);
         p.kv_capacity = k.size(1);
       } else {
         if (!v.cu_seqlens_k) {
-          throw_value_error("cu_seqlens_k: required for flattened-varlen K/V (key shape {}); "
-                            "padded K/V is [B, S_k, Hkv, D], paged K/V needs block_table",
-                            k.shape_str());
+          throw_value_error(
+              "cu_seqlens_k: required for flattened-varlen K/V (key shape {}); "
+              "padded K/V is [B, S_k, Hkv, D], paged K/V needs block_table",
+              k.shape_str());
         }
         const TensorView& cu = *v.cu_seqlens_k;
         check_dtype(cu, "cu_seqlens_k", {DType::kI32});
         check_rank(cu, "cu_seqlens_k", {1});
         if (cu.size(0) < 1) {
-          throw_value_error("cu_seqlens_k: expected [B + 1] offsets, got shape {}",
-                            cu.shape_str());
+          throw_value_error("cu_seqlens_k: expected [B + 1] offsets, got shape {}", cu.shape_str());
         }
         check_device(cu, "cu_seqlens_k", dev, "query");
         check_data(cu, "cu_seqlens_k");
@@ -268,29 +287,32 @@ SparseAttentionParams validate(const Views& v, bool physical,
     // ----- query rows -> requests -------------------------------------------------------------
     if (padded_q) {
       if (q.size(0) != p.batch) {
-        throw_value_error("query: expected batch shape[0] == {} (the requests of the K/V "
-                          "layout), got shape {}",
-                          p.batch, q.shape_str());
+        throw_value_error(
+            "query: expected batch shape[0] == {} (the requests of the K/V "
+            "layout), got shape {}",
+            p.batch, q.shape_str());
       }
       if (v.cu_seqlens_q || v.token_to_req || o.num_requests) {
-        throw_value_error("{}: describes flattened queries [total_q, Hq, D], but query is "
-                          "padded with shape {}",
-                          v.cu_seqlens_q ? "cu_seqlens_q"
-                                         : (v.token_to_req ? "token_to_req" : "num_requests"),
-                          q.shape_str());
+        throw_value_error(
+            "{}: describes flattened queries [total_q, Hq, D], but query is "
+            "padded with shape {}",
+            v.cu_seqlens_q ? "cu_seqlens_q" : (v.token_to_req ? "token_to_req" : "num_requests"),
+            q.shape_str());
       }
       p.row_mapping = RowMapping::kPadded;
     } else if (v.cu_seqlens_q) {
       if (v.token_to_req) {
-        throw_value_error("token_to_req: pass either cu_seqlens_q or token_to_req to map "
-                          "flattened query rows to requests, not both");
+        throw_value_error(
+            "token_to_req: pass either cu_seqlens_q or token_to_req to map "
+            "flattened query rows to requests, not both");
       }
       if (o.num_requests) {
-        throw_value_error("num_requests: goes with token_to_req; cu_seqlens_q already gives "
-                          "the request count");
+        throw_value_error(
+            "num_requests: goes with token_to_req; cu_seqlens_q already gives "
+            "the request count");
       }
-      check_metadata(*v.cu_seqlens_q, "cu_seqlens_q", {p.batch + 1},
-                     "B + 1, B from the K/V layout", dev);
+      check_metadata(*v.cu_seqlens_q, "cu_seqlens_q", {p.batch + 1}, "B + 1, B from the K/V layout",
+                     dev);
       p.row_mapping = RowMapping::kCuSeqlens;
     } else if (v.token_to_req) {
       if (o.num_requests && *o.num_requests != p.batch) {
@@ -305,10 +327,11 @@ SparseAttentionParams validate(const Views& v, bool physical,
         throw_value_error("num_requests: goes with token_to_req, which was not given");
       }
       if (p.batch != 1) {
-        throw_value_error("cu_seqlens_q: flattened queries need cu_seqlens_q or token_to_req "
-                          "when the K/V layout holds {} requests (only a single request needs "
-                          "neither)",
-                          p.batch);
+        throw_value_error(
+            "cu_seqlens_q: flattened queries need cu_seqlens_q or token_to_req "
+            "when the K/V layout holds {} requests (only a single request needs "
+            "neither)",
+            p.batch);
       }
       p.row_mapping = RowMapping::kSingleRequest;
     }
@@ -336,14 +359,16 @@ SparseAttentionParams validate(const Views& v, bool physical,
       check_rank(b, "block_indices", {nrow_axes + 1});
       const int64_t nb = b.size(-1);
       if (nb < 1 || nb > kMaxHintBlocks) {
-        throw_value_error("block_indices: expected between 1 and {} blocks per row (shape[-1]), "
-                          "got shape {}; wider selections use the token-only path",
-                          kMaxHintBlocks, b.shape_str());
+        throw_value_error(
+            "block_indices: expected between 1 and {} blocks per row (shape[-1]), "
+            "got shape {}; wider selections use the token-only path",
+            kMaxHintBlocks, b.shape_str());
       }
       if (p.width != 4 * nb + 3) {
-        throw_value_error("block_indices: expected token_indices.shape[-1] == 4 * "
-                          "block_indices.shape[-1] + 3 == {}, got token width {} (shape {})",
-                          4 * nb + 3, p.width, b.shape_str());
+        throw_value_error(
+            "block_indices: expected token_indices.shape[-1] == 4 * "
+            "block_indices.shape[-1] + 3 == {}, got token width {} (shape {})",
+            4 * nb + 3, p.width, b.shape_str());
       }
       Shape bwant = row_shape;
       bwant.push_back(nb);
@@ -364,9 +389,10 @@ SparseAttentionParams validate(const Views& v, bool physical,
     } else if (g.shape() == drop_last(q)) {
       p.gate_kind = GateKind::kPerHead;
     } else {
-      throw_value_error("gate: expected the query shape {} (element-wise) or {} (one value per "
-                        "head), got {}",
-                        q.shape_str(), shape_str(drop_last(q)), g.shape_str());
+      throw_value_error(
+          "gate: expected the query shape {} (element-wise) or {} (one value per "
+          "head), got {}",
+          q.shape_str(), shape_str(drop_last(q)), g.shape_str());
     }
     check_device(g, "gate", dev, "query");
     check_data(g, "gate");
@@ -375,16 +401,18 @@ SparseAttentionParams validate(const Views& v, bool physical,
 
   // ----- outputs --------------------------------------------------------------------------
   const std::pair<const TensorView*, const char*> inputs[] = {
-      {&q, "query"}, {&k, "key"}, {&v.value, "value"},
+      {&q, "query"},
+      {&k, "key"},
+      {&v.value, "value"},
       {&v.indices, physical ? "selected_kv_indices" : "token_indices"}};
   const std::pair<const std::optional<TensorView>*, const char*> optional_inputs[] = {
-      {&v.block_indices, "block_indices"}, {&v.gate, "gate"},
-      {&v.cu_seqlens_q, "cu_seqlens_q"},   {&v.token_to_req, "token_to_req"},
-      {&v.cu_seqlens_k, "cu_seqlens_k"},   {&v.block_table, "block_table"},
-      {&v.seq_lens_q, "seq_lens_q"},       {&v.seq_lens_k, "seq_lens_k"},
+      {&v.block_indices, "block_indices"},    {&v.gate, "gate"},
+      {&v.cu_seqlens_q, "cu_seqlens_q"},      {&v.token_to_req, "token_to_req"},
+      {&v.cu_seqlens_k, "cu_seqlens_k"},      {&v.block_table, "block_table"},
+      {&v.seq_lens_q, "seq_lens_q"},          {&v.seq_lens_k, "seq_lens_k"},
       {&v.query_positions, "query_positions"}};
-  auto check_output = [&](const TensorView& out, const char* name, DType dtype,
-                          const Shape& shape, std::string_view what) {
+  auto check_output = [&](const TensorView& out, const char* name, DType dtype, const Shape& shape,
+                          std::string_view what) {
     check_dtype(out, name, {dtype});
     check_shape(out, name, shape, what);
     check_device(out, name, dev, "query");
@@ -408,41 +436,47 @@ SparseAttentionParams validate(const Views& v, bool physical,
 // Native-only rules: CUDA tensors, and the combinations the native kernels implement.
 void check_native(const Views& v, const SparseAttentionParams& p) {
   if (!v.query.device().is_cuda()) {
-    throw_not_supported("query: backend 'native' runs on CUDA tensors, got device {}; pass "
-                        "backend='reference' for the CPU reference",
-                        v.query.device().str());
+    throw_not_supported(
+        "query: backend 'native' runs on CUDA tensors, got device {}; pass "
+        "backend='reference' for the CPU reference",
+        v.query.device().str());
   }
   if (p.head_dim != kNativeHeadDim) {
-    throw_not_supported("query: backend 'native' supports head_dim {}, got {} (shape {}); use "
-                        "backend='reference'",
-                        kNativeHeadDim, p.head_dim, v.query.shape_str());
+    throw_not_supported(
+        "query: backend 'native' supports head_dim {}, got {} (shape {}); use "
+        "backend='reference'",
+        kNativeHeadDim, p.head_dim, v.query.shape_str());
   }
   if (p.group > kNativeMaxGroup) {
-    throw_not_supported("key: backend 'native' supports GQA groups up to {} query heads per KV "
-                        "head, got {} / {} = {}; use backend='reference'",
-                        kNativeMaxGroup, p.num_q_heads, p.num_kv_heads, p.group);
+    throw_not_supported(
+        "key: backend 'native' supports GQA groups up to {} query heads per KV "
+        "head, got {} / {} = {}; use backend='reference'",
+        kNativeMaxGroup, p.num_q_heads, p.num_kv_heads, p.group);
   }
   if (p.warp_specialized && (p.num_q_heads != kCanonicalQHeads ||
-                             p.num_kv_heads != kCanonicalKVHeads ||
-                             p.head_dim != kNativeHeadDim)) {
-    throw_not_supported("warp_specialized: requires the canonical geometry {}/{}/{} "
-                        "(Hq/Hkv/D), got {}/{}/{}",
-                        kCanonicalQHeads, kCanonicalKVHeads, kNativeHeadDim, p.num_q_heads,
-                        p.num_kv_heads, p.head_dim);
+                             p.num_kv_heads != kCanonicalKVHeads || p.head_dim != kNativeHeadDim)) {
+    throw_not_supported(
+        "warp_specialized: requires the canonical geometry {}/{}/{} "
+        "(Hq/Hkv/D), got {}/{}/{}",
+        kCanonicalQHeads, kCanonicalKVHeads, kNativeHeadDim, p.num_q_heads, p.num_kv_heads,
+        p.head_dim);
   }
   switch (p.kv_layout) {
     case KVLayout::kVarlen:
-      throw_not_supported("cu_seqlens_k: flattened-varlen K/V is reference-only; use paged K/V "
-                          "(block_table) or backend='reference'");
+      throw_not_supported(
+          "cu_seqlens_k: flattened-varlen K/V is reference-only; use paged K/V "
+          "(block_table) or backend='reference'");
     case KVLayout::kPadded:
       if (p.row_mapping != RowMapping::kPadded) {
-        throw_not_supported("query: backend 'native' with nonpaged K/V needs padded queries "
-                            "[B, Q, Hq, D]; flattened queries need paged K/V (block_table)");
+        throw_not_supported(
+            "query: backend 'native' with nonpaged K/V needs padded queries "
+            "[B, Q, Hq, D]; flattened queries need paged K/V (block_table)");
       }
       if (p.num_splits > 1) {
-        throw_not_supported("num_splits: backend 'native' with nonpaged K/V needs num_splits=1; "
-                            "SplitKV needs paged K/V (block_table), got {}",
-                            p.num_splits);
+        throw_not_supported(
+            "num_splits: backend 'native' with nonpaged K/V needs num_splits=1; "
+            "SplitKV needs paged K/V (block_table), got {}",
+            p.num_splits);
       }
       break;
     case KVLayout::kPaged:
@@ -570,12 +604,14 @@ void qsa_sparse_attention(const TensorView& query, const TensorView& key, const 
                           const SparseAttentionOptions& options) {
   const bool physical = options.selected_kv_indices.has_value();
   if (physical && token_indices) {
-    throw_value_error("selected_kv_indices: mutually exclusive with token_indices; pass "
-                      "request-local token_indices or physical selected_kv_indices, not both");
+    throw_value_error(
+        "selected_kv_indices: mutually exclusive with token_indices; pass "
+        "request-local token_indices or physical selected_kv_indices, not both");
   }
   if (!physical && !token_indices) {
-    throw_value_error("token_indices: required (int32 [.., W] request-local ids) unless "
-                      "selected_kv_indices is given");
+    throw_value_error(
+        "token_indices: required (int32 [.., W] request-local ids) unless "
+        "selected_kv_indices is given");
   }
   Views v;
   v.query = query;

@@ -68,11 +68,11 @@ struct SparseAttentionParams {
 
   // ----- K/V layout ---------------------------------------------------------------------
   KVLayout kv_layout = KVLayout::kPadded;
-  int64_t kv_capacity = 0;   // kPadded: S_k; kPaged: max_pages * page_size; otherwise 0
-  int64_t total_kv = 0;      // kVarlen / kPhysical: key.shape[0]; otherwise 0
-  int64_t page_size = 0;     // kPaged only
-  int64_t num_pages = 0;     // kPaged only: key.shape[0]
-  int64_t max_pages = 0;     // kPaged only: block_table.shape[1]
+  int64_t kv_capacity = 0;  // kPadded: S_k; kPaged: max_pages * page_size; otherwise 0
+  int64_t total_kv = 0;     // kVarlen / kPhysical: key.shape[0]; otherwise 0
+  int64_t page_size = 0;    // kPaged only
+  int64_t num_pages = 0;    // kPaged only: key.shape[0]
+  int64_t max_pages = 0;    // kPaged only: block_table.shape[1]
 
   DType dtype = DType::kBF16;  // Q, K, V, out and gate (BF16 or FP16)
 
@@ -121,7 +121,7 @@ struct SparseAttentionParams {
   int64_t token_to_req_stride = 0;
   const int32_t* cu_seqlens_k = nullptr;  // [batch + 1]; non-null iff kVarlen
   int64_t cu_seqlens_k_stride = 0;
-  const int32_t* block_table = nullptr;   // [batch, max_pages]; non-null iff kPaged
+  const int32_t* block_table = nullptr;  // [batch, max_pages]; non-null iff kPaged
   int64_t block_table_batch_stride = 0, block_table_page_stride = 0;
 
   // [batch]: query rows per request; rows with i >= seq_lens_q[b] are padding (zero output,
@@ -138,9 +138,9 @@ struct SparseAttentionParams {
   int64_t query_positions_batch_stride = 0, query_positions_row_stride = 0;
 
   // ----- scalars and flags --------------------------------------------------------------
-  float scale = 0.f;       // softmax scale, resolved (default 1/sqrt(D)); > 0
-  float scale_log2 = 0.f;  // scale * log2(e), for exp2-based softmax
-  int num_splits = 0;      // 0: the backend's heuristic; >= 1: that many KV splits
+  float scale = 0.f;                   // softmax scale, resolved (default 1/sqrt(D)); > 0
+  float scale_log2 = 0.f;              // scale * log2(e), for exp2-based softmax
+  int num_splits = 0;                  // 0: the backend's heuristic; >= 1: that many KV splits
   bool warp_specialized = false;       // native prefill variant (canonical 24/2/256 only)
   bool assume_compact_blocks = false;  // producer promise about block_indices, see docs/qsa.md
 

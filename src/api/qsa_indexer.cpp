@@ -3,7 +3,6 @@
 #include <cmath>
 #include <initializer_list>
 #include <utility>
-#include <vector>
 
 #include "api/check.h"
 #include "api/qsa_indexer_params.h"

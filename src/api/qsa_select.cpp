@@ -1,7 +1,8 @@
 // API boundary of the selection helpers: validation (metadata only), host staging, params.
 #include "sparse_attn/qsa_select.h"
 
-#include <string>
+#include <climits>
+#include <string_view>
 
 #include "api/check.h"
 #include "api/qsa_select_params.h"

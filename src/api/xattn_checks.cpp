@@ -14,6 +14,7 @@ void check_xattn_output(const TensorView& t, std::string_view name, DType dtype,
   check_device(t, name, device, device_of);
   check_data(t, name);
   check_positive_strides(t, name);
+  check_no_self_overlap(t, name);
 }
 
 void check_float_input(const TensorView& t, std::string_view name, const TensorView* like,

@@ -5,6 +5,7 @@
 #include <string_view>
 #include <vector>
 
+#include "api/xattn_params.h"
 #include "sparse_attn/tensor.h"
 #include "sparse_attn/xattn.h"
 
@@ -13,7 +14,8 @@ namespace sparse_attn::detail {
 // ceil(a / b) for a >= 0, b > 0.
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// An output: dtype, exact shape, device, data pointer, positive strides.
+// An output: dtype, exact shape, device, data pointer, positive strides, no two elements at
+// one address.
 void check_xattn_output(const TensorView& t, std::string_view name, DType dtype,
                         const Shape& shape, std::string_view what, Device device,
                         std::string_view device_of);
@@ -31,6 +33,22 @@ std::vector<double> resolve_thresholds(const BlockSelectOptions& o, int64_t num_
 
 // NotSupportedError unless t lives on a CUDA device (native backends run only there).
 void check_native_device(const TensorView& t, std::string_view name, std::string_view op);
+
+// Checks query [B, Hq, Lq, D], key [B, Hkv, Lk, D] and the estimation options (not the
+// thresholds); returns the estimate params with sizes and scalars decided, no pointers.
+XAttnEstimateParams check_estimate_inputs(const TensorView& query, const TensorView& key,
+                                          const XAttnEstimateOptions& o);
+
+// Checks the estimate's outputs: FP32 / bool with the shape from `p`, on the query's device,
+// disjoint from each other and from query and key.
+void check_estimate_outputs(const XAttnEstimateParams& p, const TensorView& query,
+                            const TensorView& key, const TensorView& attn_sums,
+                            const TensorView& block_mask);
+
+// Fills the pointers and strides of the estimate (and its selection step) from these views.
+void fill_estimate_pointers(XAttnEstimateParams& p, const TensorView& query,
+                            const TensorView& key, const TensorView& attn_sums,
+                            const TensorView& block_mask);
 
 // Copies the first n strides of t into `out`.
 void copy_strides(const TensorView& t, int64_t* out, int n);

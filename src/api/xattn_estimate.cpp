@@ -22,8 +22,10 @@ using detail::copy_strides;
 using detail::throw_not_supported;
 using detail::throw_value_error;
 
-// Checks query, key and the estimation options; returns the params with sizes and scalars
-// decided (no pointers yet).
+}  // namespace
+
+namespace detail {
+
 XAttnEstimateParams check_estimate_inputs(const TensorView& query, const TensorView& key,
                                           const XAttnEstimateOptions& o) {
   check_rank(query, "query", {4});
@@ -99,6 +101,10 @@ XAttnEstimateParams check_estimate_inputs(const TensorView& query, const TensorV
   return p;
 }
 
+}  // namespace detail
+
+namespace {
+
 // attn_sums and block_mask of a selection: FP32 and bool [B, H, q_blocks, k_blocks], on
 // `device`, disjoint from each other.
 void check_select_outputs(const TensorView& attn_sums, const TensorView& block_mask,
@@ -123,45 +129,55 @@ void fill_select_pointers(BlockSelectParams& s, const TensorView& attn_sums,
 
 }  // namespace
 
+namespace detail {
+
+void check_estimate_outputs(const XAttnEstimateParams& p, const TensorView& query,
+                            const TensorView& key, const TensorView& attn_sums,
+                            const TensorView& block_mask) {
+  check_select_outputs(attn_sums, block_mask, {p.batch, p.num_q_heads, p.q_blocks, p.k_blocks},
+                       "xattn_estimate_shape(query, key)", query.device(), "query", true);
+  for (const auto& [out, out_name] :
+       {std::pair{attn_sums, "attn_sums"}, std::pair{block_mask, "block_mask"}}) {
+    check_no_overlap(out, out_name, query, "query");
+    check_no_overlap(out, out_name, key, "key");
+  }
+}
+
+void fill_estimate_pointers(XAttnEstimateParams& p, const TensorView& query,
+                            const TensorView& key, const TensorView& attn_sums,
+                            const TensorView& block_mask) {
+  p.q = query.data();
+  copy_strides(query, p.q_stride, 4);
+  p.k = key.data();
+  copy_strides(key, p.k_stride, 4);
+  p.attn_sums = attn_sums.data_as<float>();
+  copy_strides(attn_sums, p.sums_stride, 4);
+  fill_select_pointers(p.select, attn_sums, block_mask);
+}
+
+}  // namespace detail
+
 Shape xattn_estimate_shape(const TensorView& query, const TensorView& key,
                            const XAttnEstimateOptions& options) {
-  const XAttnEstimateParams p = check_estimate_inputs(query, key, options);
+  const XAttnEstimateParams p = detail::check_estimate_inputs(query, key, options);
   return {p.batch, p.num_q_heads, p.q_blocks, p.k_blocks};
 }
 
 void xattn_estimate(const TensorView& query, const TensorView& key, const TensorView& attn_sums,
                     const TensorView& block_mask, const XAttnEstimateOptions& options) {
-  XAttnEstimateParams p = check_estimate_inputs(query, key, options);
+  XAttnEstimateParams p = detail::check_estimate_inputs(query, key, options);
   const std::vector<double> thresholds = detail::resolve_thresholds(options, p.num_q_heads);
-  const Shape shape{p.batch, p.num_q_heads, p.q_blocks, p.k_blocks};
-  check_select_outputs(attn_sums, block_mask, shape, "xattn_estimate_shape(query, key)",
-                       query.device(), "query", true);
-  for (const auto& [out, out_name] :
-       {std::pair{attn_sums, "attn_sums"}, std::pair{block_mask, "block_mask"}}) {
-    detail::check_no_overlap(out, out_name, query, "query");
-    detail::check_no_overlap(out, out_name, key, "key");
-  }
+  detail::check_estimate_outputs(p, query, key, attn_sums, block_mask);
   p.select.thresholds = thresholds.data();
-
-  auto fill = [&p](const TensorView& q, const TensorView& k, const TensorView& sums,
-                   const TensorView& mask) {
-    p.q = q.data();
-    copy_strides(q, p.q_stride, 4);
-    p.k = k.data();
-    copy_strides(k, p.k_stride, 4);
-    p.attn_sums = sums.data_as<float>();
-    copy_strides(sums, p.sums_stride, 4);
-    fill_select_pointers(p.select, sums, mask);
-  };
   if (options.backend == Backend::kNative) {
     detail::check_native_device(query, "query", "xattn_estimate");
-    fill(query, key, attn_sums, block_mask);
+    detail::fill_estimate_pointers(p, query, key, attn_sums, block_mask);
     native_xattn_estimate(p);
     return;
   }
   detail::HostStaging staging;
-  fill(staging.input(query), staging.input(key), staging.output(attn_sums),
-       staging.output(block_mask));
+  detail::fill_estimate_pointers(p, staging.input(query), staging.input(key),
+                                 staging.output(attn_sums), staging.output(block_mask));
   reference_xattn_estimate_sums(p);
   reference_find_blocks(p.select);
   staging.commit();

@@ -84,7 +84,8 @@ struct XAttnEstimateParams {
 
 // Where sequence b's keys and values live.
 enum class XAttnKVLayout : uint8_t {
-  kPadded,  // [batch, Hkv, k_len, D] (xattention_prefill): k + b * stride[0] + t * stride[2]
+  kPadded,  // [batch, Hkv, max_seqlen_k, D] (xattention_prefill): k + b * stride[0] +
+            // t * stride[1]
   kVarlen,  // [total_k, Hkv, D]: token t of sequence b at row cu_seqlens_k[b] + t
   kPaged,   // [num_pages, page_size, Hkv, D]: page block_table[b, t / page_size],
             // slot t % page_size; sequence b has seqlens_k[b] keys
@@ -102,17 +103,18 @@ struct BlockSparseAttnParams {
   int64_t max_seqlen_k = 0;  // bound on every sequence's keys
   DType dtype = DType::kBF16;
 
-  // Queries. Padded (cu_seqlens_q null): [batch, Hq, q_len, D], every sequence has q_len rows
-  // (== max_seqlen_q), row r of sequence b at q + b * q_stride[0] + r * q_stride[2].
-  // Varlen: [total_q, Hq, D], q_stride[0] == 0, row r of sequence b at
-  // q + (cu_seqlens_q[b] + r) * q_stride[2]. q_stride[1] is the head stride, [3] the dim stride.
+  // Queries, strides in the order (batch, row, head, dim). Padded (cu_seqlens_q null):
+  // [batch, Hq, q_len, D] with every sequence max_seqlen_q rows; row r of sequence b at
+  // q + b * q_stride[0] + r * q_stride[1]. Varlen: [total_q, Hq, D], q_stride[0] == 0, row r of
+  // sequence b at q + (cu_seqlens_q[b] + r) * q_stride[1].
   const void* q = nullptr;
   int64_t q_stride[4] = {};
   const int32_t* cu_seqlens_q = nullptr;  // [batch + 1], or null (padded)
   int64_t total_q = 0;                    // varlen: q.shape[0]; padded: batch * max_seqlen_q
 
   // Keys and values, same layout (see XAttnKVLayout); strides in the order
-  // (batch or page, token or slot, head, dim). Varlen: stride[0] == 0.
+  // (batch or page, token or slot, head, dim). Varlen: stride[0] == 0. Padded: every sequence
+  // has max_seqlen_k keys.
   XAttnKVLayout kv_layout = XAttnKVLayout::kVarlen;
   const void* k = nullptr;
   int64_t k_stride[4] = {};
@@ -139,12 +141,13 @@ struct BlockSparseAttnParams {
   int64_t mask_q_blocks = 0;  // ceil(max_seqlen_q / 128)
   int64_t mask_k_blocks = 0;  // ceil(max_seqlen_k / 128)
 
-  // Output, q's layout and strides convention; every element of every real row written.
+  // Output, addressed like q (same stride order); every element of every row that belongs to a
+  // sequence is written, rows outside all sequences (varlen) are left alone.
   void* out = nullptr;
   int64_t out_stride[4] = {};
-  // FP32 LSE (natural log), -inf for rows that see no key; null when not wanted. Padded:
-  // [batch, Hq, q_len] with strides (batch, head, row); varlen: [total_q, Hq] with
-  // lse_stride[0] == 0, lse_stride[1] the head stride, lse_stride[2] the row stride.
+  // FP32 LSE (natural log), -inf for rows that see no key; null when not wanted. Addressed like
+  // q without the dim: strides (batch, row, head). Padded: [batch, Hq, q_len]; varlen:
+  // [total_q, Hq] with lse_stride[0] == 0.
   float* lse = nullptr;
   int64_t lse_stride[3] = {};
 

@@ -19,8 +19,8 @@ int32_t at(const int32_t* p, int64_t stride, int64_t i) { return p[i * stride]; 
 struct RowInfo {
   bool active = false;  // false: padding row (or a request-less row of an empty batch)
   int64_t request = 0;
-  int64_t position = 0;    // causal position p (logical mode)
-  int64_t seq_len_k = 0;   // valid ids are < seq_len_k (logical mode)
+  int64_t position = 0;   // causal position p (logical mode)
+  int64_t seq_len_k = 0;  // valid ids are < seq_len_k (logical mode)
 };
 
 // Request-level sizes, read once and checked against the layout's capacity.
@@ -51,17 +51,19 @@ Requests read_requests(const SparseAttentionParams& p) {
         const int64_t lo = at(p.cu_seqlens_q, p.cu_seqlens_q_stride, b);
         const int64_t hi = at(p.cu_seqlens_q, p.cu_seqlens_q_stride, b + 1);
         if (hi < lo) {
-          throw_value_error("cu_seqlens_q: expected nondecreasing offsets, got {} then {} at "
-                            "request {}",
-                            lo, hi, b);
+          throw_value_error(
+              "cu_seqlens_q: expected nondecreasing offsets, got {} then {} at "
+              "request {}",
+              lo, hi, b);
         }
         r.rows[b] = hi - lo;
       }
       const int64_t end = at(p.cu_seqlens_q, p.cu_seqlens_q_stride, B);
       if (end != p.rows) {
-        throw_value_error("cu_seqlens_q: expected the last offset to equal the {} query rows, "
-                          "got {}",
-                          p.rows, end);
+        throw_value_error(
+            "cu_seqlens_q: expected the last offset to equal the {} query rows, "
+            "got {}",
+            p.rows, end);
       }
       break;
     }
@@ -69,8 +71,8 @@ Requests read_requests(const SparseAttentionParams& p) {
       for (int64_t i = 0; i < p.rows; ++i) {
         const int64_t b = at(p.token_to_req, p.token_to_req_stride, i);
         if (b < 0 || b >= B) {
-          throw_value_error("token_to_req: expected request ids in [0, {}), got {} at row {}", B,
-                            b, i);
+          throw_value_error("token_to_req: expected request ids in [0, {}), got {} at row {}", B, b,
+                            i);
         }
         ++r.rows[b];
       }
@@ -84,9 +86,10 @@ Requests read_requests(const SparseAttentionParams& p) {
     for (int64_t b = 0; b < B; ++b) {
       const int64_t n = at(p.seq_lens_q, p.seq_lens_q_stride, b);
       if (n < 0 || n > r.rows[b]) {
-        throw_value_error("seq_lens_q: expected 0 <= seq_lens_q[{}] <= {} (the request's query "
-                          "rows), got {}",
-                          b, r.rows[b], n);
+        throw_value_error(
+            "seq_lens_q: expected 0 <= seq_lens_q[{}] <= {} (the request's query "
+            "rows), got {}",
+            b, r.rows[b], n);
       }
       r.seq_len_q[b] = n;
     }
@@ -101,9 +104,10 @@ Requests read_requests(const SparseAttentionParams& p) {
       const int64_t lo = at(p.cu_seqlens_k, p.cu_seqlens_k_stride, b);
       const int64_t hi = at(p.cu_seqlens_k, p.cu_seqlens_k_stride, b + 1);
       if (hi < lo) {
-        throw_value_error("cu_seqlens_k: expected nondecreasing offsets, got {} then {} at "
-                          "request {}",
-                          lo, hi, b);
+        throw_value_error(
+            "cu_seqlens_k: expected nondecreasing offsets, got {} then {} at "
+            "request {}",
+            lo, hi, b);
       }
       r.kv_start[b] = lo;
       capacity[b] = hi - lo;
@@ -119,9 +123,10 @@ Requests read_requests(const SparseAttentionParams& p) {
     for (int64_t b = 0; b < B; ++b) {
       const int64_t n = at(p.seq_lens_k, p.seq_lens_k_stride, b);
       if (n < 0 || n > capacity[b]) {
-        throw_value_error("seq_lens_k: expected 0 <= seq_lens_k[{}] <= {} (the request's KV "
-                          "capacity), got {}",
-                          b, capacity[b], n);
+        throw_value_error(
+            "seq_lens_k: expected 0 <= seq_lens_k[{}] <= {} (the request's KV "
+            "capacity), got {}",
+            b, capacity[b], n);
       }
       r.seq_len_k[b] = n;
     }
@@ -162,10 +167,10 @@ std::vector<RowInfo> read_rows(const SparseAttentionParams& p, const Requests& r
     info.active = i < req.seq_len_q[b];
     info.seq_len_k = req.seq_len_k[b];
     if (p.query_positions) {
-      const int64_t off = p.row_mapping == RowMapping::kPadded
-                              ? b * p.query_positions_batch_stride +
-                                    i * p.query_positions_row_stride
-                              : r * p.query_positions_row_stride;
+      const int64_t off =
+          p.row_mapping == RowMapping::kPadded
+              ? b * p.query_positions_batch_stride + i * p.query_positions_row_stride
+              : r * p.query_positions_row_stride;
       info.position = p.query_positions[off];
     } else {
       info.position = req.seq_len_k[b] - req.seq_len_q[b] + i;
@@ -223,9 +228,11 @@ void reference_sparse_attention(const SparseAttentionParams& p) {
 #pragma omp parallel
   {
     // Per thread: the row's valid tokens, and their K/V rows of one KV head as float, gathered
-    // once per KV head and reused by the group's query heads.
+    // once per KV head and reused by the group's query heads. K is stored transposed
+    // (kt[d * n + j]) so the score loop runs over tokens; each score is still the plain
+    // sequential sum over d.
     std::vector<int64_t> k_offs, v_offs;
-    std::vector<float> kf, vf, q, s, o;
+    std::vector<float> kt, vf, q, s, o;
     q.resize(D);
     o.resize(D);
 #pragma omp for schedule(dynamic, 1)
@@ -245,16 +252,25 @@ void reference_sparse_attention(const SparseAttentionParams& p) {
         }
       }
       const int64_t n = static_cast<int64_t>(k_offs.size());
-      kf.resize(n * D);
+      kt.resize(n * D);
       vf.resize(n * D);
       s.resize(n);
       for (int64_t g = 0; g < p.num_kv_heads; ++g) {
+        // K is transposed a tile of tokens at a time so each write fills a cache line.
+        constexpr int64_t kTile = 16;
+        for (int64_t j0 = 0; j0 < n; j0 += kTile) {
+          const int64_t j1 = std::min(n, j0 + kTile);
+          for (int64_t d = 0; d < D; ++d) {
+            for (int64_t j = j0; j < j1; ++j) {
+              kt[d * n + j] =
+                  load_as_float(p.k, dt, k_offs[j] + g * p.k_head_stride + d * p.k_dim_stride);
+            }
+          }
+        }
         for (int64_t j = 0; j < n; ++j) {
           for (int64_t d = 0; d < D; ++d) {
-            kf[j * D + d] = load_as_float(
-                p.k, dt, k_offs[j] + g * p.k_head_stride + d * p.k_dim_stride);
-            vf[j * D + d] = load_as_float(
-                p.v, dt, v_offs[j] + g * p.v_head_stride + d * p.v_dim_stride);
+            vf[j * D + d] =
+                load_as_float(p.v, dt, v_offs[j] + g * p.v_head_stride + d * p.v_dim_stride);
           }
         }
         for (int64_t h = g * p.group; h < (g + 1) * p.group; ++h) {
@@ -266,11 +282,13 @@ void reference_sparse_attention(const SparseAttentionParams& p) {
                                    r * p.q_row_stride + h * p.q_head_stride + d * p.q_dim_stride);
             }
             // S = scale * q K^T, then a max-subtracted softmax over the n tokens.
+            std::fill(s.begin(), s.end(), 0.f);
+            for (int64_t d = 0; d < D; ++d) {
+              for (int64_t j = 0; j < n; ++j) s[j] += q[d] * kt[d * n + j];
+            }
             float m = kNegInf;
             for (int64_t j = 0; j < n; ++j) {
-              float acc = 0.f;
-              for (int64_t d = 0; d < D; ++d) acc += q[d] * kf[j * D + d];
-              s[j] = p.scale * acc;
+              s[j] *= p.scale;
               m = std::max(m, s[j]);
             }
             float l = 0.f;

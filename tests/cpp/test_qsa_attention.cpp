@@ -14,6 +14,7 @@
 #include "sparse_attn/dtype.h"
 #include "sparse_attn/errors.h"
 #include "sparse_attn/qsa.h"
+#include "sparse_attn/qsa_select.h"
 #include "sparse_attn/tensor.h"
 #include "test_util.h"
 
@@ -29,7 +30,8 @@ using testing::to_vector;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-enum class QForm { kPadded, kCuSeqlens, kTokenToReq };
+// kSingle: flattened rows of a single request, with no row mapping at all.
+enum class QForm { kPadded, kCuSeqlens, kTokenToReq, kSingle };
 enum class KVForm { kPadded, kVarlen, kPaged };
 enum class Gate { kNone, kElementwise, kPerHead };
 
@@ -40,12 +42,13 @@ struct Case {
   std::vector<int64_t> q_lens = {3, 5};    // real query rows per request
   std::vector<int64_t> k_lens = {17, 40};  // KV length per request
   QForm q_form = QForm::kPadded;
-  int64_t q_pad = 0;        // padded Q; 0: max(q_lens). Rows past q_lens are padding.
+  int64_t q_pad = 0;       // padded Q; 0: max(q_lens). Rows past q_lens are padding.
+  int64_t extra_rows = 0;  // flattened: padding rows per request after its q_lens real rows
   KVForm kv_form = KVForm::kPadded;
-  int64_t kv_cap = 0;       // padded S_k; 0: max(k_lens) + 3
+  int64_t kv_cap = 0;  // padded S_k; 0: max(k_lens) + 3
   bool pass_seq_lens_k = true;
   int64_t page_size = 8;
-  bool bad_pages = false;   // paged: some table entries -1 or >= num_pages
+  bool bad_pages = false;  // paged: some table entries -1 or >= num_pages
   int64_t width = 24;
   bool explicit_positions = false;
   Gate gate = Gate::kNone;
@@ -73,7 +76,7 @@ class Problem {
     if (t2r_.data()) o.token_to_req = t2r_.view();
     if (cu_k_.data()) o.cu_seqlens_k = cu_k_.view();
     if (table_.data()) o.block_table = table_.view();
-    if (c_.q_form == QForm::kPadded && padded_rows_) o.seq_lens_q = seq_q_.view();
+    if (padded_rows_) o.seq_lens_q = seq_q_.view();
     if (c_.pass_seq_lens_k) o.seq_lens_k = seq_k_.view();
     if (c_.explicit_positions) o.query_positions = positions_.view();
     if (c_.gate != Gate::kNone) o.gate = gate_.view();
@@ -86,8 +89,8 @@ class Problem {
   Expected expected() const;
   void check() const {
     const Expected e = expected();
-    EXPECT_TRUE(all_close(out_, e.out, testing::default_atol(c_.dtype),
-                          testing::default_rtol(c_.dtype)))
+    EXPECT_TRUE(
+        all_close(out_, e.out, testing::default_atol(c_.dtype), testing::default_rtol(c_.dtype)))
         << c_.name << ": out";
     EXPECT_TRUE(all_close(lse_, e.lse, 1e-4, 1e-4)) << c_.name << ": lse";
     if (c_.strided_out) {
@@ -145,8 +148,8 @@ void Problem::build() {
   if (c_.q_form == QForm::kPadded) {
     const int64_t max_q = *std::max_element(c_.q_lens.begin(), c_.q_lens.end());
     Q_ = c_.q_pad ? c_.q_pad : max_q;
-    padded_rows_ = std::any_of(c_.q_lens.begin(), c_.q_lens.end(),
-                               [&](int64_t n) { return n != Q_; });
+    padded_rows_ =
+        std::any_of(c_.q_lens.begin(), c_.q_lens.end(), [&](int64_t n) { return n != Q_; });
     for (int64_t b = 0; b < B_; ++b) {
       for (int64_t i = 0; i < Q_; ++i) {
         row_req_.push_back(b);
@@ -155,24 +158,29 @@ void Problem::build() {
     }
     row_shape = {B_, Q_};
   } else {
+    padded_rows_ = c_.extra_rows > 0;
+    const auto local = [&](int64_t b, int64_t i) { return i < c_.q_lens[b] ? i : -1; };
     std::vector<int32_t> cu = {0};
-    for (int64_t b = 0; b < B_; ++b) cu.push_back(cu.back() + static_cast<int32_t>(c_.q_lens[b]));
-    if (c_.q_form == QForm::kCuSeqlens) {
+    for (int64_t b = 0; b < B_; ++b) {
+      cu.push_back(cu.back() + static_cast<int32_t>(c_.q_lens[b] + c_.extra_rows));
+    }
+    if (c_.q_form != QForm::kTokenToReq) {
       for (int64_t b = 0; b < B_; ++b) {
-        for (int64_t i = 0; i < c_.q_lens[b]; ++i) {
+        for (int64_t i = 0; i < c_.q_lens[b] + c_.extra_rows; ++i) {
           row_req_.push_back(b);
-          row_i_.push_back(i);
+          row_i_.push_back(local(b, i));
         }
       }
-      cu_q_ = testing::int32_tensor({B_ + 1}, cu);
+      if (c_.q_form == QForm::kCuSeqlens) cu_q_ = testing::int32_tensor({B_ + 1}, cu);
     } else {
       // Requests interleaved: a row's local index is its rank among its request's rows.
       std::vector<int64_t> left = c_.q_lens, seen(B_, 0);
+      for (int64_t& n : left) n += c_.extra_rows;
       while (std::any_of(left.begin(), left.end(), [](int64_t n) { return n > 0; })) {
         for (int64_t b = B_ - 1; b >= 0; --b) {
           if (left[b]-- > 0) {
             row_req_.push_back(b);
-            row_i_.push_back(seen[b]++);
+            row_i_.push_back(local(b, seen[b]++));
           }
         }
       }
@@ -464,6 +472,20 @@ std::vector<Case> cases() {
   c.gate = Gate::kElementwise;
   v.push_back(with(c, "strided_out_flat_gate"));
   c = {};
+  c.q_form = QForm::kCuSeqlens;
+  c.extra_rows = 2;
+  v.push_back(with(c, "cu_seqlens_q_rows_past_seq_lens_q"));
+  c.q_form = QForm::kTokenToReq;
+  c.kv_form = KVForm::kPaged;
+  v.push_back(with(c, "token_to_req_rows_past_seq_lens_q_paged"));
+  c = {};
+  c.q_form = QForm::kSingle;
+  c.q_lens = {7};
+  c.k_lens = {29};
+  v.push_back(with(c, "flattened_single_request_no_mapping"));
+  c.kv_form = KVForm::kVarlen;
+  v.push_back(with(c, "flattened_single_request_varlen_kv"));
+  c = {};
   c.width = 0;
   v.push_back(with(c, "width0_all_rows_empty"));
   c = {};
@@ -547,6 +569,75 @@ TEST(SparseAttentionGate, EqualsUnfusedPathBitwise) {
   }
 }
 
+// The selection helpers feed attention: top-k over block scores, expansion with the tail of
+// the current block, then attention with and without the block hint. The expected output is
+// dense attention restricted to exactly the kept blocks' tokens plus the tail.
+TEST(SparseAttentionPipeline, TopkExpandThenAttentionMatchesRestrictedDense) {
+  auto rng = make_rng();
+  const int64_t Q = 8, Hq = 4, Hkv = 2, D = 32, S = 64, NB = S / 4, K = 5;
+  Tensor q = testing::random_tensor({1, Q, Hq, D}, DType::kBF16, rng);
+  Tensor k = testing::random_tensor({1, S, Hkv, D}, DType::kBF16, rng);
+  Tensor v = testing::random_tensor({1, S, Hkv, D}, DType::kBF16, rng);
+  const std::vector<int32_t> pos = {2, 3, 20, 33, 46, 59, 62, 63};  // every p % 4
+  Tensor positions = testing::int32_tensor({1, Q}, pos);
+  Tensor scores = testing::random_tensor({1, Q, NB}, DType::kF32, rng);
+  for (int64_t r = 0; r < Q; ++r) {
+    for (int64_t b = 0; b < NB; ++b) {
+      if (4 * b + 3 > pos[r]) set(scores, {0, r, b}, -kInf);
+    }
+  }
+  Tensor top = Tensor::empty({1, Q, K}, DType::kI32);
+  qsa_topk_blocks(scores, K, top);
+  Tensor tokens = Tensor::empty({1, Q, 4 * K + 3}, DType::kI32);
+  Tensor blocks = Tensor::empty({1, Q, K}, DType::kI32);
+  qsa_expand_blocks(top, positions, tokens, blocks.view());
+
+  SparseAttentionOptions o;
+  o.backend = Backend::kReference;
+  o.query_positions = positions.view();
+  Tensor out = Tensor::empty({1, Q, Hq, D}, DType::kBF16);
+  Tensor lse = Tensor::empty({1, Q, Hq}, DType::kF32);
+  poison(out);
+  qsa_sparse_attention(q, k, v, tokens.view(), out, lse.view(), o);
+  const std::vector<double> plain = to_vector(out), plain_lse = to_vector(lse);
+  o.block_indices = blocks.view();
+  poison(out);
+  qsa_sparse_attention(q, k, v, tokens.view(), out, lse.view(), o);
+  EXPECT_EQ(to_vector(out), plain);
+  EXPECT_EQ(to_vector(lse), plain_lse);
+
+  std::vector<double> eo;
+  for (int64_t r = 0; r < Q; ++r) {
+    std::vector<int64_t> sel;
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t b = static_cast<int64_t>(get(top, {0, r, j}));
+      if (b < 0) continue;
+      for (int64_t t = 4 * b; t < 4 * b + 4; ++t) sel.push_back(t);
+    }
+    for (int64_t t = 4 * ((pos[r] + 1) / 4); t <= pos[r]; ++t) sel.push_back(t);
+    for (int64_t h = 0; h < Hq; ++h) {
+      const int64_t g = h / (Hq / Hkv);
+      std::vector<double> sc;
+      for (int64_t t : sel) {
+        double acc = 0;
+        for (int64_t d = 0; d < D; ++d) acc += get(q, {0, r, h, d}) * get(k, {0, t, g, d});
+        sc.push_back(acc / std::sqrt(static_cast<double>(D)));
+      }
+      const double m = *std::max_element(sc.begin(), sc.end());
+      double l = 0;
+      for (double x : sc) l += std::exp(x - m);
+      for (int64_t d = 0; d < D; ++d) {
+        double acc = 0;
+        for (size_t j = 0; j < sel.size(); ++j) {
+          acc += std::exp(sc[j] - m) / l * get(v, {0, sel[j], g, d});
+        }
+        eo.push_back(acc);
+      }
+    }
+  }
+  EXPECT_TRUE(all_close(out, eo, 1e-2, 1e-2));
+}
+
 TEST(SparseAttentionScale, ExplicitScaleAndAlias) {
   // scale and softmax_scale both rescale the logits; 1/sqrt(D) is the default.
   Case c;
@@ -610,7 +701,8 @@ TEST(SparseAttentionPhysical, DuplicatesKeptOutOfCapacityMasked) {
       el.push_back(s.empty() ? -kInf : m + std::log(l));
       for (int64_t x = 0; x < d; ++x) {
         double o_ = 0;
-        for (size_t j = 0; j < s.size(); ++j) o_ += std::exp(s[j] - m) / l * get(v, {t_ok[j], g, x});
+        for (size_t j = 0; j < s.size(); ++j)
+          o_ += std::exp(s[j] - m) / l * get(v, {t_ok[j], g, x});
         eo.push_back(o_);
       }
     }

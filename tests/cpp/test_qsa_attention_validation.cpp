@@ -73,8 +73,8 @@ struct Call {
     };
     for (TensorView* t : {&q, &k, &v, &out}) relabel(*t);
     for (std::optional<TensorView>* t :
-         {&token, &lse, &o.block_indices, &o.gate, &o.block_table, &o.cu_seqlens_q,
-          &o.token_to_req, &o.cu_seqlens_k, &o.seq_lens_q, &o.seq_lens_k, &o.query_positions,
+         {&token, &lse, &o.block_indices, &o.gate, &o.block_table, &o.cu_seqlens_q, &o.token_to_req,
+          &o.cu_seqlens_k, &o.seq_lens_q, &o.seq_lens_k, &o.query_positions,
           &o.selected_kv_indices}) {
       relabel_opt(*t);
     }
@@ -112,65 +112,109 @@ std::vector<Rule> rules() {
     r.push_back({std::move(name), std::move(f), kind, std::move(arg)});
   };
   // ----- query --------------------------------------------------------------------------
-  add("query_rank", [](Call& c) { c.q = c.make({24, 256}, DType::kBF16); }, K::kValue, "query");
-  add("query_dtype", [](Call& c) { c.q = c.make({2, 3, 4, 256}, DType::kF32); }, K::kType,
-      "query");
-  add("query_null_data",
+  add(
+      "query_rank",
+      [](Call& c) {
+        c.q = c.make({24, 256}, DType::kBF16);
+      },
+      K::kValue, "query");
+  add(
+      "query_dtype",
+      [](Call& c) {
+        c.q = c.make({2, 3, 4, 256}, DType::kF32);
+      },
+      K::kType, "query");
+  add(
+      "query_null_data",
       [](Call& c) { c.q = TensorView(nullptr, DType::kBF16, Device::cpu(), c.q.shape()); },
       K::kValue, "query");
-  add("query_batch_axes_not_a_row_view",
-      [](Call& c) { c.q = c.make({2, 5, 4, 256}, DType::kBF16).narrow(1, 0, 3); }, K::kValue,
-      "query");
-  add("query_batch_differs_from_kv",
+  add(
+      "query_batch_axes_not_a_row_view",
+      [](Call& c) {
+        c.q = c.make({2, 5, 4, 256}, DType::kBF16).narrow(1, 0, 3);
+      },
+      K::kValue, "query");
+  add(
+      "query_batch_differs_from_kv",
       [](Call& c) {
         c.q = c.make({3, 3, 4, 256}, DType::kBF16);
         c.out = c.make({3, 3, 4, 256}, DType::kBF16);
       },
       K::kValue, "query");
   // ----- key / value --------------------------------------------------------------------
-  add("key_dtype_differs_from_query", [](Call& c) { c.k = c.make({6, 4, 2, 256}, DType::kF16); },
+  add(
+      "key_dtype_differs_from_query",
+      [](Call& c) {
+        c.k = c.make({6, 4, 2, 256}, DType::kF16);
+      },
       K::kType, "key");
-  add("value_dtype_differs_from_key", [](Call& c) { c.v = c.make({6, 4, 2, 256}, DType::kF16); },
+  add(
+      "value_dtype_differs_from_key",
+      [](Call& c) {
+        c.v = c.make({6, 4, 2, 256}, DType::kF16);
+      },
       K::kType, "value");
-  add("value_shape_differs_from_key",
-      [](Call& c) { c.v = c.make({6, 4, 1, 256}, DType::kBF16); }, K::kValue, "value");
-  add("key_device_differs", [](Call& c) { c.k = on_cuda(c.k); }, K::kValue, "key");
-  add("value_device_differs", [](Call& c) { c.v = on_cuda(c.v); }, K::kValue, "value");
-  add("key_head_dim_differs",
+  add(
+      "value_shape_differs_from_key",
+      [](Call& c) {
+        c.v = c.make({6, 4, 1, 256}, DType::kBF16);
+      },
+      K::kValue, "value");
+  add(
+      "key_device_differs", [](Call& c) { c.k = on_cuda(c.k); }, K::kValue, "key");
+  add(
+      "value_device_differs", [](Call& c) { c.v = on_cuda(c.v); }, K::kValue, "value");
+  add(
+      "key_head_dim_differs",
       [](Call& c) {
         c.k = c.make({6, 4, 2, 128}, DType::kBF16);
         c.v = c.make({6, 4, 2, 128}, DType::kBF16);
       },
       K::kValue, "key");
-  add("gqa_heads_not_divisible",
+  add(
+      "gqa_heads_not_divisible",
       [](Call& c) {
         c.k = c.make({6, 4, 3, 256}, DType::kBF16);
         c.v = c.make({6, 4, 3, 256}, DType::kBF16);
       },
       K::kValue, "key");
-  add("key_rank", [](Call& c) { c.k = c.make({6, 4, 2, 2, 256}, DType::kBF16); }, K::kValue,
-      "key");
+  add(
+      "key_rank",
+      [](Call& c) {
+        c.k = c.make({6, 4, 2, 2, 256}, DType::kBF16);
+      },
+      K::kValue, "key");
   // ----- K/V layout metadata ------------------------------------------------------------
-  add("block_table_dtype", [](Call& c) { c.o.block_table = c.make({2, 3}, DType::kI64); },
+  add(
+      "block_table_dtype",
+      [](Call& c) {
+        c.o.block_table = c.make({2, 3}, DType::kI64);
+      },
       K::kType, "block_table");
-  add("block_table_rank", [](Call& c) { c.o.block_table = c.make_i32({6}); }, K::kValue,
+  add(
+      "block_table_rank", [](Call& c) { c.o.block_table = c.make_i32({6}); }, K::kValue,
       "block_table");
-  add("block_table_with_flattened_key",
+  add(
+      "block_table_with_flattened_key",
       [](Call& c) {
         c.k = c.make({24, 2, 256}, DType::kBF16);
         c.v = c.make({24, 2, 256}, DType::kBF16);
       },
       K::kValue, "key");
-  add("page_size_differs_from_key", [](Call& c) { c.o.page_size = 8; }, K::kValue, "page_size");
-  add("page_size_without_block_table",
+  add(
+      "page_size_differs_from_key", [](Call& c) { c.o.page_size = 8; }, K::kValue, "page_size");
+  add(
+      "page_size_without_block_table",
       [](Call& c) {
         c.o.block_table.reset();
         c.o.page_size = 4;
       },
       K::kValue, "page_size");
-  add("cu_seqlens_k_with_block_table", [](Call& c) { c.o.cu_seqlens_k = c.make_i32({3}); },
+  add(
+      "cu_seqlens_k_with_block_table", [](Call& c) { c.o.cu_seqlens_k = c.make_i32({3}); },
       K::kValue, "cu_seqlens_k");
-  add("cu_seqlens_k_with_padded_kv",
+  add(
+      "cu_seqlens_k_with_padded_kv",
       [](Call& c) {
         c.o.block_table.reset();
         c.k = c.make({2, 12, 2, 256}, DType::kBF16);
@@ -178,14 +222,16 @@ std::vector<Rule> rules() {
         c.o.cu_seqlens_k = c.make_i32({3});
       },
       K::kValue, "cu_seqlens_k");
-  add("flattened_kv_without_cu_seqlens_k",
+  add(
+      "flattened_kv_without_cu_seqlens_k",
       [](Call& c) {
         c.o.block_table.reset();
         c.k = c.make({24, 2, 256}, DType::kBF16);
         c.v = c.make({24, 2, 256}, DType::kBF16);
       },
       K::kValue, "cu_seqlens_k");
-  add("cu_seqlens_k_dtype",
+  add(
+      "cu_seqlens_k_dtype",
       [](Call& c) {
         c.o.block_table.reset();
         c.k = c.make({24, 2, 256}, DType::kBF16);
@@ -193,14 +239,18 @@ std::vector<Rule> rules() {
         c.o.cu_seqlens_k = c.make({3}, DType::kI64);
       },
       K::kType, "cu_seqlens_k");
-  add("seq_lens_k_shape", [](Call& c) { c.o.seq_lens_k = c.make_i32({3}); }, K::kValue,
+  add(
+      "seq_lens_k_shape", [](Call& c) { c.o.seq_lens_k = c.make_i32({3}); }, K::kValue,
       "seq_lens_k");
-  add("seq_lens_k_dtype", [](Call& c) { c.o.seq_lens_k = c.make({2}, DType::kI64); }, K::kType,
+  add(
+      "seq_lens_k_dtype", [](Call& c) { c.o.seq_lens_k = c.make({2}, DType::kI64); }, K::kType,
       "seq_lens_k");
   // ----- query rows -> requests ---------------------------------------------------------
-  add("cu_seqlens_q_with_padded_query", [](Call& c) { c.o.cu_seqlens_q = c.make_i32({3}); },
+  add(
+      "cu_seqlens_q_with_padded_query", [](Call& c) { c.o.cu_seqlens_q = c.make_i32({3}); },
       K::kValue, "cu_seqlens_q");
-  add("token_to_req_with_padded_query", [](Call& c) { c.o.token_to_req = c.make_i32({6}); },
+  add(
+      "token_to_req_with_padded_query", [](Call& c) { c.o.token_to_req = c.make_i32({6}); },
       K::kValue, "token_to_req");
   // The flattened variants start from the same call with [6, 4, 256] rows.
   const auto flat = [](Call& c) {
@@ -211,45 +261,52 @@ std::vector<Rule> rules() {
     c.o.block_indices = c.make_i32({6, 2});
     c.o.gate.reset();
   };
-  add("cu_seqlens_q_dtype",
+  add(
+      "cu_seqlens_q_dtype",
       [flat](Call& c) {
         flat(c);
         c.o.cu_seqlens_q = c.make({3}, DType::kI64);
       },
       K::kType, "cu_seqlens_q");
-  add("cu_seqlens_q_shape",
+  add(
+      "cu_seqlens_q_shape",
       [flat](Call& c) {
         flat(c);
         c.o.cu_seqlens_q = c.make_i32({4});
       },
       K::kValue, "cu_seqlens_q");
-  add("cu_seqlens_q_and_token_to_req",
+  add(
+      "cu_seqlens_q_and_token_to_req",
       [flat](Call& c) {
         flat(c);
         c.o.cu_seqlens_q = c.make_i32({3});
         c.o.token_to_req = c.make_i32({6});
       },
       K::kValue, "token_to_req");
-  add("token_to_req_shape",
+  add(
+      "token_to_req_shape",
       [flat](Call& c) {
         flat(c);
         c.o.token_to_req = c.make_i32({5});
       },
       K::kValue, "token_to_req");
-  add("token_to_req_dtype",
+  add(
+      "token_to_req_dtype",
       [flat](Call& c) {
         flat(c);
         c.o.token_to_req = c.make({6}, DType::kI64);
       },
       K::kType, "token_to_req");
-  add("num_requests_differs_from_kv",
+  add(
+      "num_requests_differs_from_kv",
       [flat](Call& c) {
         flat(c);
         c.o.token_to_req = c.make_i32({6});
         c.o.num_requests = 3;
       },
       K::kValue, "num_requests");
-  add("num_requests_without_token_to_req",
+  add(
+      "num_requests_without_token_to_req",
       [flat](Call& c) {
         flat(c);
         c.o.cu_seqlens_q = c.make_i32({3});
@@ -257,125 +314,231 @@ std::vector<Rule> rules() {
       },
       K::kValue, "num_requests");
   add("flattened_query_without_row_mapping", flat, K::kValue, "cu_seqlens_q");
-  add("seq_lens_q_shape", [](Call& c) { c.o.seq_lens_q = c.make_i32({2, 1}); }, K::kValue,
+  add(
+      "seq_lens_q_shape",
+      [](Call& c) {
+        c.o.seq_lens_q = c.make_i32({2, 1});
+      },
+      K::kValue, "seq_lens_q");
+  add(
+      "seq_lens_q_dtype", [](Call& c) { c.o.seq_lens_q = c.make({2}, DType::kI64); }, K::kType,
       "seq_lens_q");
-  add("seq_lens_q_dtype", [](Call& c) { c.o.seq_lens_q = c.make({2}, DType::kI64); }, K::kType,
-      "seq_lens_q");
-  add("query_positions_shape", [](Call& c) { c.o.query_positions = c.make_i32({6}); },
-      K::kValue, "query_positions");
-  add("query_positions_dtype", [](Call& c) { c.o.query_positions = c.make({2, 3}, DType::kI64); },
+  add(
+      "query_positions_shape", [](Call& c) { c.o.query_positions = c.make_i32({6}); }, K::kValue,
+      "query_positions");
+  add(
+      "query_positions_dtype",
+      [](Call& c) {
+        c.o.query_positions = c.make({2, 3}, DType::kI64);
+      },
       K::kType, "query_positions");
   // ----- token_indices and the block hint -----------------------------------------------
-  add("token_indices_missing", [](Call& c) { c.token.reset(); }, K::kValue, "token_indices");
-  add("token_indices_dtype", [](Call& c) { c.token = c.make({2, 3, 11}, DType::kI64); },
+  add(
+      "token_indices_missing", [](Call& c) { c.token.reset(); }, K::kValue, "token_indices");
+  add(
+      "token_indices_dtype",
+      [](Call& c) {
+        c.token = c.make({2, 3, 11}, DType::kI64);
+      },
       K::kType, "token_indices");
-  add("token_indices_rank", [](Call& c) { c.token = c.make_i32({6, 11}); }, K::kValue,
+  add(
+      "token_indices_rank",
+      [](Call& c) {
+        c.token = c.make_i32({6, 11});
+      },
+      K::kValue, "token_indices");
+  add(
+      "token_indices_rows",
+      [](Call& c) {
+        c.token = c.make_i32({2, 4, 11});
+      },
+      K::kValue, "token_indices");
+  add(
+      "token_indices_not_a_row_view",
+      [](Call& c) {
+        c.token = c.make_i32({2, 4, 11}).narrow(1, 0, 3);
+      },
+      K::kValue, "token_indices");
+  add(
+      "token_indices_device", [](Call& c) { c.token = on_cuda(*c.token); }, K::kValue,
       "token_indices");
-  add("token_indices_rows", [](Call& c) { c.token = c.make_i32({2, 4, 11}); }, K::kValue,
-      "token_indices");
-  add("token_indices_not_a_row_view",
-      [](Call& c) { c.token = c.make_i32({2, 4, 11}).narrow(1, 0, 3); }, K::kValue,
-      "token_indices");
-  add("token_indices_device", [](Call& c) { c.token = on_cuda(*c.token); }, K::kValue,
-      "token_indices");
-  add("block_indices_width_rule", [](Call& c) { c.o.block_indices = c.make_i32({2, 3, 3}); },
+  add(
+      "block_indices_width_rule",
+      [](Call& c) {
+        c.o.block_indices = c.make_i32({2, 3, 3});
+      },
       K::kValue, "block_indices");
-  add("block_indices_more_than_512_blocks",
+  add(
+      "block_indices_more_than_512_blocks",
       [](Call& c) {
         c.token = c.make_i32({2, 3, 4 * 513 + 3});
         c.o.block_indices = c.make_i32({2, 3, 513});
       },
       K::kValue, "block_indices");
-  add("block_indices_zero_blocks",
+  add(
+      "block_indices_zero_blocks",
       [](Call& c) {
         c.token = c.make_i32({2, 3, 3});
         c.o.block_indices = c.make_i32({2, 3, 0});
       },
       K::kValue, "block_indices");
-  add("block_indices_rows", [](Call& c) { c.o.block_indices = c.make_i32({2, 2, 2}); },
+  add(
+      "block_indices_rows",
+      [](Call& c) {
+        c.o.block_indices = c.make_i32({2, 2, 2});
+      },
       K::kValue, "block_indices");
-  add("block_indices_dtype", [](Call& c) { c.o.block_indices = c.make({2, 3, 2}, DType::kI64); },
+  add(
+      "block_indices_dtype",
+      [](Call& c) {
+        c.o.block_indices = c.make({2, 3, 2}, DType::kI64);
+      },
       K::kType, "block_indices");
   // ----- scalars ------------------------------------------------------------------------
-  add("scale_and_softmax_scale",
+  add(
+      "scale_and_softmax_scale",
       [](Call& c) {
         c.o.scale = 0.1;
         c.o.softmax_scale = 0.1;
       },
       K::kValue, "softmax_scale");
-  add("scale_not_positive", [](Call& c) { c.o.scale = 0.0; }, K::kValue, "scale");
-  add("softmax_scale_nan", [](Call& c) { c.o.softmax_scale = std::nan(""); }, K::kValue,
+  add(
+      "scale_not_positive", [](Call& c) { c.o.scale = 0.0; }, K::kValue, "scale");
+  add(
+      "softmax_scale_nan", [](Call& c) { c.o.softmax_scale = std::nan(""); }, K::kValue,
       "softmax_scale");
-  add("k_scale_not_one", [](Call& c) { c.o.k_scale = 0.5; }, K::kValue, "k_scale");
-  add("v_scale_not_one", [](Call& c) { c.o.v_scale = 2.0; }, K::kValue, "v_scale");
-  add("compute_dtype_float32", [](Call& c) { c.o.compute_dtype = DType::kF32; }, K::kValue,
+  add(
+      "scale_underflows_float32", [](Call& c) { c.o.scale = 1e-60; }, K::kValue, "scale");
+  add(
+      "num_splits_beyond_int32", [](Call& c) { c.o.num_splits = int64_t{1} << 40; }, K::kValue,
+      "num_splits");
+  add(
+      "k_scale_not_one", [](Call& c) { c.o.k_scale = 0.5; }, K::kValue, "k_scale");
+  add(
+      "v_scale_not_one", [](Call& c) { c.o.v_scale = 2.0; }, K::kValue, "v_scale");
+  add(
+      "compute_dtype_float32", [](Call& c) { c.o.compute_dtype = DType::kF32; }, K::kValue,
       "compute_dtype");
-  add("num_splits_zero", [](Call& c) { c.o.num_splits = 0; }, K::kValue, "num_splits");
+  add(
+      "num_splits_zero", [](Call& c) { c.o.num_splits = 0; }, K::kValue, "num_splits");
   // ----- gate ---------------------------------------------------------------------------
-  add("gate_dtype", [](Call& c) { c.o.gate = c.make({2, 3, 4, 256}, DType::kF16); }, K::kType,
-      "gate");
-  add("gate_shape", [](Call& c) { c.o.gate = c.make({2, 3, 4, 1}, DType::kBF16); }, K::kValue,
-      "gate");
-  add("gate_not_a_row_view",
-      [](Call& c) { c.o.gate = c.make({2, 4, 4}, DType::kBF16).narrow(1, 0, 3); }, K::kValue,
-      "gate");
+  add(
+      "gate_dtype",
+      [](Call& c) {
+        c.o.gate = c.make({2, 3, 4, 256}, DType::kF16);
+      },
+      K::kType, "gate");
+  add(
+      "gate_shape",
+      [](Call& c) {
+        c.o.gate = c.make({2, 3, 4, 1}, DType::kBF16);
+      },
+      K::kValue, "gate");
+  add(
+      "gate_not_a_row_view",
+      [](Call& c) {
+        c.o.gate = c.make({2, 4, 4}, DType::kBF16).narrow(1, 0, 3);
+      },
+      K::kValue, "gate");
   // ----- out / lse ----------------------------------------------------------------------
-  add("out_shape", [](Call& c) { c.out = c.make({2, 3, 4, 128}, DType::kBF16); }, K::kValue,
-      "out");
-  add("out_dtype", [](Call& c) { c.out = c.make({2, 3, 4, 256}, DType::kF32); }, K::kType, "out");
-  add("out_device", [](Call& c) { c.out = on_cuda(c.out); }, K::kValue, "out");
-  add("out_broadcast_stride",
+  add(
+      "out_shape",
       [](Call& c) {
-        c.out = c.make({2, 3, 1, 256}, DType::kBF16).as_strided({2, 3, 4, 256},
-                                                                 {768, 256, 0, 1});
+        c.out = c.make({2, 3, 4, 128}, DType::kBF16);
       },
       K::kValue, "out");
-  add("out_overlapping_itself",
+  add(
+      "out_dtype",
       [](Call& c) {
-        c.out = c.make({2, 3, 4, 256}, DType::kBF16).as_strided({2, 3, 4, 256},
-                                                                 {3072, 1024, 128, 1});
+        c.out = c.make({2, 3, 4, 256}, DType::kF32);
+      },
+      K::kType, "out");
+  add(
+      "out_device", [](Call& c) { c.out = on_cuda(c.out); }, K::kValue, "out");
+  add(
+      "out_broadcast_stride",
+      [](Call& c) {
+        c.out = c.make({2, 3, 1, 256}, DType::kBF16).as_strided({2, 3, 4, 256}, {768, 256, 0, 1});
       },
       K::kValue, "out");
-  add("out_not_a_row_view",
-      [](Call& c) { c.out = c.make({2, 4, 4, 256}, DType::kBF16).narrow(1, 0, 3); }, K::kValue,
-      "out");
-  add("out_overlaps_query", [](Call& c) { c.out = c.q; }, K::kValue, "query");
-  add("out_overlaps_value",
-      [](Call& c) { c.out = c.v.as_strided({2, 3, 4, 256}, {3072, 1024, 256, 1}); }, K::kValue,
-      "value");
-  add("out_overlaps_gate", [](Call& c) { c.out = *c.o.gate; }, K::kValue, "gate");
-  add("out_overlaps_token_indices",
+  add(
+      "out_overlapping_itself",
+      [](Call& c) {
+        c.out =
+            c.make({2, 3, 4, 256}, DType::kBF16).as_strided({2, 3, 4, 256}, {3072, 1024, 128, 1});
+      },
+      K::kValue, "out");
+  add(
+      "out_not_a_row_view",
+      [](Call& c) {
+        c.out = c.make({2, 4, 4, 256}, DType::kBF16).narrow(1, 0, 3);
+      },
+      K::kValue, "out");
+  add(
+      "out_overlaps_query", [](Call& c) { c.out = c.q; }, K::kValue, "query");
+  add(
+      "out_overlaps_value",
+      [](Call& c) {
+        c.out = c.v.as_strided({2, 3, 4, 256}, {3072, 1024, 256, 1});
+      },
+      K::kValue, "value");
+  add(
+      "out_overlaps_gate", [](Call& c) { c.out = *c.o.gate; }, K::kValue, "gate");
+  add(
+      "out_overlaps_token_indices",
       [](Call& c) {
         TensorView big = c.make({2, 3, 4, 256}, DType::kBF16);
         c.out = big;
         c.token = TensorView(big.data(), DType::kI32, Device::cpu(), {2, 3, 11});
       },
       K::kValue, "token_indices");
-  add("lse_dtype", [](Call& c) { c.lse = c.make({2, 3, 4}, DType::kBF16); }, K::kType, "lse");
-  add("lse_shape", [](Call& c) { c.lse = c.make({2, 3, 4, 1}, DType::kF32); }, K::kValue, "lse");
-  add("lse_overlaps_out",
-      [](Call& c) { c.lse = TensorView(c.out.data(), DType::kF32, Device::cpu(), {2, 3, 4}); },
+  add(
+      "lse_dtype",
+      [](Call& c) {
+        c.lse = c.make({2, 3, 4}, DType::kBF16);
+      },
+      K::kType, "lse");
+  add(
+      "lse_shape",
+      [](Call& c) {
+        c.lse = c.make({2, 3, 4, 1}, DType::kF32);
+      },
       K::kValue, "lse");
-  add("lse_overlaps_key",
-      [](Call& c) { c.lse = TensorView(c.k.data(), DType::kF32, Device::cpu(), {2, 3, 4}); },
+  add(
+      "lse_overlaps_out",
+      [](Call& c) {
+        c.lse = TensorView(c.out.data(), DType::kF32, Device::cpu(), {2, 3, 4});
+      },
+      K::kValue, "lse");
+  add(
+      "lse_overlaps_key",
+      [](Call& c) {
+        c.lse = TensorView(c.k.data(), DType::kF32, Device::cpu(), {2, 3, 4});
+      },
       K::kValue, "key");
   // ----- physical mode ------------------------------------------------------------------
-  add("selected_kv_indices_with_token_indices",
-      [](Call& c) { c.o.selected_kv_indices = c.make_i32({2, 3, 11}); }, K::kValue,
-      "selected_kv_indices");
-  add("selected_kv_indices_dtype",
+  add(
+      "selected_kv_indices_with_token_indices",
+      [](Call& c) {
+        c.o.selected_kv_indices = c.make_i32({2, 3, 11});
+      },
+      K::kValue, "selected_kv_indices");
+  add(
+      "selected_kv_indices_dtype",
       [](Call& c) {
         c.physical();
         c.o.selected_kv_indices = c.make({6, 5}, DType::kI64);
       },
       K::kType, "selected_kv_indices");
-  add("selected_kv_indices_rows",
+  add(
+      "selected_kv_indices_rows",
       [](Call& c) {
         c.physical();
         c.o.selected_kv_indices = c.make_i32({5, 5});
       },
       K::kValue, "selected_kv_indices");
-  add("selected_kv_indices_fp16",
+  add(
+      "selected_kv_indices_fp16",
       [](Call& c) {
         c.physical();
         c.q = c.make({6, 4, 256}, DType::kF16);
@@ -384,13 +547,15 @@ std::vector<Rule> rules() {
         c.out = c.make({6, 4, 256}, DType::kF16);
       },
       K::kType, "query");
-  add("selected_kv_indices_padded_query",
+  add(
+      "selected_kv_indices_padded_query",
       [](Call& c) {
         c.physical();
         c.q = c.make({2, 3, 4, 256}, DType::kBF16);
       },
       K::kValue, "query");
-  add("selected_kv_indices_paged_key",
+  add(
+      "selected_kv_indices_paged_key",
       [](Call& c) {
         c.physical();
         c.k = c.make({5, 4, 2, 256}, DType::kBF16);
@@ -399,7 +564,8 @@ std::vector<Rule> rules() {
       K::kValue, "key");
   for (const char* arg : {"gate", "cu_seqlens_q", "token_to_req", "cu_seqlens_k", "block_table",
                           "seq_lens_q", "seq_lens_k", "query_positions", "block_indices"}) {
-    add(std::string("selected_kv_indices_with_") + arg,
+    add(
+        std::string("selected_kv_indices_with_") + arg,
         [arg](Call& c) {
           c.physical();
           const std::string a = arg;
@@ -415,22 +581,26 @@ std::vector<Rule> rules() {
         },
         K::kValue, arg);
   }
-  add("selected_kv_indices_with_num_requests",
+  add(
+      "selected_kv_indices_with_num_requests",
       [](Call& c) {
         c.physical();
         c.o.num_requests = 1;
       },
       K::kValue, "num_requests");
-  add("selected_kv_indices_with_page_size",
+  add(
+      "selected_kv_indices_with_page_size",
       [](Call& c) {
         c.physical();
         c.o.page_size = 4;
       },
       K::kValue, "page_size");
   // ----- native only --------------------------------------------------------------------
-  add("native_needs_cuda_tensors", [](Call& c) { c.o.backend = Backend::kNative; },
+  add(
+      "native_needs_cuda_tensors", [](Call& c) { c.o.backend = Backend::kNative; },
       K::kNotSupported, "device cpu");
-  add("native_head_dim_256",
+  add(
+      "native_head_dim_256",
       [](Call& c) {
         c.q = c.make({2, 3, 4, 128}, DType::kBF16);
         c.k = c.make({6, 4, 2, 128}, DType::kBF16);
@@ -440,7 +610,8 @@ std::vector<Rule> rules() {
         c.native();
       },
       K::kNotSupported, "query");
-  add("native_group_at_most_16",
+  add(
+      "native_group_at_most_16",
       [](Call& c) {
         c.q = c.make({2, 3, 17, 256}, DType::kBF16);
         c.k = c.make({6, 4, 1, 256}, DType::kBF16);
@@ -451,13 +622,15 @@ std::vector<Rule> rules() {
         c.native();
       },
       K::kNotSupported, "key");
-  add("native_warp_specialized_needs_canonical_geometry",
+  add(
+      "native_warp_specialized_needs_canonical_geometry",
       [](Call& c) {
         c.o.warp_specialized = true;
         c.native();
       },
       K::kNotSupported, "warp_specialized");
-  add("native_varlen_kv_is_reference_only",
+  add(
+      "native_varlen_kv_is_reference_only",
       [](Call& c) {
         c.o.block_table.reset();
         c.k = c.make({24, 2, 256}, DType::kBF16);
@@ -466,7 +639,8 @@ std::vector<Rule> rules() {
         c.native();
       },
       K::kNotSupported, "cu_seqlens_k");
-  add("native_padded_kv_needs_padded_query",
+  add(
+      "native_padded_kv_needs_padded_query",
       [flat](Call& c) {
         flat(c);
         c.o.block_table.reset();
@@ -476,7 +650,8 @@ std::vector<Rule> rules() {
         c.native();
       },
       K::kNotSupported, "query");
-  add("native_padded_kv_needs_one_split",
+  add(
+      "native_padded_kv_needs_one_split",
       [](Call& c) {
         c.o.block_table.reset();
         c.k = c.make({2, 12, 2, 256}, DType::kBF16);
@@ -485,17 +660,18 @@ std::vector<Rule> rules() {
         c.native();
       },
       K::kNotSupported, "num_splits");
-  add("native_key_unit_feature_stride",
+  add(
+      "native_key_unit_feature_stride",
       [](Call& c) {
-        c.k = c.make({6, 4, 2, 512}, DType::kBF16).as_strided({6, 4, 2, 256},
-                                                               {4096, 1024, 512, 2});
+        c.k = c.make({6, 4, 2, 512}, DType::kBF16).as_strided({6, 4, 2, 256}, {4096, 1024, 512, 2});
         c.native();
       },
       K::kValue, "key");
-  add("native_value_16_byte_alignment",
+  add(
+      "native_value_16_byte_alignment",
       [](Call& c) {
-        c.v = c.make({6 * 4 * 2 * 256 + 1}, DType::kBF16).as_strided({6, 4, 2, 256},
-                                                                      {2048, 512, 256, 1}, 1);
+        c.v = c.make({6 * 4 * 2 * 256 + 1}, DType::kBF16)
+                  .as_strided({6, 4, 2, 256}, {2048, 512, 256, 1}, 1);
         c.native();
       },
       K::kValue, "value");
@@ -525,8 +701,8 @@ TEST_P(SparseAttentionValidation, RaisesNamingTheArgument) {
         EXPECT_TRUE(not_supported) << msg;
         break;
     }
-    EXPECT_NE(msg.find(rule.arg), std::string::npos) << "message does not name '" << rule.arg
-                                                     << "': " << msg;
+    EXPECT_NE(msg.find(rule.arg), std::string::npos)
+        << "message does not name '" << rule.arg << "': " << msg;
   }
 }
 

@@ -949,6 +949,11 @@ std::vector<ValidationCase> validation_cases() {
       "score_native_needs_cuda_build",
       [=] { score(on_cuda(q), on_cuda(k), on_cuda(out), IndexerScoreOptions{}); },
       Kind::kNotSupported, "CUDA build");
+  // The reference stages CUDA tensors through the host, which needs CUDA support.
+  add(
+      "score_reference_cuda_tensors_need_cuda_build",
+      [=] { score(on_cuda(q), on_cuda(k), on_cuda(out), ref); }, Kind::kNotSupported,
+      "no CUDA support");
 #endif
 
   // --- qsa_mqa_prefill ---

@@ -405,3 +405,23 @@ TEST(QsaSelectValidation, ExpandBlockIndicesOverlapsTokenIndices) {
 
 }  // namespace
 }  // namespace sparse_attn
+
+namespace sparse_attn {
+namespace {
+
+// The worked example of docs/qsa.md ("### qsa_expand_blocks").
+TEST(QsaExpand, DocumentedExample) {
+  Tensor ids = int32_tensor({1, 3}, {2, -1, 0});
+  Tensor pos = int32_tensor({1}, {14});
+  Tensor tokens = Tensor::empty({1, 15}, DType::kI32);
+  Tensor blocks = Tensor::empty({1, 3}, DType::kI32);
+  poison(tokens);
+  poison(blocks);
+  qsa_expand_blocks(ids, pos, tokens, blocks.view());
+  EXPECT_EQ(to_vector(tokens),
+            (std::vector<double>{8, 9, 10, 11, 0, 1, 2, 3, 12, 13, 14, -1, -1, -1, -1}));
+  EXPECT_EQ(to_vector(blocks), (std::vector<double>{2, 0, -1}));
+}
+
+}  // namespace
+}  // namespace sparse_attn

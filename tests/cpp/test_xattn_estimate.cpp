@@ -106,6 +106,8 @@ struct EstimateCase {
   bool causal;
 };
 
+void PrintTo(const EstimateCase& c, std::ostream* os) { *os << c.name; }
+
 class XAttnEstimate : public ::testing::TestWithParam<EstimateCase> {};
 
 TEST_P(XAttnEstimate, SumsAndMaskMatchDoubleComputation) {

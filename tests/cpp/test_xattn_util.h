@@ -2,8 +2,11 @@
 // docs/xattention.md independently of src/reference.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <exception>
+#include <functional>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -72,6 +75,86 @@ inline std::vector<double> expected_mask(const TensorView& sums, const SelectRul
         out.insert(out.end(), keep.begin(), keep.end());
       }
   return out;
+}
+
+// One sequence of an attention problem: lengths and element access (b is implied).
+struct AttnSequence {
+  int64_t q_len = 0, k_len = 0;
+  std::function<double(int64_t r, int64_t h, int64_t d)> q;
+  std::function<double(int64_t t, int64_t kvh, int64_t d)> k, v;
+  // base_blockmask[b, s, i, j] of this sequence, for block-sparse head number s.
+  std::function<bool(int64_t s, int64_t i, int64_t j)> mask;
+};
+
+// Which keys each head may read (docs/xattention.md, "Block-sparse attention").
+struct AttnHeads {
+  std::vector<int> types;          // per query head: -1, 0, 1
+  std::vector<int> streaming;      // 2 per query head (sink, local)
+  int64_t num_kv_heads = 1;
+  int64_t dim = 0;
+  double scale = 0;
+  bool causal = true;
+};
+
+// Attention of one (row, head): output [D] and natural-log LSE; zero and -inf for a row that
+// sees no key.
+struct AttnRow {
+  std::vector<double> out;
+  double lse = -std::numeric_limits<double>::infinity();
+};
+
+// Expected rows [h][r] of one sequence: a visibility matrix from the block rules and the
+// bottom-right causal rule, then a dense masked softmax.
+inline std::vector<std::vector<AttnRow>> expected_attention(const AttnSequence& s,
+                                                            const AttnHeads& a) {
+  const int64_t hq = static_cast<int64_t>(a.types.size());
+  const int64_t group = hq / a.num_kv_heads;
+  const int64_t kblocks = (s.k_len + 127) / 128;
+  std::vector<std::vector<AttnRow>> res(hq, std::vector<AttnRow>(s.q_len));
+  for (int64_t h = 0, sparse = 0; h < hq; ++h) {
+    const int64_t mask_head = a.types[h] == 1 ? sparse++ : -1;
+    for (int64_t r = 0; r < s.q_len; ++r) {
+      const int64_t i = r / 128;
+      std::vector<bool> visible(s.k_len, false);
+      for (int64_t t = 0; t < s.k_len; ++t) {
+        const int64_t j = t / 128;
+        bool ok = true;
+        if (a.types[h] == 1) ok = s.mask(mask_head, i, j);
+        if (a.types[h] == -1) {
+          // The block of the query block's last visible key (causal), else the last block.
+          const int64_t last_row = std::min(128 * i + 127, s.q_len - 1);
+          const int64_t last_key = s.k_len - s.q_len + last_row;
+          const int64_t d = a.causal ? static_cast<int64_t>(std::floor(last_key / 128.0))
+                                     : kblocks - 1;
+          ok = j < a.streaming[2 * h] || (j <= d && j > d - a.streaming[2 * h + 1]);
+        }
+        if (a.causal && t > s.k_len - s.q_len + r) ok = false;
+        visible[t] = ok;
+      }
+      std::vector<double> logit(s.k_len, -std::numeric_limits<double>::infinity());
+      double m = -std::numeric_limits<double>::infinity();
+      for (int64_t t = 0; t < s.k_len; ++t) {
+        if (!visible[t]) continue;
+        double dot = 0;
+        for (int64_t d = 0; d < a.dim; ++d) dot += s.q(r, h, d) * s.k(t, h / group, d);
+        logit[t] = dot * a.scale;
+        m = std::max(m, logit[t]);
+      }
+      AttnRow& row = res[h][r];
+      row.out.assign(a.dim, 0.0);
+      if (m == -std::numeric_limits<double>::infinity()) continue;
+      double z = 0;
+      for (int64_t t = 0; t < s.k_len; ++t) {
+        if (!visible[t]) continue;
+        const double w = std::exp(logit[t] - m);
+        z += w;
+        for (int64_t d = 0; d < a.dim; ++d) row.out[d] += w * s.v(t, h / group, d);
+      }
+      for (double& o : row.out) o /= z;
+      row.lse = m + std::log(z);
+    }
+  }
+  return res;
 }
 
 // Runs f and expects exactly the error kind E (a ValueError expectation rejects the

@@ -3,6 +3,9 @@
 // point at host memory: the call must fail before anything is read.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <optional>
+
 #include "sparse_attn/errors.h"
 #include "sparse_attn/xattn.h"
 #include "test_util.h"
@@ -25,6 +28,9 @@ struct EstimateArgs : ::testing::Test {
     return x;
   }();
 
+  EstimateArgs() {
+    for (Tensor* t : {&q, &k}) std::fill_n(t->data_as<uint16_t>(), t->numel(), uint16_t{0});
+  }
   void run() { xattn_estimate(q, k, sums, mask, o); }
   void run_with(const TensorView& qv, const TensorView& kv, const TensorView& sv,
                 const TensorView& mv) {
@@ -144,6 +150,11 @@ TEST_F(EstimateArgs, AttnSumsMustHavePositiveStrides) {
   expect_error<ValueError>([&] { run_with(q, k, s, mask); }, "attn_sums");
 }
 
+TEST_F(EstimateArgs, AttnSumsElementsMustNotShareMemory) {
+  TensorView s = sums.view().as_strided({1, 4, 2, 3}, {24, 3, 2, 1});
+  expect_error<ValueError>([&] { run_with(q, k, s, mask); }, "attn_sums");
+}
+
 TEST_F(EstimateArgs, AttnSumsMustNotOverlapQuery) {
   TensorView s(q.data(), DType::kF32, Device::cpu(), {1, 4, 2, 3});
   expect_error<ValueError>([&] { run_with(q, k, s, mask); }, "attn_sums");
@@ -237,6 +248,321 @@ TEST_F(FindBlocksArgs, ThresholdMustBeAFraction) {
 TEST_F(FindBlocksArgs, BlockMaskMustNotOverlapAttnSums) {
   TensorView m(sums.data(), DType::kBool, Device::cpu(), {1, 2, 2, 3});
   expect_error<ValueError>([&] { run(sums, m); }, "block_mask");
+}
+
+// block_sparse_attention: 2 sequences (100 + 60 queries, 150 + 60 keys), Hq 4 (types
+// 1, 0, -1, 1: two block-sparse heads), Hkv 2, D 16.
+struct AttentionArgs : ::testing::Test {
+  Tensor q = Tensor::empty({160, 4, 16}, DType::kBF16);
+  Tensor k = Tensor::empty({210, 2, 16}, DType::kBF16);
+  Tensor v = Tensor::empty({210, 2, 16}, DType::kBF16);
+  Tensor cu_q = testing::int32_tensor({3}, {0, 100, 160});
+  Tensor cu_k = testing::int32_tensor({3}, {0, 150, 210});
+  Tensor mask = Tensor::empty({2, 2, 1, 2}, DType::kBool);
+  Tensor out = Tensor::empty({160, 4, 16}, DType::kBF16);
+  Tensor lse = Tensor::empty({160, 4}, DType::kF32);
+  int64_t max_q = 100, max_k = 150;
+  std::optional<TensorView> mask_arg = mask.view();
+  std::optional<TensorView> lse_arg = lse.view();
+  BlockSparseAttentionOptions o = [] {
+    BlockSparseAttentionOptions x;
+    x.backend = Backend::kReference;
+    x.head_mask_type = {1, 0, -1, 1};
+    x.streaming_info = {0, 0, 0, 0, 1, 1, 0, 0};
+    return x;
+  }();
+
+  AttentionArgs() {
+    std::fill_n(q.data_as<uint16_t>(), q.numel(), uint16_t{0});
+    std::fill_n(k.data_as<uint16_t>(), k.numel(), uint16_t{0});
+    std::fill_n(v.data_as<uint16_t>(), v.numel(), uint16_t{0});
+    std::fill_n(mask.data_as<uint8_t>(), mask.numel(), uint8_t{1});
+  }
+  void run() {
+    block_sparse_attention(q, k, v, cu_q, cu_k, mask_arg, max_q, max_k, out, lse_arg, o);
+  }
+  void run_qkv(const TensorView& qv, const TensorView& kv, const TensorView& vv) {
+    block_sparse_attention(qv, kv, vv, cu_q, cu_k, mask_arg, max_q, max_k, out, lse_arg, o);
+  }
+  void run_out(const TensorView& ov) {
+    block_sparse_attention(q, k, v, cu_q, cu_k, mask_arg, max_q, max_k, ov, lse_arg, o);
+  }
+};
+
+TEST_F(AttentionArgs, ValidArgumentsPass) { EXPECT_NO_THROW(run()); }
+
+TEST_F(AttentionArgs, QRankMustBeThree) {
+  Tensor q4 = Tensor::empty({1, 160, 4, 16}, DType::kBF16);
+  expect_error<ValueError>([&] { run_qkv(q4, k, v); }, "q");
+}
+
+TEST_F(AttentionArgs, KDtypeMustMatchQ) {
+  Tensor kf = Tensor::empty({210, 2, 16}, DType::kF32);
+  expect_error<TypeError>([&] { run_qkv(q, kf, v); }, "k");
+}
+
+TEST_F(AttentionArgs, VShapeMustMatchK) {
+  Tensor v2 = Tensor::empty({209, 2, 16}, DType::kBF16);
+  expect_error<ValueError>([&] { run_qkv(q, k, v2); }, "v");
+}
+
+TEST_F(AttentionArgs, KHeadDimMustMatchQ) {
+  Tensor k2 = Tensor::empty({210, 2, 8}, DType::kBF16);
+  Tensor v2 = Tensor::empty({210, 2, 8}, DType::kBF16);
+  expect_error<ValueError>([&] { run_qkv(q, k2, v2); }, "k");
+}
+
+TEST_F(AttentionArgs, QHeadsMustBeAMultipleOfKHeads) {
+  Tensor k3 = Tensor::empty({210, 3, 16}, DType::kBF16);
+  Tensor v3 = Tensor::empty({210, 3, 16}, DType::kBF16);
+  expect_error<ValueError>([&] { run_qkv(q, k3, v3); }, "q");
+}
+
+TEST_F(AttentionArgs, CuSeqlensQMustBeInt32) {
+  Tensor c = Tensor::empty({3}, DType::kI64);
+  expect_error<TypeError>(
+      [&] { block_sparse_attention(q, k, v, c, cu_k, mask_arg, max_q, max_k, out, lse_arg, o); },
+      "cu_seqlens_q");
+}
+
+TEST_F(AttentionArgs, CuSeqlensKNeedsBatchPlusOneEntries) {
+  Tensor c = testing::int32_tensor({2}, {0, 150});
+  expect_error<ValueError>(
+      [&] { block_sparse_attention(q, k, v, cu_q, c, mask_arg, max_q, max_k, out, lse_arg, o); },
+      "cu_seqlens_k");
+}
+
+TEST_F(AttentionArgs, MaxSeqlenQMustBeNonNegative) {
+  max_q = -1;
+  expect_error<ValueError>([&] { run(); }, "max_seqlen_q");
+}
+
+TEST_F(AttentionArgs, DropoutMustBeZero) {
+  o.p_dropout = 0.1;
+  expect_error<ValueError>([&] { run(); }, "p_dropout");
+}
+
+TEST_F(AttentionArgs, SoftmaxScaleMustBePositive) {
+  o.softmax_scale = -1.0;
+  expect_error<ValueError>([&] { run(); }, "softmax_scale");
+}
+
+TEST_F(AttentionArgs, HeadMaskTypeNeedsOneEntryPerQueryHead) {
+  o.head_mask_type = {1, 1};
+  expect_error<ValueError>([&] { run(); }, "head_mask_type");
+}
+
+TEST_F(AttentionArgs, HeadMaskTypeValuesAreMinusOneZeroOrOne) {
+  o.head_mask_type = {1, 2, -1, 1};
+  expect_error<ValueError>([&] { run(); }, "head_mask_type[1]");
+}
+
+TEST_F(AttentionArgs, StreamingHeadsNeedStreamingInfo) {
+  o.streaming_info.clear();
+  expect_error<ValueError>([&] { run(); }, "streaming_info");
+}
+
+TEST_F(AttentionArgs, StreamingInfoNeedsTwoEntriesPerQueryHead) {
+  o.streaming_info = {1, 1};
+  expect_error<ValueError>([&] { run(); }, "streaming_info");
+}
+
+TEST_F(AttentionArgs, StreamingInfoCountsAreNonNegative) {
+  o.streaming_info[5] = -1;
+  expect_error<ValueError>([&] { run(); }, "streaming_info[5]");
+}
+
+TEST_F(AttentionArgs, BlockSparseHeadsNeedBaseBlockmask) {
+  mask_arg.reset();
+  expect_error<ValueError>([&] { run(); }, "base_blockmask");
+}
+
+TEST_F(AttentionArgs, BaseBlockmaskWithoutBlockSparseHeadsIsRejected) {
+  o.head_mask_type = {0, 0, -1, 0};
+  expect_error<ValueError>([&] { run(); }, "base_blockmask");
+}
+
+TEST_F(AttentionArgs, BaseBlockmaskShapeCountsOnlyBlockSparseHeads) {
+  Tensor m4 = Tensor::empty({2, 4, 1, 2}, DType::kBool);
+  mask_arg = m4.view();
+  expect_error<ValueError>([&] { run(); }, "base_blockmask");
+}
+
+TEST_F(AttentionArgs, BaseBlockmaskMustBeBool) {
+  Tensor mi = Tensor::empty({2, 2, 1, 2}, DType::kI32);
+  mask_arg = mi.view();
+  expect_error<TypeError>([&] { run(); }, "base_blockmask");
+}
+
+TEST_F(AttentionArgs, OutShapeMustMatchQ) {
+  Tensor o2 = Tensor::empty({160, 4, 8}, DType::kBF16);
+  expect_error<ValueError>([&] { run_out(o2); }, "out");
+}
+
+TEST_F(AttentionArgs, OutDtypeMustMatchQ) {
+  Tensor o2 = Tensor::empty({160, 4, 16}, DType::kF32);
+  expect_error<TypeError>([&] { run_out(o2); }, "out");
+}
+
+TEST_F(AttentionArgs, OutElementsMustNotShareMemory) {
+  TensorView o2 = out.view().as_strided({160, 4, 16}, {64, 8, 1});
+  expect_error<ValueError>([&] { run_out(o2); }, "out");
+}
+
+TEST_F(AttentionArgs, OutMustNotOverlapQ) {
+  expect_error<ValueError>([&] { run_out(q); }, "out");
+}
+
+TEST_F(AttentionArgs, LseShapeIsTotalQByHeads) {
+  Tensor l2 = Tensor::empty({4, 160}, DType::kF32);
+  lse_arg = l2.view();
+  expect_error<ValueError>([&] { run(); }, "lse");
+}
+
+TEST_F(AttentionArgs, LseMustBeFloat32) {
+  Tensor l2 = Tensor::empty({160, 4}, DType::kBF16);
+  lse_arg = l2.view();
+  expect_error<TypeError>([&] { run(); }, "lse");
+}
+
+TEST_F(AttentionArgs, NativeBackendNeedsCudaTensors) {
+  o.backend = Backend::kNative;
+  expect_error<NotSupportedError>([&] { run(); }, "q");
+}
+
+// Contents are the caller's promise; the reference checks them as it reads them.
+TEST_F(AttentionArgs, ReferenceRejectsDecreasingCuSeqlensQ) {
+  cu_q = testing::int32_tensor({3}, {0, 100, 90});
+  expect_error<ValueError>([&] { run(); }, "cu_seqlens_q");
+}
+
+TEST_F(AttentionArgs, ReferenceRejectsSequencesLongerThanMaxSeqlen) {
+  cu_k = testing::int32_tensor({3}, {0, 10, 210});
+  expect_error<ValueError>([&] { run(); }, "cu_seqlens_k");
+}
+
+// block_sparse_attention_paged: the same queries, K/V in 8 pages of 64.
+struct PagedArgs : AttentionArgs {
+  Tensor kc = Tensor::empty({8, 64, 2, 16}, DType::kBF16);
+  Tensor vc = Tensor::empty({8, 64, 2, 16}, DType::kBF16);
+  Tensor table = testing::int32_tensor({2, 3}, {0, 1, 2, 3, -1, -1});
+  Tensor seqlens = testing::int32_tensor({2}, {150, 60});
+
+  PagedArgs() {
+    std::fill_n(kc.data_as<uint16_t>(), kc.numel(), uint16_t{0});
+    std::fill_n(vc.data_as<uint16_t>(), vc.numel(), uint16_t{0});
+  }
+  void run_paged(const TensorView& kcv, const TensorView& vcv, const TensorView& bt,
+                 const TensorView& sk) {
+    block_sparse_attention_paged(q, kcv, vcv, bt, sk, cu_q, mask_arg, max_q, max_k, out, lse_arg,
+                                 o);
+  }
+  void run_paged() { run_paged(kc, vc, table, seqlens); }
+};
+
+TEST_F(PagedArgs, ValidArgumentsPass) { EXPECT_NO_THROW(run_paged()); }
+
+TEST_F(PagedArgs, KCacheRankMustBeFour) {
+  Tensor k3 = Tensor::empty({512, 2, 16}, DType::kBF16);
+  expect_error<ValueError>([&] { run_paged(k3, vc, table, seqlens); }, "k_cache");
+}
+
+TEST_F(PagedArgs, PageSizeMustDivideOrBeAMultipleOf128) {
+  Tensor k96 = Tensor::empty({8, 96, 2, 16}, DType::kBF16);
+  Tensor v96 = Tensor::empty({8, 96, 2, 16}, DType::kBF16);
+  expect_error<ValueError>([&] { run_paged(k96, v96, table, seqlens); }, "k_cache");
+}
+
+TEST_F(PagedArgs, VCacheShapeMustMatchKCache) {
+  Tensor v2 = Tensor::empty({7, 64, 2, 16}, DType::kBF16);
+  expect_error<ValueError>([&] { run_paged(kc, v2, table, seqlens); }, "v");
+}
+
+TEST_F(PagedArgs, BlockTableNeedsOneRowPerSequence) {
+  Tensor bt = testing::int32_tensor({1, 3}, {0, 1, 2});
+  expect_error<ValueError>([&] { run_paged(kc, vc, bt, seqlens); }, "block_table");
+}
+
+TEST_F(PagedArgs, SeqlensKNeedsOneEntryPerSequence) {
+  Tensor sk = testing::int32_tensor({3}, {150, 60, 0});
+  expect_error<ValueError>([&] { run_paged(kc, vc, table, sk); }, "seqlens_k");
+}
+
+TEST_F(PagedArgs, MaxSeqlenKMustFitTheBlockTable) {
+  max_k = 193 + 64 * 2;  // 3 pages of 64 hold 192 keys
+  mask_arg.reset();
+  o.head_mask_type = {0, 0, -1, 0};
+  expect_error<ValueError>([&] { run_paged(); }, "max_seqlen_k");
+}
+
+TEST_F(PagedArgs, ReferenceRejectsPagesOutOfRange) {
+  table = testing::int32_tensor({2, 3}, {0, 1, 8, 3, -1, -1});
+  expect_error<ValueError>([&] { run_paged(); }, "block_table");
+}
+
+TEST_F(PagedArgs, ReferenceRejectsSeqlensKAboveMax) {
+  seqlens = testing::int32_tensor({2}, {151, 60});
+  expect_error<ValueError>([&] { run_paged(); }, "seqlens_k");
+}
+
+// xattention_prefill: query [1, 4, 200, 16], key/value [1, 2, 300, 16].
+struct PrefillArgs : EstimateArgs {
+  Tensor val = Tensor::empty({1, 2, 300, 16}, DType::kBF16);
+  Tensor out = Tensor::empty({1, 4, 200, 16}, DType::kBF16);
+  Tensor lse = Tensor::empty({1, 4, 200}, DType::kF32);
+  XAttnPrefillOptions po = [] {
+    XAttnPrefillOptions x;
+    x.backend = Backend::kReference;
+    return x;
+  }();
+
+  PrefillArgs() { std::fill_n(val.data_as<uint16_t>(), val.numel(), uint16_t{0}); }
+  void run_prefill(const TensorView& vv, const TensorView& ov, const TensorView& lv) {
+    xattention_prefill(q, k, vv, sums, mask, ov, lv, po);
+  }
+};
+
+TEST_F(PrefillArgs, ValidArgumentsPass) { EXPECT_NO_THROW(run_prefill(val, out, lse)); }
+
+TEST_F(PrefillArgs, BlockSizeMustBe128) {
+  po.block_size = 64;
+  po.chunk_size = 256;
+  expect_error<ValueError>([&] { run_prefill(val, out, lse); }, "block_size");
+}
+
+TEST_F(PrefillArgs, ValueShapeMustMatchKey) {
+  Tensor v2 = Tensor::empty({1, 2, 299, 16}, DType::kBF16);
+  expect_error<ValueError>([&] { run_prefill(v2, out, lse); }, "value");
+}
+
+TEST_F(PrefillArgs, ValueDtypeMustMatchQuery) {
+  Tensor v2 = Tensor::empty({1, 2, 300, 16}, DType::kF16);
+  expect_error<TypeError>([&] { run_prefill(v2, out, lse); }, "value");
+}
+
+TEST_F(PrefillArgs, OutShapeMustMatchQuery) {
+  Tensor o2 = Tensor::empty({1, 4, 300, 16}, DType::kBF16);
+  expect_error<ValueError>([&] { run_prefill(val, o2, lse); }, "out");
+}
+
+TEST_F(PrefillArgs, LseShapeIsBatchHeadsRows) {
+  Tensor l2 = Tensor::empty({1, 200, 4}, DType::kF32);
+  expect_error<ValueError>([&] { run_prefill(val, out, l2); }, "lse");
+}
+
+TEST_F(PrefillArgs, OutMustNotOverlapValue) {
+  TensorView o2(val.data(), DType::kBF16, Device::cpu(), {1, 4, 200, 16});
+  expect_error<ValueError>([&] { run_prefill(val, o2, lse); }, "out");
+}
+
+TEST_F(PrefillArgs, SoftmaxScaleMustBePositive) {
+  po.softmax_scale = 0.0;
+  expect_error<ValueError>([&] { run_prefill(val, out, lse); }, "softmax_scale");
+}
+
+TEST_F(PrefillArgs, EstimateRulesApplyToo) {
+  po.stride = 3;
+  expect_error<ValueError>([&] { run_prefill(val, out, lse); }, "stride");
 }
 
 }  // namespace

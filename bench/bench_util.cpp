@@ -1,0 +1,113 @@
+#include "bench_util.h"
+
+#include <cublas_v2.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <vector>
+
+#include "sparse_attn/dtype.h"
+
+namespace sparse_attn::bench {
+
+void check(cudaError_t err, const char* call, const char* file, int line) {
+  if (err == cudaSuccess) return;
+  fmt::print(stderr, "CUDA error {} in {} at {}:{}\n", cudaGetErrorString(err), call, file, line);
+  std::exit(2);
+}
+
+Timer::Timer() {
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  BENCH_CUDA(cudaEventCreate(&start_));
+  BENCH_CUDA(cudaEventCreate(&stop_));
+  int device = 0, l2 = 0;
+  BENCH_CUDA(cudaGetDevice(&device));
+  BENCH_CUDA(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
+  flush_bytes_ = std::max<size_t>(4 * size_t(l2), size_t(256) << 20);
+  BENCH_CUDA(cudaMalloc(&flush_, flush_bytes_));
+}
+
+Timer::~Timer() {
+  cudaFree(flush_);
+  cudaEventDestroy(start_);
+  cudaEventDestroy(stop_);
+  cudaStreamDestroy(stream_);
+}
+
+Timing Timer::time(const std::function<void(cudaStream_t)>& launch, int warmup, int reps) {
+  for (int i = 0; i < warmup; ++i) launch(stream_);
+  BENCH_CUDA(cudaStreamSynchronize(stream_));
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    BENCH_CUDA(cudaMemsetAsync(flush_, i & 0xff, flush_bytes_, stream_));
+    BENCH_CUDA(cudaEventRecord(start_, stream_));
+    launch(stream_);
+    BENCH_CUDA(cudaEventRecord(stop_, stream_));
+    BENCH_CUDA(cudaEventSynchronize(stop_));
+    float t = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&t, start_, stop_));
+    ms.push_back(t);
+  }
+  BENCH_CUDA(cudaGetLastError());
+  std::sort(ms.begin(), ms.end());
+  return {ms[ms.size() / 2], ms.front(), ms.back()};
+}
+
+Ceilings measure_ceilings(Timer& timer) {
+  Ceilings c{};
+  {
+    const size_t bytes = size_t(4) << 30;  // 4 GiB each way
+    void *a = nullptr, *b = nullptr;
+    BENCH_CUDA(cudaMalloc(&a, bytes));
+    BENCH_CUDA(cudaMalloc(&b, bytes));
+    BENCH_CUDA(cudaMemset(a, 1, bytes));
+    const Timing t = timer.time([&](cudaStream_t s) {
+      BENCH_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s));
+    });
+    c.copy_tbps = 2.0 * bytes / (t.median_ms * 1e-3) / 1e12;
+    cudaFree(a);
+    cudaFree(b);
+  }
+  {
+    const int n = 8192;
+    Tensor a = random_device({n, n}, DType::kBF16, 1), b = random_device({n, n}, DType::kBF16, 2);
+    Tensor d = Tensor::empty({n, n}, DType::kBF16, Device::cuda());
+    cublasHandle_t h = nullptr;
+    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) {
+      fmt::print(stderr, "cublasCreate failed\n");
+      std::exit(2);
+    }
+    cublasSetStream(h, timer.stream());
+    const float one = 1.f, zero = 0.f;
+    const Timing t = timer.time([&](cudaStream_t) {
+      const cublasStatus_t st = cublasGemmEx(
+          h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a.data(), CUDA_R_16BF, n, b.data(),
+          CUDA_R_16BF, n, &zero, d.data(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+          CUBLAS_GEMM_DEFAULT);
+      if (st != CUBLAS_STATUS_SUCCESS) {
+        fmt::print(stderr, "cublasGemmEx failed: {}\n", int(st));
+        std::exit(2);
+      }
+    });
+    c.gemm_tflops = 2.0 * n * double(n) * n / (t.median_ms * 1e-3) / 1e12;
+    cublasDestroy(h);
+  }
+  return c;
+}
+
+Tensor random_device(const Shape& shape, DType dtype, uint64_t seed) {
+  Tensor host = Tensor::empty(shape, dtype);
+  uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+  auto* p = host.data_as<uint16_t>();
+  for (int64_t i = 0; i < host.numel(); ++i) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;  // xorshift64
+    const float u = float(x >> 40) * (2.0f / float(1 << 24)) - 1.0f;
+    p[i] = dtype == DType::kBF16 ? float_to_bf16(u) : float_to_fp16(u);
+  }
+  Tensor dev = Tensor::empty(shape, dtype, Device::cuda());
+  copy_into(dev.view(), host.view());
+  return dev;
+}
+
+}  // namespace sparse_attn::bench

@@ -1,0 +1,51 @@
+// Timing and ceilings for the benchmark programs (METHOD.md's recipe): warm-up, an L2 flush
+// before every timed run, CUDA events around the run alone, the median of the runs; and the
+// two ceilings measured in the same process: a large device-to-device copy (bytes read plus
+// written per second) and a cuBLAS bf16 GEMM on random data.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "sparse_attn/tensor.h"
+
+namespace sparse_attn::bench {
+
+// Aborts with the call and location on a CUDA error (benchmarks have nothing to recover).
+void check(cudaError_t err, const char* call, const char* file, int line);
+#define BENCH_CUDA(call) ::sparse_attn::bench::check((call), #call, __FILE__, __LINE__)
+
+struct Timing {
+  double median_ms;
+  double min_ms;
+  double max_ms;
+};
+
+class Timer {
+ public:
+  Timer();
+  ~Timer();
+  // Runs `launch` `warmup` times, then `reps` times each after an L2 flush, timing each.
+  Timing time(const std::function<void(cudaStream_t)>& launch, int warmup = 3, int reps = 15);
+  cudaStream_t stream() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t start_ = nullptr, stop_ = nullptr;
+  void* flush_ = nullptr;  // larger than L2: writing it evicts everything else
+  size_t flush_bytes_ = 0;
+};
+
+struct Ceilings {
+  double copy_tbps;   // device-to-device copy, (read + write) bytes per second / 1e12
+  double gemm_tflops; // cuBLAS bf16 GEMM 8192^3, FP32 accumulate, random inputs
+};
+Ceilings measure_ceilings(Timer& timer);
+
+// A device tensor of uniform random values in [-1, 1) (16-bit floats) made on the host.
+Tensor random_device(const Shape& shape, DType dtype, uint64_t seed);
+
+}  // namespace sparse_attn::bench

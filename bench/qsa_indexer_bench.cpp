@@ -1,0 +1,152 @@
+// Benchmarks of the native QSA indexer kernels on the shapes of issue 6:
+//   prefill (qsa_mqa_prefill): 4K, 16K, 64K tokens; rows = tokens, keys = tokens / 4, causal
+//     row intervals [0, (r + 1) / 4). Floor: max(compute over the visible 128 x 64 tiles at
+//     the GEMM ceiling, bytes (output write + Q + K) at the copy ceiling). Goal: >= 80%.
+//   decode (qsa_mqa_decode): B = 1, 32, 128 requests of 8K..128K tokens (uniform), page
+//     sizes 16 and 64, max_model_len = 128K / 4. Floor: K read + output write (+ Q, page
+//     table) at the copy ceiling. Goal: >= 80% for B >= 32.
+// Usage: qsa_indexer_bench [results.csv]. Prints a table last.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench_util.h"
+#include "sparse_attn/qsa.h"
+
+using namespace sparse_attn;
+using namespace sparse_attn::bench;
+
+namespace {
+
+struct Result {
+  std::string name;
+  double ms;
+  double tflops;  // achieved, exact visible FLOPs
+  double tbps;    // achieved, counted bytes
+  double floor_ms;
+  std::string floor_kind;
+  double goal;  // 0: no goal
+};
+
+Tensor int32_device(const std::vector<int32_t>& v, const Shape& shape) {
+  Tensor h = Tensor::empty(shape, DType::kI32);
+  std::copy(v.begin(), v.end(), h.data_as<int32_t>());
+  Tensor d = Tensor::empty(shape, DType::kI32, Device::cuda());
+  copy_into(d.view(), h.view());
+  return d;
+}
+
+constexpr double kFlopPerScore = 2.0 * 4 * 128;  // 4 heads x 128 features, multiply + add
+
+Result bench_prefill(Timer& timer, const Ceilings& c, int64_t tokens) {
+  const int64_t rows = tokens, keys = tokens / 4;
+  Tensor q = random_device({rows, 4, 128}, DType::kBF16, 11);
+  Tensor k = random_device({keys, 128}, DType::kBF16, 12);
+  std::vector<int32_t> starts(rows, 0), ends(rows);
+  for (int64_t r = 0; r < rows; ++r) ends[r] = static_cast<int32_t>((r + 1) / 4);
+  Tensor ds = int32_device(starts, {rows}), de = int32_device(ends, {rows});
+  Tensor out = Tensor::empty({rows, keys}, DType::kF32, Device::cuda());
+  const Timing t = timer.time([&](cudaStream_t s) {
+    MqaScoreOptions o;
+    o.stream = s;
+    qsa_mqa_prefill(q, k, ds, de, out, o);
+  });
+  double visible = 0, tile_scores = 0;
+  for (int64_t r = 0; r < rows; ++r) visible += ends[r];
+  for (int64_t r0 = 0; r0 < rows; r0 += 128) {
+    const int64_t max_end = ends[std::min(rows, r0 + 128) - 1];
+    tile_scores += double((max_end + 63) / 64) * 128 * 64;
+  }
+  const double bytes = 4.0 * rows * keys + 2.0 * rows * 512 + 2.0 * keys * 128 + 8.0 * rows;
+  const double compute_ms = kFlopPerScore * tile_scores / (c.gemm_tflops * 1e12) * 1e3;
+  const double memory_ms = bytes / (c.copy_tbps * 1e12) * 1e3;
+  const double s = t.median_ms * 1e-3;
+  return {fmt::format("prefill_{}k", tokens / 1024), t.median_ms,
+          kFlopPerScore * visible / s / 1e12, bytes / s / 1e12,
+          std::max(compute_ms, memory_ms), compute_ms > memory_ms ? "compute" : "write",
+          0.8};
+}
+
+Result bench_decode(Timer& timer, const Ceilings& c, int64_t batch, int64_t page_size) {
+  const int64_t max_model_len = 131072 / 4, max_pages = max_model_len / page_size;
+  std::mt19937_64 rng(1000 * batch + page_size);
+  std::uniform_int_distribution<int64_t> tokens(8192, 131072);
+  std::vector<int32_t> lens(batch);
+  int64_t pool = 0;
+  for (auto& l : lens) {
+    l = static_cast<int32_t>(tokens(rng) / 4);
+    pool += (l + page_size - 1) / page_size;
+  }
+  // Pages scattered over the pool, as a cache allocator leaves them; unused entries are -1.
+  std::vector<int32_t> perm(pool);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<int32_t> table(batch * max_pages, -1);
+  int64_t next = 0;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t p = 0; p < (lens[b] + page_size - 1) / page_size; ++p)
+      table[b * max_pages + p] = perm[next++];
+  Tensor q = random_device({batch, 4, 128}, DType::kBF16, 21);
+  Tensor cache = random_device({pool, page_size, 1, 128}, DType::kBF16, 22);
+  Tensor dt = int32_device(table, {batch, max_pages}), dl = int32_device(lens, {batch});
+  Tensor out = Tensor::empty({batch, max_model_len}, DType::kF32, Device::cuda());
+  const Timing t = timer.time([&](cudaStream_t s) {
+    MqaScoreOptions o;
+    o.stream = s;
+    qsa_mqa_decode(q, cache, dt, dl, max_model_len, out, o);
+  });
+  const double keys = std::accumulate(lens.begin(), lens.end(), 0.0);
+  const double bytes = 256.0 * keys + 4.0 * batch * max_model_len + 1024.0 * batch +
+                       4.0 * keys / page_size;
+  const double s = t.median_ms * 1e-3;
+  return {fmt::format("decode_b{}_page{}", batch, page_size), t.median_ms,
+          kFlopPerScore * keys / s / 1e12, bytes / s / 1e12,
+          bytes / (c.copy_tbps * 1e12) * 1e3, "hbm", batch >= 32 ? 0.8 : 0.0};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  cudaDeviceProp prop{};
+  BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
+  Timer timer;
+  const Ceilings c = measure_ceilings(timer);
+  fmt::print("device {} ({} SMs, L2 {} MB)\n", prop.name, prop.multiProcessorCount,
+             prop.l2CacheSize >> 20);
+  fmt::print("ceilings: copy {:.2f} TB/s (read + write), cuBLAS bf16 GEMM {:.0f} TFLOP/s\n",
+             c.copy_tbps, c.gemm_tflops);
+
+  std::vector<Result> results;
+  for (int64_t tokens : {4096, 16384, 65536}) results.push_back(bench_prefill(timer, c, tokens));
+  for (int64_t batch : {1, 32, 128})
+    for (int64_t page_size : {16, 64}) results.push_back(bench_decode(timer, c, batch, page_size));
+
+  if (argc > 1) {
+    std::FILE* f = std::fopen(argv[1], "w");
+    if (f == nullptr) {
+      fmt::print(stderr, "cannot write {}\n", argv[1]);
+      return 2;
+    }
+    fmt::print(f, "name,ms,tflops,tbps,floor_ms,floor_kind,ratio,goal,copy_tbps,gemm_tflops\n");
+    for (const Result& r : results)
+      fmt::print(f, "{},{:.5f},{:.2f},{:.3f},{:.5f},{},{:.3f},{},{:.3f},{:.1f}\n", r.name, r.ms,
+                 r.tflops, r.tbps, r.floor_ms, r.floor_kind, r.floor_ms / r.ms, r.goal,
+                 c.copy_tbps, c.gemm_tflops);
+    std::fclose(f);
+  }
+  fmt::print("\n{:<20} {:>9} {:>8} {:>7} {:>9} {:>8} {:>6} {:>5}\n", "benchmark", "ms", "TFLOP/s",
+             "TB/s", "floor ms", "floor", "ratio", "goal");
+  for (const Result& r : results) {
+    const double ratio = r.floor_ms / r.ms;
+    fmt::print("{:<20} {:>9.4f} {:>8.1f} {:>7.2f} {:>9.4f} {:>8} {:>6.2f} {:>5}\n", r.name, r.ms,
+               r.tflops, r.tbps, r.floor_ms, r.floor_kind, ratio,
+               r.goal == 0 ? "-" : (ratio >= r.goal ? "met" : "MISS"));
+  }
+  return 0;
+}

@@ -1,0 +1,91 @@
+"""Framework glue shared by the op wrappers: output allocation, the caller's stream, and
+the choice between the direct binding call and the torch custom op (under torch.compile)."""
+
+try:
+    import torch
+except ImportError:  # numpy and other DLPack producers work without torch
+    torch = None
+
+try:
+    import numpy
+except ImportError:
+    numpy = None
+
+from . import _C
+
+if torch is not None:
+    _Tensor = torch.Tensor
+    _TORCH_DTYPES = {"float32": torch.float32, "int32": torch.int32, "bool": torch.bool}
+    _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    # The raw-stream getter is what torch's own compiled code calls: it skips building a
+    # torch.cuda.Stream object on every call.
+    _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+else:
+    _Tensor = ()
+    _is_compiling = None
+    _raw_stream = None
+
+# Set by _torch_ops once the custom ops are registered.
+ops_registered = False
+
+
+def describe(obj):
+    return "None" if obj is None else type(obj).__qualname__
+
+
+def require_tensor(obj, name):
+    """TypeError naming `name` unless obj is something the binding can import as a tensor.
+
+    Used only where Python must inspect an argument before the binding sees it (to allocate
+    an output like it)."""
+    if hasattr(obj, "__dlpack__") or (numpy is not None and isinstance(obj, numpy.ndarray)):
+        return
+    raise TypeError(
+        f"{name}: expected a tensor (torch.Tensor, numpy.ndarray or any object with "
+        f"__dlpack__), got {describe(obj)}"
+    )
+
+
+def empty(shape, like, name, dtype=None):
+    """An uninitialised output of `shape` in the framework and on the device of `like`;
+    dtype None means like's dtype, otherwise a name ("float32", "int32", "bool")."""
+    if isinstance(like, _Tensor):
+        return torch.empty(
+            shape, dtype=like.dtype if dtype is None else _TORCH_DTYPES[dtype], device=like.device
+        )
+    if numpy is not None and isinstance(like, numpy.ndarray):
+        return numpy.empty(shape, dtype=like.dtype if dtype is None else dtype)
+    namespace = getattr(like, "__array_namespace__", None)
+    if namespace is not None:  # cupy, jax and other array-API producers
+        xp = namespace()
+        return xp.empty(
+            shape, dtype=like.dtype if dtype is None else getattr(xp, dtype), device=like.device
+        )
+    require_tensor(like, name)
+    raise TypeError(
+        f"{name}: cannot allocate an output like a {describe(like)} (it has __dlpack__ but no "
+        f"array namespace); pass out="
+    )
+
+
+def torch_stream(tensor):
+    """The current CUDA stream of tensor's device as an int, or None for CPU tensors."""
+    if not tensor.is_cuda:
+        return None
+    index = tensor.get_device()
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def run(binding, op_name, like, args):
+    """Calls binding(*args, stream). Torch tensors run on torch's current stream; under
+    torch.compile the call goes through torch.ops.sparse_attn.<op_name> (same arguments,
+    the stream is found when the op runs), so graphs capture it as one opaque op."""
+    if isinstance(like, _Tensor):
+        if ops_registered and _is_compiling():
+            getattr(torch.ops.sparse_attn, op_name)(*args)
+            return
+        binding(*args, torch_stream(like))
+    else:
+        binding(*args, None)

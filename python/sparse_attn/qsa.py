@@ -1,0 +1,170 @@
+"""QSA (Qwen Sparse Attention) entry points with the seed's (MATE's) signatures.
+
+docs/qsa.md states the math and edge cases; the C++ reference backend is its executable
+form. Each function validates through the C++ API (errors name the argument), allocates its
+outputs like the first tensor argument unless ``out=`` is given, and runs on torch's current
+CUDA stream. ``backend="tilelang"`` is an alias of ``"native"``; ``"reference"`` is the
+oracle. ``out=`` on the scoring functions is an extension of the seed's signatures
+(destination passing, e.g. for CUDA graphs).
+"""
+
+from . import _C
+from . import _runtime as rt
+
+try:
+    import torch
+
+    _BF16 = torch.bfloat16
+except ImportError:
+    _BF16 = "bfloat16"
+
+
+def _rank(x):
+    shape = getattr(x, "shape", None)
+    return -1 if shape is None else len(shape)
+
+
+def _is_int(x):
+    # int, numpy integers and torch.SymInt (under torch.compile); not bool, float or str.
+    return hasattr(x, "__index__") and not isinstance(x, bool) and not hasattr(x, "__dlpack__")
+
+
+def _indexer_score_shape(q_idx, block_keys, block_table):
+    # Mirrors qsa_indexer_mqa_score_shape for well-formed ranks; anything else returns None
+    # so that the C++ shape function raises its error.
+    if _rank(q_idx) not in (3, 4):
+        return None
+    if block_table is None:
+        if _rank(block_keys) != 3:
+            return None
+        num_blocks = block_keys.shape[1]
+    else:
+        if _rank(block_table) != 2 or _rank(block_keys) not in (3, 4):
+            return None
+        num_blocks = block_table.shape[1] * block_keys.shape[1]
+    return (*q_idx.shape[: _rank(q_idx) - 2], num_blocks)
+
+
+def qsa_indexer_mqa_score(
+    q_idx,
+    block_keys,
+    *,
+    block_table=None,
+    page_size=None,
+    cu_seqlens_q=None,
+    token_to_req=None,
+    num_requests=None,
+    query_positions=None,
+    seq_lens_q=None,
+    block_size=4,
+    scale=None,
+    score_scale=None,
+    backend="tilelang",
+    out=None,
+):
+    """QSA MQA block scores: FP32 [B, Q, N_B] (padded q_idx [B, Q, 4, 128]) or [total_q, N_B]
+    (varlen), -inf for blocks whose last token is not visible. With block_table, block_keys
+    is a paged cache [pages, page_size, (1,) 128]. scale multiplies (default 1/sqrt(D)),
+    score_scale divides; not both. Does not select top-k (see select_topk_blocks)."""
+    options = (block_table, page_size, cu_seqlens_q, token_to_req, num_requests,
+               query_positions, seq_lens_q, block_size, scale, score_scale, backend)
+    if out is None:
+        shape = _indexer_score_shape(q_idx, block_keys, block_table)
+        if shape is None:
+            shape = _C.qsa_indexer_mqa_score_shape(q_idx, block_keys, *options)
+        out = rt.empty(shape, q_idx, "q_idx", "float32")
+    rt.run(_C.qsa_indexer_mqa_score, "qsa_indexer_mqa_score", q_idx,
+           (q_idx, block_keys, out, *options))
+    return out
+
+
+def qsa_mqa_prefill(q, k, row_starts, row_ends, score_scale=None, *, scale=None,
+                    backend="tilelang", out=None):
+    """Packed-prefill MQA logits: FP32 [rows, keys], -inf outside [row_starts, row_ends) of
+    each row. q [rows, heads, dim]; k [keys, dim] or [keys, 1, dim]."""
+    if out is None:
+        if _rank(q) == 3 and _rank(k) in (2, 3):
+            shape = (q.shape[0], k.shape[0])
+        else:
+            shape = _C.qsa_mqa_prefill_shape(q, k)
+        out = rt.empty(shape, q, "q", "float32")
+    rt.run(_C.qsa_mqa_prefill, "qsa_mqa_prefill", q,
+           (q, k, row_starts, row_ends, out, score_scale, scale, backend))
+    return out
+
+
+def qsa_mqa(q, k, row_starts, row_ends, score_scale=None, *, scale=None, backend="tilelang",
+            out=None):
+    """The seed's other name of qsa_mqa_prefill."""
+    return qsa_mqa_prefill(q, k, row_starts, row_ends, score_scale, scale=scale,
+                           backend=backend, out=out)
+
+
+def qsa_mqa_decode(q, k_cache, page_table, context_lens, max_model_len, score_scale=None, *,
+                   scale=None, backend="tilelang", out=None):
+    """Paged-decode MQA logits: FP32 [B, max_model_len]; columns at or past a request's
+    context_len and those behind a missing page (-1 or out of range) are -inf.
+    q [B, heads, dim] or [B, 1, heads, dim]; k_cache [pages, page_size, (1,) dim]."""
+    if out is None:
+        if _rank(q) in (3, 4) and _is_int(max_model_len):
+            shape = (q.shape[0], max_model_len)
+        else:
+            shape = _C.qsa_mqa_decode_shape(q, max_model_len)
+        out = rt.empty(shape, q, "q", "float32")
+    rt.run(_C.qsa_mqa_decode, "qsa_mqa_decode", q,
+           (q, k_cache, page_table, context_lens, max_model_len, out, score_scale, scale,
+            backend))
+    return out
+
+
+def qsa_sparse_attention(
+    query,
+    key,
+    value,
+    token_indices=None,
+    *,
+    block_indices=None,
+    cu_seqlens_q=None,
+    token_to_req=None,
+    num_requests=None,
+    cu_seqlens_k=None,
+    seq_lens_q=None,
+    seq_lens_k=None,
+    query_positions=None,
+    block_table=None,
+    page_size=None,
+    scale=None,
+    gate=None,
+    num_splits=None,
+    return_lse=False,
+    backend="tilelang",
+    warp_specialized=False,
+    assume_compact_blocks=False,
+    out=None,
+    selected_kv_indices=None,
+    softmax_scale=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    compute_dtype=_BF16,
+    lse=None,
+):
+    """QSA core attention over each query row's selected tokens (request-local
+    token_indices, -1 pads, shared by all query heads; or physical selected_kv_indices).
+    Returns the query-shaped output (exactly `out` when given), or (out, lse) when
+    return_lse; lse is FP32 query.shape[:-1], natural log, -inf for rows with no valid
+    token, and is written whenever given."""
+    if out is None:
+        shape = tuple(query.shape) if _rank(query) in (3, 4) else \
+            _C.qsa_sparse_attention_out_shape(query)
+        out = rt.empty(shape, query, "query")
+    if return_lse and lse is None:
+        shape = tuple(query.shape[:-1]) if _rank(query) in (3, 4) else \
+            _C.qsa_sparse_attention_lse_shape(query)
+        lse = rt.empty(shape, query, "query", "float32")
+    rt.run(_C.qsa_sparse_attention, "qsa_sparse_attention", query,
+           (query, key, value, token_indices, out, lse, block_indices, cu_seqlens_q,
+            token_to_req, num_requests, cu_seqlens_k, seq_lens_q, seq_lens_k, query_positions,
+            block_table, page_size, scale, gate, num_splits, backend, warp_specialized,
+            assume_compact_blocks, selected_kv_indices, softmax_scale, k_scale, v_scale,
+            compute_dtype))
+    return (out, lse) if return_lse else out

@@ -1,0 +1,256 @@
+#include "convert.h"
+
+#include <fmt/format.h>
+
+#include <string>
+#include <string_view>
+
+#include "sparse_attn/errors.h"
+
+namespace sparse_attn::python {
+
+namespace {
+
+namespace dl = nb::dlpack;
+
+std::string dlpack_dtype_name(dl::dtype dt) {
+  const char* kind = "unknown";
+  switch (static_cast<dl::dtype_code>(dt.code)) {
+    case dl::dtype_code::Int: kind = "int"; break;
+    case dl::dtype_code::UInt: kind = "uint"; break;
+    case dl::dtype_code::Float: kind = "float"; break;
+    case dl::dtype_code::Bfloat: kind = "bfloat"; break;
+    case dl::dtype_code::Complex: kind = "complex"; break;
+    case dl::dtype_code::Bool: return "bool";
+    default: return fmt::format("DLPack dtype code {} ({} bits)", dt.code, dt.bits);
+  }
+  return fmt::format("{}{}", kind, dt.bits);
+}
+
+DType dtype_of(dl::dtype dt, const char* name) {
+  using C = dl::dtype_code;
+  if (dt.lanes == 1) {
+    switch (static_cast<C>(dt.code)) {
+      case C::Float:
+        if (dt.bits == 16) return DType::kF16;
+        if (dt.bits == 32) return DType::kF32;
+        break;
+      case C::Bfloat:
+        if (dt.bits == 16) return DType::kBF16;
+        break;
+      case C::Int:
+        if (dt.bits == 32) return DType::kI32;
+        if (dt.bits == 64) return DType::kI64;
+        break;
+      case C::Bool:
+        return DType::kBool;
+      default:
+        break;
+    }
+  }
+  throw TypeError(fmt::format(
+      "{}: tensors of dtype {} are not supported (sparse_attn takes bfloat16, float16, float32, "
+      "int32, int64 and bool tensors)",
+      name, dlpack_dtype_name(dt)));
+}
+
+Device device_of(int type, int id, const char* name) {
+  switch (type) {
+    case 1:  // kDLCPU
+    case 3:  // kDLCUDAHost: pinned host memory, addressed by the CPU
+      return Device::cpu();
+    case 2:   // kDLCUDA
+    case 13:  // kDLCUDAManaged
+      return Device::cuda(id);
+    default:
+      throw ValueError(fmt::format(
+          "{}: tensors on DLPack device type {} are not supported (expected CPU or CUDA)", name,
+          type));
+  }
+}
+
+template <typename Array>
+TensorView view_of(const Array& a, const char* name) {
+  const int ndim = static_cast<int>(a.ndim());
+  if (ndim > TensorView::kMaxDims) {
+    throw ValueError(fmt::format("{}: expected at most {} dimensions, got a tensor with {}", name,
+                                 TensorView::kMaxDims, ndim));
+  }
+  Shape shape(ndim), strides(ndim);
+  for (int d = 0; d < ndim; ++d) {
+    shape[d] = a.shape_ptr()[d];
+    strides[d] = a.stride_ptr()[d];
+    if (strides[d] < 0 && shape[d] > 1) {
+      throw ValueError(fmt::format(
+          "{}: negative strides are not supported (stride[{}] is {}); pass a copy", name, d,
+          strides[d]));
+    }
+  }
+  const Device device = device_of(a.device_type(), a.device_id(), name);
+  const DType dtype = dtype_of(a.dtype(), name);
+  return TensorView(const_cast<void*>(static_cast<const void*>(a.data())), dtype, device, shape,
+                    strides);
+}
+
+bool has_attr(nb::handle obj, const char* attr) { return PyObject_HasAttrString(obj.ptr(), attr); }
+
+// Called once an import failed: says why, in terms of the argument.
+[[noreturn]] void raise_import_failure(nb::handle obj, const char* name, bool writable) {
+  if (obj.is_none()) throw TypeError(fmt::format("{}: expected a tensor, got None", name));
+  if (!has_attr(obj, "__dlpack__") && !PyObject_CheckBuffer(obj.ptr())) {
+    throw TypeError(fmt::format(
+        "{}: expected a tensor (torch.Tensor, numpy.ndarray or any object with __dlpack__), "
+        "got {}",
+        name, py_type_name(obj)));
+  }
+  if (writable) {
+    nb::ndarray<nb::ro> read_only;
+    if (nb::try_cast(obj, read_only, false)) {
+      throw ValueError(
+          fmt::format("{}: the {} is read-only, but this argument is written", name,
+                      py_type_name(obj)));
+    }
+  }
+  // Ask the producer directly to recover its reason (torch refuses tensors that require
+  // grad, numpy refuses byte strides that are not a multiple of the item size, ...).
+  std::string reason = "the producer refused the export";
+  if (has_attr(obj, "__dlpack__")) {
+    try {
+      obj.attr("__dlpack__")();
+    } catch (nb::python_error& e) {
+      reason = e.what();
+    }
+  }
+  throw TypeError(
+      fmt::format("{}: could not import the {} through DLPack: {}", name, py_type_name(obj), reason));
+}
+
+bool is_tensor_like(nb::handle obj) { return has_attr(obj, "__dlpack__"); }
+
+}  // namespace
+
+const char* py_type_name(nb::handle obj) { return Py_TYPE(obj.ptr())->tp_name; }
+
+TensorView Borrowed::tensor(nb::handle obj, const char* name, bool writable) {
+  if (writable) {
+    if (num_outputs_ == kCapacity) throw Error("sparse_attn binding: too many output tensors");
+    nb::ndarray<>& slot = outputs_[num_outputs_];
+    if (!nb::try_cast(obj, slot, false)) raise_import_failure(obj, name, true);
+    ++num_outputs_;
+    return view_of(slot, name);
+  }
+  if (num_inputs_ == kCapacity) throw Error("sparse_attn binding: too many input tensors");
+  nb::ndarray<nb::ro>& slot = inputs_[num_inputs_];
+  if (!nb::try_cast(obj, slot, false)) raise_import_failure(obj, name, false);
+  ++num_inputs_;
+  return view_of(slot, name);
+}
+
+std::optional<TensorView> Borrowed::optional_tensor(nb::handle obj, const char* name,
+                                                    bool writable) {
+  if (obj.is_none()) return std::nullopt;
+  return tensor(obj, name, writable);
+}
+
+std::optional<double> optional_float(nb::handle obj, const char* name) {
+  if (obj.is_none()) return std::nullopt;
+  return to_float(obj, name);
+}
+
+double to_float(nb::handle obj, const char* name) {
+  PyObject* o = obj.ptr();
+  if (PyFloat_Check(o)) return PyFloat_AS_DOUBLE(o);
+  if (PyLong_Check(o) && !PyBool_Check(o)) {
+    const double v = PyLong_AsDouble(o);
+    if (v == -1.0 && PyErr_Occurred()) throw nb::python_error();
+    return v;
+  }
+  // numpy.float32 and friends; tensors are refused, a one-element device tensor would
+  // silently synchronise.
+  if (!PyBool_Check(o) && !is_tensor_like(obj) && has_attr(obj, "__float__")) {
+    const double v = PyFloat_AsDouble(o);
+    if (v == -1.0 && PyErr_Occurred()) throw nb::python_error();
+    return v;
+  }
+  throw TypeError(fmt::format("{}: expected a float, got {}", name, py_type_name(obj)));
+}
+
+std::optional<int64_t> optional_int(nb::handle obj, const char* name) {
+  if (obj.is_none()) return std::nullopt;
+  return to_int(obj, name);
+}
+
+int64_t to_int(nb::handle obj, const char* name) {
+  PyObject* o = obj.ptr();
+  const bool integral =
+      (PyLong_Check(o) || (!is_tensor_like(obj) && has_attr(obj, "__index__"))) &&
+      !PyBool_Check(o);
+  if (!integral) throw TypeError(fmt::format("{}: expected an int, got {}", name, py_type_name(obj)));
+  nb::object index = nb::steal(PyNumber_Index(o));
+  if (!index.is_valid()) throw nb::python_error();
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  if (overflow != 0) {
+    throw ValueError(fmt::format("{}: {} does not fit in 64 bits", name,
+                                 nb::str(obj).c_str()));
+  }
+  return static_cast<int64_t>(v);
+}
+
+bool to_bool(nb::handle obj, const char* name) {
+  if (obj.ptr() == Py_True) return true;
+  if (obj.ptr() == Py_False) return false;
+  // numpy.bool_ (numpy.bool in numpy 2)
+  const std::string_view type = py_type_name(obj);
+  if (type == "numpy.bool_" || type == "numpy.bool") return PyObject_IsTrue(obj.ptr()) == 1;
+  throw TypeError(fmt::format("{}: expected a bool, got {}", name, py_type_name(obj)));
+}
+
+Backend to_backend(nb::handle obj) {
+  if (!PyUnicode_Check(obj.ptr())) {
+    throw TypeError(fmt::format("backend: expected a str, got {}", py_type_name(obj)));
+  }
+  Py_ssize_t size = 0;
+  const char* s = PyUnicode_AsUTF8AndSize(obj.ptr(), &size);
+  if (s == nullptr) throw nb::python_error();
+  return parse_backend(std::string_view(s, static_cast<size_t>(size)));
+}
+
+DType to_dtype(nb::handle obj, const char* name) {
+  std::string s;
+  if (PyUnicode_Check(obj.ptr())) {
+    s = nb::borrow<nb::str>(obj).c_str();
+  } else if (PyType_Check(obj.ptr()) && has_attr(obj, "__name__")) {
+    s = nb::str(obj.attr("__name__")).c_str();  // numpy.float16 (the scalar type)
+  } else if (has_attr(obj, "itemsize") || std::string_view(py_type_name(obj)) == "torch.dtype") {
+    s = nb::str(obj).c_str();  // numpy.dtype('float16') -> "float16", torch.bfloat16 -> "torch.bfloat16"
+  } else {
+    throw TypeError(fmt::format("{}: expected a dtype (torch.dtype, numpy dtype or name), got {}",
+                                name, py_type_name(obj)));
+  }
+  if (s.rfind("torch.", 0) == 0) s.erase(0, 6);
+  if (s == "bfloat16") return DType::kBF16;
+  if (s == "float16" || s == "half") return DType::kF16;
+  if (s == "float32" || s == "float") return DType::kF32;
+  if (s == "int32") return DType::kI32;
+  if (s == "int64") return DType::kI64;
+  if (s == "bool") return DType::kBool;
+  if (s.find("float8") != std::string::npos) {
+    throw NotSupportedError(
+        fmt::format("{}: {} is not supported: FP8 compute is not enabled", name, s));
+  }
+  throw TypeError(fmt::format("{}: dtype {} is not supported", name, s));
+}
+
+StreamHandle to_stream(nb::handle obj) {
+  if (obj.is_none()) return nullptr;
+  if (!PyLong_Check(obj.ptr())) {
+    throw TypeError(fmt::format("stream: expected an int (a cudaStream_t), got {}",
+                                py_type_name(obj)));
+  }
+  const unsigned long long v = PyLong_AsUnsignedLongLong(obj.ptr());
+  if (PyErr_Occurred()) throw nb::python_error();
+  return reinterpret_cast<StreamHandle>(static_cast<uintptr_t>(v));
+}
+
+}  // namespace sparse_attn::python

@@ -1,0 +1,60 @@
+// Conversions from Python call arguments to the C++ API's types, shared by the op bindings.
+//
+// Tensors arrive as any object with __dlpack__ (torch, numpy, cupy, jax) and become
+// TensorViews that borrow the caller's memory for the duration of one call. Scalars and
+// options arrive as plain Python objects; each conversion names the argument in its error, so
+// a float passed where a tensor goes (or the reverse) is a TypeError that says which argument.
+#pragma once
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <array>
+#include <cstdint>
+#include <optional>
+
+#include "sparse_attn/qsa.h"
+#include "sparse_attn/tensor.h"
+
+namespace sparse_attn::python {
+
+namespace nb = nanobind;
+
+// Keeps the DLPack imports of one call alive while the C++ call runs (the views borrow their
+// memory). Fixed capacity: no allocation on the hot path; an op binding with more tensor
+// arguments than this is a programming error caught on its first call.
+class Borrowed {
+ public:
+  // `name` appears in error messages. Writable views refuse read-only producers (a read-only
+  // numpy array passed as `out`).
+  TensorView tensor(nb::handle obj, const char* name, bool writable = false);
+  std::optional<TensorView> optional_tensor(nb::handle obj, const char* name,
+                                            bool writable = false);
+
+ private:
+  static constexpr int kCapacity = 16;
+  std::array<nb::ndarray<nb::ro>, kCapacity> inputs_;
+  std::array<nb::ndarray<>, kCapacity> outputs_;
+  int num_inputs_ = 0;
+  int num_outputs_ = 0;
+};
+
+// None -> nullopt; int/float (and numpy scalars, 0-d tensors through __float__) -> double.
+std::optional<double> optional_float(nb::handle obj, const char* name);
+double to_float(nb::handle obj, const char* name);
+// None -> nullopt; int (and anything with __index__, not bool or float) -> int64_t.
+std::optional<int64_t> optional_int(nb::handle obj, const char* name);
+int64_t to_int(nb::handle obj, const char* name);
+// bool (or numpy.bool_) only.
+bool to_bool(nb::handle obj, const char* name);
+// A str naming the backend ("native", "tilelang", "reference").
+Backend to_backend(nb::handle obj);
+// A dtype: a torch.dtype, a numpy dtype or type, or a name ("bfloat16").
+DType to_dtype(nb::handle obj, const char* name);
+// The caller's stream as an integer (torch's cuda_stream); 0 is the legacy default stream.
+StreamHandle to_stream(nb::handle obj);
+
+// Python's type name of obj, for messages.
+const char* py_type_name(nb::handle obj);
+
+}  // namespace sparse_attn::python

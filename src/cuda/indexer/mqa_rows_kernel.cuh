@@ -1,0 +1,441 @@
+// The "rows" kernel: many query rows against a key range, each row with a visible key interval.
+// Serves qsa_mqa_prefill and every form of qsa_indexer_mqa_score (padded / varlen queries,
+// logical / paged keys).
+//
+// Work split: a CTA owns 64 query rows (4 warps x 16) and a range of keys. Each warp keeps
+// its 16 rows x 4 heads x 128 features of Q in registers for the whole CTA (128 registers a
+// thread: the A operand of every MMA), and the CTA streams the keys through a 4-stage
+// cp.async pipeline of 64-key tiles. Per 8-key column block a warp issues 4 heads x 8 K-steps
+// of m16n8k16; the M tile of head h holds the warp's 16 rows for that head, so the sum over
+// heads of ReLU is thread-local in the accumulator layout (no shuffles).
+//
+// Why mma.sync (CuTe's SM80 atom) and not wgmma: wgmma's M = 64 rows per warpgroup would
+// spread a row's 4 heads over 4 warps (head-major) or over 4 lanes (row-major), so the ReLU
+// head sum would need a shared-memory or shuffle reduction per output element, and Q as a
+// register A operand costs the same 128 registers. The output write (4 bytes per score,
+// -inf included) is the floor for the benchmark shapes, which mma.sync's rate keeps up with;
+// docs/perf-notes.md has the measured numbers.
+//
+// Masking: only tiles that intersect a row interval are loaded and computed; everything else
+// is filled with -inf by plain vector stores. Rows of several requests in one CTA (varlen,
+// or padded rows straddling a request boundary) are handled in one pass per request, since
+// the keys differ per request.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cute/arch/copy_sm80.hpp>
+
+#include "cuda/common/check.h"
+#include "cuda/common/mma.cuh"
+#include "cuda/indexer/mqa_problem.h"
+
+namespace sparse_attn::cuda::indexer::rows {
+
+// 4 warps of ~250 registers let two CTAs share an SM, so one can stream -inf stores while
+// the other runs MMAs (with one 8-warp CTA per SM the two phases serialised: measured 2.42 ms
+// for the 64K prefill, docs/perf-notes.md).
+inline constexpr int kWarps = 4;
+inline constexpr int kCtasPerSm = 2;
+inline constexpr int kThreads = kWarps * 32;
+inline constexpr int kRowsPerWarp = 16;                  // one m16 tile per head
+inline constexpr int kBlockRows = kWarps * kRowsPerWarp;  // 64 query rows per CTA
+inline constexpr int kBlockKeys = 64;                    // keys per pipeline stage
+inline constexpr int kStages = 4;                        // cp.async stages in flight
+inline constexpr int kChunks = kDim * 2 / 16;            // 16-byte chunks per key (16)
+inline constexpr int kHistBins = 2048;  // request ids counted per pass (positions from ids)
+
+static_assert(kBlockRows <= kThreads, "one thread resolves one row of the tile");
+static_assert(kBlockKeys * kChunks % kThreads == 0, "a tile is copied in whole rounds");
+
+struct SharedStorage {
+  // Key tiles; the 16-byte chunk index is XOR-swizzled with bit 2 of the key parity so that the
+  // two keys one 8-lane phase reads (keys 2i, 2i+1, same chunks) land in different banks.
+  uint4 keys[kStages][kBlockKeys][kChunks];
+  uint8_t key_valid[kStages][kBlockKeys];  // 0: key past the range or on a missing page
+  int64_t q_off[kBlockRows];               // element offset of the row's q[row, 0, 0]
+  int64_t out_off[kBlockRows];             // element offset of the row's out[row, 0]
+  int64_t lo[kBlockRows];                  // visible keys [lo, hi), clipped to [0, num_keys]
+  int64_t hi[kBlockRows];
+  int32_t req[kBlockRows];  // request of the row; -1: not a valid row (all -inf)
+  int32_t hist[kHistBins];
+  int32_t next_req;
+  int32_t id_min;
+  int32_t id_max;
+  unsigned long long union_lo;  // the current request's rows' visible columns, CTA-wide
+  unsigned long long union_hi;
+};
+
+__device__ __forceinline__ int swizzle(int key, int chunk) { return chunk ^ ((key & 1) << 2); }
+
+__device__ __forceinline__ int32_t ld_meta(const int32_t* p, int64_t i, int64_t stride) {
+  return __ldg(p + i * stride);
+}
+
+// Fills out[row, a..b) (columns, element stride `stride`) with -inf, cooperatively by a warp.
+__device__ inline void warp_fill_row(float* row, int64_t a, int64_t b, int64_t stride, int lane) {
+  if (a >= b) return;
+  const float ninf = -INFINITY;
+  if (stride != 1) {
+    for (int64_t i = a + lane; i < b; i += 32) row[i * stride] = ninf;
+    return;
+  }
+  float* p = row + a;
+  const int64_t n = b - a;
+  const int64_t head =
+      std::min<int64_t>(n, ((16 - (reinterpret_cast<uintptr_t>(p) & 15)) & 15) / sizeof(float));
+  for (int64_t i = lane; i < head; i += 32) p[i] = ninf;
+  float4* v = reinterpret_cast<float4*>(p + head);
+  const int64_t nv = (n - head) / 4;
+  for (int64_t i = lane; i < nv; i += 32) v[i] = make_float4(ninf, ninf, ninf, ninf);
+  for (int64_t i = head + nv * 4 + lane; i < n; i += 32) p[i] = ninf;
+}
+
+// Request, row offsets and (except for positions counted later) the visible interval of one
+// flattened query row.
+__device__ inline void resolve_row(const RowsProblem& p, int64_t r, SharedStorage& s, int t) {
+  int32_t req = -1;
+  int64_t lo = 0, hi = 0, q_off = 0, out_off = 0;
+  if (r < p.num_rows) {
+    int64_t pos = -1;
+    switch (p.mode) {
+      case RowMode::kPrefill: {
+        req = 0;
+        q_off = r * p.q_row_stride;
+        out_off = r * p.out_row_stride;
+        lo = std::max<int64_t>(ld_meta(p.row_starts, r, p.row_starts_stride), 0);
+        hi = std::min<int64_t>(ld_meta(p.row_ends, r, p.row_ends_stride), p.num_keys);
+        break;
+      }
+      case RowMode::kPadded: {
+        const int64_t b = r / p.q_len, i = r % p.q_len;
+        q_off = b * p.q_batch_stride + i * p.q_row_stride;
+        out_off = b * p.out_batch_stride + i * p.out_row_stride;
+        const bool valid = p.seq_lens_q == nullptr || i < ld_meta(p.seq_lens_q, b, p.seq_lens_q_stride);
+        req = valid ? static_cast<int32_t>(b) : -1;
+        pos = p.query_positions ? __ldg(p.query_positions + b * p.query_positions_batch_stride +
+                                        i * p.query_positions_row_stride)
+                                : i;
+        break;
+      }
+      case RowMode::kVarlenCu: {
+        q_off = r * p.q_row_stride;
+        out_off = r * p.out_row_stride;
+        // Last request whose start is <= r; the row belongs to it if r is also before its end.
+        // Broken (non-monotonic) offsets may make the search miss: the row is then invalid.
+        if (p.batch == 0) break;
+        int64_t a = 0, b = p.batch;  // invariant: answer in [a, b)
+        while (b - a > 1) {
+          const int64_t m = (a + b) / 2;
+          if (ld_meta(p.cu_seqlens_q, m, p.cu_seqlens_q_stride) <= r) a = m; else b = m;
+        }
+        const int64_t start = ld_meta(p.cu_seqlens_q, a, p.cu_seqlens_q_stride);
+        const int64_t end = ld_meta(p.cu_seqlens_q, a + 1, p.cu_seqlens_q_stride);
+        if (start <= r && r < end) {
+          req = static_cast<int32_t>(a);
+          pos = p.query_positions ? ld_meta(p.query_positions, r, p.query_positions_row_stride)
+                                  : r - start;
+        }
+        break;
+      }
+      case RowMode::kVarlenTok: {
+        q_off = r * p.q_row_stride;
+        out_off = r * p.out_row_stride;
+        const int32_t id = ld_meta(p.token_to_req, r, p.token_to_req_stride);
+        if (id >= 0 && id < p.batch) {
+          req = id;
+          // Without positions they are counted after all rows are resolved (count_positions).
+          if (p.query_positions) pos = ld_meta(p.query_positions, r, p.query_positions_row_stride);
+        }
+        break;
+      }
+    }
+    if (p.mode != RowMode::kPrefill) {
+      // Block b (tokens 4b..4b+3) is visible iff 4b + 3 <= pos.
+      lo = 0;
+      hi = pos >= 3 ? std::min<int64_t>(p.num_keys, (pos + 1) / 4) : 0;
+    }
+  }
+  s.req[t] = req;
+  s.lo[t] = lo;
+  s.hi[t] = max(hi, lo);
+  s.q_off[t] = q_off;
+  s.out_off[t] = out_off;
+}
+
+// token_to_req without positions: a row's position is the number of earlier rows with the same
+// request id. Rows before the tile are counted with a shared-memory histogram over the tile's
+// id range (kHistBins ids per pass), rows inside it directly.
+__device__ inline void count_positions(const RowsProblem& p, int64_t row0, SharedStorage& s,
+                                       int tid) {
+  if (tid == 0) {
+    s.id_min = INT_MAX;
+    s.id_max = -1;
+  }
+  __syncthreads();
+  const int32_t my_id = tid < kBlockRows ? s.req[tid] : -1;
+  if (my_id >= 0) {
+    atomicMin(&s.id_min, my_id);
+    atomicMax(&s.id_max, my_id);
+  }
+  __syncthreads();
+  const int32_t id_min = s.id_min, id_max = s.id_max;
+  int64_t count = 0;
+  for (int64_t base = id_min; base <= id_max; base += kHistBins) {
+    for (int i = tid; i < kHistBins; i += kThreads) s.hist[i] = 0;
+    __syncthreads();
+    for (int64_t j = tid; j < row0; j += kThreads) {
+      const int64_t id = ld_meta(p.token_to_req, j, p.token_to_req_stride);
+      if (id >= base && id < base + kHistBins) atomicAdd(&s.hist[id - base], 1);
+    }
+    __syncthreads();
+    if (my_id >= base && my_id < base + kHistBins) count += s.hist[my_id - base];
+    __syncthreads();
+  }
+  if (my_id >= 0) {
+    for (int j = 0; j < tid; ++j) count += s.req[j] == my_id;
+    s.hi[tid] = count >= 3 ? std::min<int64_t>(p.num_keys, (count + 1) / 4) : 0;
+  }
+  __syncthreads();
+}
+
+// Issues the cp.async copies of key tile [n0, n0 + kBlockKeys) of request `req` into `stage`.
+__device__ inline void load_tile(const RowsProblem& p, SharedStorage& s, int stage, int64_t n0,
+                                 int64_t col1, int32_t req, int tid) {
+  const auto* k = static_cast<const uint16_t*>(p.k);
+#pragma unroll
+  for (int i = 0; i < kBlockKeys * kChunks / kThreads; ++i) {
+    const int idx = tid + i * kThreads;
+    const int key = idx / kChunks, chunk = idx % kChunks;
+    const int64_t n = n0 + key;
+    bool valid = n < col1;
+    const uint16_t* src = k;
+    if (valid) {
+      if (p.block_table == nullptr) {
+        src = k + req * p.k_batch_stride + n * p.k_row_stride + chunk * 8;
+      } else {
+        const int64_t page = __ldg(p.block_table + req * p.block_table_batch_stride +
+                                   (n / p.page_size) * p.block_table_page_stride);
+        valid = page >= 0 && page < p.num_pages;
+        if (valid) src = k + page * p.k_batch_stride + (n % p.page_size) * p.k_row_stride + chunk * 8;
+      }
+    }
+    // Invalid keys are zero-filled (no global read) and marked, so they become -inf.
+    cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
+        *reinterpret_cast<const uint4*>(src), s.keys[stage][key][swizzle(key, chunk)], valid);
+    if (chunk == 0) s.key_valid[stage][key] = valid;
+  }
+}
+
+// Writes the scores (or -inf) of one thread's two adjacent columns of one row.
+__device__ __forceinline__ void store_pair(const RowsProblem& p, float* row, int64_t col,
+                                           int64_t col1, float v0, float v1) {
+  float* dst = row + col * p.out_col_stride;
+  if (p.out_col_stride == 1 && col + 1 < col1 && (reinterpret_cast<uintptr_t>(dst) & 7) == 0) {
+    *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+    return;
+  }
+  if (col < col1) dst[0] = v0;
+  if (col + 1 < col1) dst[p.out_col_stride] = v1;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm)
+    mqa_rows_kernel(const RowsProblem p, int64_t keys_per_cta) {
+  extern __shared__ uint4 smem_raw[];
+  SharedStorage& s = *reinterpret_cast<SharedStorage*>(smem_raw);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+  // Row tiles in zig-zag order (last, first, second last, second, ...): in a causal prefill
+  // neighbouring CTAs then pair a heavy tile with a light, mostly -inf one, so SMs mix MMA
+  // and store work and the grid has no long tail of heavy tiles.
+  const int64_t zig = blockIdx.x;
+  const int64_t row0 = (zig % 2 == 0 ? int64_t(gridDim.x) - 1 - zig / 2 : zig / 2) * kBlockRows;
+  const int64_t col0 = int64_t(blockIdx.y) * keys_per_cta;
+  const int64_t col1 = min(p.num_keys, col0 + keys_per_cta);
+  float* const out = p.out;
+
+  // --- rows of the tile: request, offsets, visible interval
+  if (tid < kBlockRows) resolve_row(p, row0 + tid, s, tid);
+  __syncthreads();
+  if (p.mode == RowMode::kVarlenTok && p.query_positions == nullptr) count_positions(p, row0, s, tid);
+
+  // --- Q fragments of the warp's rows ra = 16 warp + g and rb = ra + 8, all heads
+  const int ra = warp * kRowsPerWarp + g, rb = ra + 8;
+  uint4 qa[kHeads][4], qb[kHeads][4];
+  {
+    const auto* q = static_cast<const uint16_t*>(p.q);
+    const bool va = s.req[ra] >= 0, vb = s.req[rb] >= 0;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int h = 0; h < kHeads; ++h) {
+#pragma unroll
+      for (int pp = 0; pp < 4; ++pp) {
+        const int64_t f = h * p.q_head_stride + 32 * pp + 8 * c;
+        qa[h][pp] = va ? __ldg(reinterpret_cast<const uint4*>(q + s.q_off[ra] + f)) : zero;
+        qb[h][pp] = vb ? __ldg(reinterpret_cast<const uint4*>(q + s.q_off[rb] + f)) : zero;
+      }
+    }
+  }
+
+  // --- invalid rows: -inf over the CTA's columns
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int r = warp * kRowsPerWarp + i;
+    if (row0 + r < p.num_rows && s.req[r] < 0)
+      warp_fill_row(out + s.out_off[r], col0, col1, p.out_col_stride, lane);
+  }
+
+  // --- one pass per request present in the tile (usually one)
+  int32_t prev = -1;
+  for (;;) {
+    if (tid == 0) {
+      s.next_req = INT_MAX;
+      s.union_lo = ULLONG_MAX;
+      s.union_hi = 0;
+    }
+    __syncthreads();
+    if (tid < kBlockRows && s.req[tid] > prev) atomicMin(&s.next_req, s.req[tid]);
+    __syncthreads();
+    const int32_t cur = s.next_req;
+    if (cur == INT_MAX) break;
+    prev = cur;
+
+    // Visible columns of this request's rows: per thread row, per warp, per CTA.
+    const bool own_a = s.req[ra] == cur, own_b = s.req[rb] == cur;
+    const int64_t lo_a = s.lo[ra], hi_a = s.hi[ra], lo_b = s.lo[rb], hi_b = s.hi[rb];
+    int64_t wlo = LLONG_MAX, whi = 0;
+    if (own_a && lo_a < hi_a) wlo = lo_a, whi = hi_a;
+    if (own_b && lo_b < hi_b) wlo = min(wlo, lo_b), whi = max(whi, hi_b);
+#pragma unroll
+    for (int m = 1; m < 32; m <<= 1) {
+      wlo = min(wlo, __shfl_xor_sync(0xffffffffu, wlo, m));
+      whi = max(whi, __shfl_xor_sync(0xffffffffu, whi, m));
+    }
+    const bool warp_owns = __any_sync(0xffffffffu, own_a || own_b);
+    if (lane == 0 && wlo < whi) {
+      atomicMin(&s.union_lo, static_cast<unsigned long long>(wlo));
+      atomicMax(&s.union_hi, static_cast<unsigned long long>(whi));
+    }
+    __syncthreads();
+    const int64_t ulo = std::max<int64_t>(col0, s.union_lo == ULLONG_MAX ? col1 : int64_t(s.union_lo));
+    const int64_t uhi = std::min<int64_t>(col1, int64_t(s.union_hi));
+    // Active tiles (aligned at col0) intersect [ulo, uhi); the rest of the range is -inf.
+    const int64_t t0 = ulo < uhi ? (ulo - col0) / kBlockKeys : 0;
+    const int64_t t1 = ulo < uhi ? (uhi - col0 + kBlockKeys - 1) / kBlockKeys : 0;
+    const int64_t a_begin = min(col1, col0 + t0 * kBlockKeys);
+    const int64_t a_end = min(col1, col0 + t1 * kBlockKeys);
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+      const int r = warp * kRowsPerWarp + i;
+      if (s.req[r] != cur) continue;
+      warp_fill_row(out + s.out_off[r], col0, a_begin, p.out_col_stride, lane);
+      warp_fill_row(out + s.out_off[r], a_end, col1, p.out_col_stride, lane);
+    }
+
+    // --- key pipeline over the active tiles
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) {
+      if (t0 + st < t1) load_tile(p, s, st, col0 + (t0 + st) * kBlockKeys, col1, cur, tid);
+      cute::cp_async_fence();
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      cute::cp_async_wait<kStages - 2>();
+      __syncthreads();
+      const int64_t pre = t + kStages - 1;
+      if (pre < t1) load_tile(p, s, int((pre - t0) % kStages), col0 + pre * kBlockKeys, col1, cur, tid);
+      cute::cp_async_fence();
+
+      const int stage = int((t - t0) % kStages);
+      const int64_t n0 = col0 + t * kBlockKeys;
+      if (!warp_owns) continue;
+      // A warp whose rows see nothing of this tile writes -inf without computing.
+      const bool compute = n0 < whi && wlo < n0 + kBlockKeys;
+#pragma unroll
+      for (int j = 0; j < kBlockKeys / 8; j += 2) {
+        float acc[2][kHeads][4] = {};
+        if (compute) {
+#pragma unroll
+          for (int pp = 0; pp < 4; ++pp) {
+            uint4 kf[2];
+#pragma unroll
+            for (int jj = 0; jj < 2; ++jj) {
+              const int key = 8 * (j + jj) + g;
+              kf[jj] = s.keys[stage][key][swizzle(key, 4 * pp + c)];
+            }
+            // S = Q K^T, one m16 tile per head
+#pragma unroll
+            for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+              for (int h = 0; h < kHeads; ++h) mma_pair<T>(acc[jj][h], qa[h][pp], qb[h][pp], kf[jj]);
+          }
+        }
+        // score = scale * sum_h ReLU(S_h), -inf outside the row's interval or on a missing page
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          const int kc = 8 * (j + jj) + 2 * c;  // column within the tile
+          const int64_t col = n0 + kc;
+          float v[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float sum = 0.f;
+#pragma unroll
+            for (int h = 0; h < kHeads; ++h) sum += relu(acc[jj][h][e]);
+            v[e] = p.scale * sum;
+          }
+          const bool k0 = s.key_valid[stage][kc], k1 = s.key_valid[stage][kc + 1];
+          const float ninf = -INFINITY;
+          if (own_a) {
+            const bool in0 = k0 && col >= lo_a && col < hi_a, in1 = k1 && col + 1 >= lo_a && col + 1 < hi_a;
+            store_pair(p, out + s.out_off[ra], col, col1, in0 ? v[0] : ninf, in1 ? v[1] : ninf);
+          }
+          if (own_b) {
+            const bool in0 = k0 && col >= lo_b && col < hi_b, in1 = k1 && col + 1 >= lo_b && col + 1 < hi_b;
+            store_pair(p, out + s.out_off[rb], col, col1, in0 ? v[2] : ninf, in1 ? v[3] : ninf);
+          }
+        }
+      }
+    }
+    cute::cp_async_wait<0>();
+    __syncthreads();
+  }
+}
+
+// Splits the keys only as far as needed for two waves of resident CTAs: every split reloads
+// the CTA's Q (64 KB) and pays the prologue again, which dominated small prefills when the
+// keys were split finely (4K tokens: 52 us against a 5 us floor, docs/perf-notes.md).
+// Examples on 132 SMs (264 resident CTAs): the 64K-token prefill has 1024 row tiles, so one
+// split; 16K tokens: 256 row tiles want ceil(528 / 256) = 3 splits of 22 key tiles; 4K
+// tokens: 64 row tiles want 9 splits of 2 key tiles (16 in all).
+inline int64_t rows_keys_per_cta(int64_t row_tiles, int64_t num_keys, int sms) {
+  const int64_t key_tiles = (num_keys + kBlockKeys - 1) / kBlockKeys;
+  const int64_t want = (2 * kCtasPerSm * int64_t(sms) + row_tiles - 1) / row_tiles;
+  int64_t splits = std::min<int64_t>(std::max<int64_t>(want, 1), key_tiles);
+  int64_t tiles = (key_tiles + splits - 1) / splits;
+  if ((key_tiles + tiles - 1) / tiles > 65535) tiles = (key_tiles + 65534) / 65535;  // grid.y
+  return tiles * kBlockKeys;
+}
+
+}  // namespace sparse_attn::cuda::indexer::rows
+
+namespace sparse_attn::cuda::indexer {
+
+template <typename T>
+void launch_mqa_rows(const RowsProblem& p, cudaStream_t stream) {
+  using namespace rows;
+  if (p.num_rows == 0 || p.num_keys == 0) return;
+  const auto kernel = mqa_rows_kernel<T>;
+  constexpr int kSmem = sizeof(SharedStorage);
+  SPARSE_ATTN_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  int device = 0, sms = 0;
+  SPARSE_ATTN_CUDA_CHECK(cudaGetDevice(&device));
+  SPARSE_ATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t row_tiles = (p.num_rows + kBlockRows - 1) / kBlockRows;
+  if (row_tiles > INT_MAX) throw Error("qsa indexer: too many query rows for one launch");
+  const int64_t keys_per_cta = rows_keys_per_cta(row_tiles, p.num_keys, sms);
+  const dim3 grid(unsigned(row_tiles), unsigned((p.num_keys + keys_per_cta - 1) / keys_per_cta));
+  kernel<<<grid, kThreads, kSmem, stream>>>(p, keys_per_cta);
+  SPARSE_ATTN_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace sparse_attn::cuda::indexer

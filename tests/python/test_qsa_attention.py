@@ -1,0 +1,299 @@
+"""qsa_sparse_attention through the Python API, against an independent float64 computation
+(qsa_testing.ref_attention_rows), on every query/KV layout the seed names."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import sparse_attn
+from qsa_testing import (DEVICES, FLOAT_DTYPES, assert_close, backends_for,
+                         call_native_or_skip, expand_blocks, needs_cuda, poisoned, randn,
+                         ref_attention_rows, strided_copy)
+
+OUT_TOL = {torch.bfloat16: dict(rtol=1e-2, atol=1e-2), torch.float16: dict(rtol=2e-3, atol=2e-3)}
+LSE_TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def cases():
+    out = []
+    for device in ("cpu", "cuda"):
+        marks = () if device == "cpu" else needs_cuda
+        for backend in backends_for(device):
+            for dtype in ("bf16", "fp16"):
+                out.append(pytest.param(device, backend, dtype, marks=marks,
+                                        id=f"{device}-{backend}-{dtype}"))
+    return out
+
+
+def padded_kv_of(key, value, b_of_row):
+    def kv(r):
+        b = b_of_row[r]
+        return key[b].cpu(), value[b].cpu(), [True] * key.shape[1]
+    return kv
+
+
+def paged_kv_of(key, value, table, b_of_row):
+    pages, page_size = key.shape[:2]
+    max_pages = table.shape[1]
+
+    def kv(r):
+        b = b_of_row[r]
+        L = max_pages * page_size
+        K = torch.zeros((L, *key.shape[2:]), dtype=torch.float64)
+        V = torch.zeros_like(K)
+        present = [False] * L
+        for slot in range(max_pages):
+            page = int(table[b, slot])
+            if 0 <= page < pages:
+                K[slot * page_size:(slot + 1) * page_size] = key[page].double().cpu()
+                V[slot * page_size:(slot + 1) * page_size] = value[page].double().cpu()
+                for t in range(slot * page_size, (slot + 1) * page_size):
+                    present[t] = True
+        return K, V, present
+    return kv
+
+
+@pytest.mark.parametrize("device,backend,dtype", cases())
+@pytest.mark.parametrize("heads", ["24_2_256", "6_2_64", "4_4_32"])
+def test_padded_query_padded_kv(device, backend, dtype, heads):
+    hq, hkv, d = map(int, heads.split("_"))
+    dt = FLOAT_DTYPES[dtype]
+    B, Q, S, W = 2, 5, 33, 19
+    query = randn((B, Q, hq, d), dt, device)
+    key = randn((B, S, hkv, d), dt, device)
+    value = randn((B, S, hkv, d), dt, device)
+    ids = torch.randint(-3, S + 4, (B, Q, W), dtype=torch.int32, device=device)
+    ids[0, 0, :4] = torch.tensor([30, 30, 29, 2], dtype=torch.int32)  # duplicates count
+    seq_lens_k = torch.tensor([S, 21], dtype=torch.int32, device=device)
+    out, lse = call_native_or_skip(lambda: sparse_attn.qsa_sparse_attention(
+        query, key, value, ids, seq_lens_k=seq_lens_k, return_lse=True, backend=backend,
+        num_splits=1), backend)
+    assert out.shape == query.shape and out.dtype == dt and lse.shape == (B, Q, hq)
+    assert lse.dtype == torch.float32
+    lens = [S, 21]
+    rows = [(b, i) for b in range(B) for i in range(Q)]
+    ref, ref_lse = ref_attention_rows(
+        query.reshape(B * Q, hq, d), ids.reshape(B * Q, W),
+        padded_kv_of(key, value, [b for b, _ in rows]),
+        positions=[lens[b] - Q + i for b, i in rows], seq_lens_k=[lens[b] for b, _ in rows],
+        active=[True] * len(rows), scale=1 / math.sqrt(d), out_dtype=dt)
+    assert_close(out.reshape(B * Q, hq, d), ref, **OUT_TOL[dt])
+    assert_close(lse.reshape(B * Q, hq), ref_lse, **LSE_TOL)
+
+
+@pytest.mark.parametrize("device,backend,dtype", cases())
+@pytest.mark.parametrize("rows_by", ["cu_seqlens_q", "token_to_req"])
+def test_flattened_query_paged_kv(device, backend, dtype, rows_by):
+    dt = FLOAT_DTYPES[dtype]
+    hq, hkv, d, page_size = 24, 2, 256, 16
+    lens_q, lens_k = [3, 1, 4], [40, 7, 64]
+    table = torch.tensor([[4, 0, 2, -1], [1, -1, -1, -1], [3, 6, 9, 5]], dtype=torch.int32,
+                         device=device)  # page 9 is out of range: masked
+    key = randn((7, page_size, hkv, d), dt, device)
+    value = randn((7, page_size, hkv, d), dt, device)
+    query = randn((sum(lens_q), hq, d), dt, device)
+    b_of_row = [b for b, n in enumerate(lens_q) for _ in range(n)]
+    positions = torch.tensor([lens_k[b] - lens_q[b] + i for b, n in enumerate(lens_q)
+                              for i in range(n)], dtype=torch.int32, device=device)
+    ids = torch.randint(-1, 64, (len(b_of_row), 40), dtype=torch.int32, device=device)
+    if rows_by == "cu_seqlens_q":
+        meta = dict(cu_seqlens_q=torch.tensor([0, 3, 4, 8], dtype=torch.int32, device=device))
+    else:
+        meta = dict(token_to_req=torch.tensor(b_of_row, dtype=torch.int32, device=device),
+                    num_requests=3)
+    out = call_native_or_skip(lambda: sparse_attn.qsa_sparse_attention(
+        query, key, value, ids, block_table=table, page_size=page_size,
+        seq_lens_k=torch.tensor(lens_k, dtype=torch.int32, device=device),
+        query_positions=positions, backend=backend, **meta), backend)
+    ref, _ = ref_attention_rows(query, ids, paged_kv_of(key, value, table.cpu(), b_of_row),
+                                positions=positions.tolist(),
+                                seq_lens_k=[lens_k[b] for b in b_of_row],
+                                active=[True] * len(b_of_row), scale=1 / math.sqrt(d),
+                                out_dtype=dt)
+    assert_close(out, ref, **OUT_TOL[dt])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gate_kind", ["elementwise", "per_head"])
+def test_gate_equals_unfused_path(device, gate_kind):
+    dt = torch.bfloat16
+    B, Q, S, hq, hkv, d = 1, 4, 16, 4, 2, 32
+    query = randn((B, Q, hq, d), dt, device)
+    key, value = randn((B, S, hkv, d), dt, device), randn((B, S, hkv, d), dt, device)
+    ids = torch.randint(0, S, (B, Q, 8), dtype=torch.int32, device=device)
+    gate = randn((B, Q, hq, d) if gate_kind == "elementwise" else (B, Q, hq), dt, device, 2.0)
+    out = sparse_attn.qsa_sparse_attention(query, key, value, ids, gate=gate, scale=0.2,
+                                           backend="reference")
+    ref, _ = ref_attention_rows(
+        query.reshape(Q, hq, d), ids.reshape(Q, 8), padded_kv_of(key, value, [0] * Q),
+        positions=[S - Q + i for i in range(Q)], seq_lens_k=[S] * Q, active=[True] * Q,
+        scale=0.2, gate=gate.reshape(Q, *gate.shape[2:]), out_dtype=dt)
+    assert_close(out.reshape(Q, hq, d), ref, **OUT_TOL[dt])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_padded_rows_past_seq_lens_q_are_zero_with_lse_minus_inf(device):
+    dt = torch.float16
+    query = randn((2, 3, 2, 16), dt, device)
+    key, value = randn((2, 8, 1, 16), dt, device), randn((2, 8, 1, 16), dt, device)
+    ids = torch.arange(8, dtype=torch.int32, device=device).expand(2, 3, 8)
+    seq_lens_q = torch.tensor([1, 3], dtype=torch.int32, device=device)
+    out, lse = sparse_attn.qsa_sparse_attention(query, key, value, ids, seq_lens_q=seq_lens_q,
+                                                return_lse=True, backend="reference")
+    assert torch.equal(out[0, 1:], torch.zeros_like(out[0, 1:]))
+    assert (lse[0, 1:] == -math.inf).all() and torch.isfinite(lse[0, 0]).all()
+    assert torch.isfinite(lse[1]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_all_invalid_rows_give_zero_and_minus_inf(device):
+    query = randn((4, 2, 16), torch.bfloat16, device)
+    key, value = randn((1, 8, 2, 16), torch.bfloat16, device), randn((1, 8, 2, 16),
+                                                                     torch.bfloat16, device)
+    ids = torch.tensor([[-1, -1], [8, 9], [-5, 100], [7, -1]], dtype=torch.int32, device=device)
+    out, lse = sparse_attn.qsa_sparse_attention(query[None], key, value, ids[None],
+                                                return_lse=True, backend="reference")
+    # rows are at positions 4..7: row 3 sees token 7; the others nothing
+    assert torch.equal(out[0, :3], torch.zeros_like(out[0, :3]))
+    assert (lse[0, :3] == -math.inf).all()
+    assert torch.isfinite(lse[0, 3]).all() and not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_physical_selected_kv_indices(device):
+    dt = torch.bfloat16
+    rows, total_kv, hq, hkv, d = 5, 30, 4, 2, 64
+    query = randn((rows, hq, d), dt, device)
+    key, value = randn((total_kv, hkv, d), dt, device), randn((total_kv, hkv, d), dt, device)
+    sel = torch.randint(-3, total_kv + 3, (rows, 12), dtype=torch.int32, device=device)
+    sel[0, :3] = 29  # duplicates kept; no causal filtering
+    sel[4] = -1  # empty row
+    lse = poisoned((rows, hq), torch.float32, device)
+    out = sparse_attn.qsa_sparse_attention(query, key, value, selected_kv_indices=sel, lse=lse,
+                                           backend="reference")
+    assert isinstance(out, torch.Tensor)  # return_lse=False: lse is written but not returned
+    ref, ref_lse = ref_attention_rows(
+        query, sel, lambda r: (key.cpu(), value.cpu(), [True] * total_kv),
+        positions=[0] * rows, seq_lens_k=[total_kv] * rows, active=[True] * rows,
+        scale=1 / math.sqrt(d), out_dtype=dt, causal=False)
+    assert_close(out, ref, **OUT_TOL[dt])
+    assert_close(lse, ref_lse, **LSE_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_indices_hint_gives_the_same_result(device):
+    dt = torch.bfloat16
+    Q, S, nb = 6, 64, 5
+    query = randn((1, Q, 4, 32), dt, device)
+    key, value = randn((1, S, 2, 32), dt, device), randn((1, S, 2, 32), dt, device)
+    positions = torch.arange(S - Q, S, dtype=torch.int32)
+    blocks = torch.stack([torch.randperm((int(p) + 1) // 4)[:nb] for p in positions]).int()
+    ids = expand_blocks(blocks, positions)
+    plain = sparse_attn.qsa_sparse_attention(query, key, value, ids[None].to(device),
+                                             backend="reference")
+    hinted = sparse_attn.qsa_sparse_attention(query, key, value, ids[None].to(device),
+                                              block_indices=blocks[None].to(device),
+                                              backend="reference")
+    assert torch.equal(plain, hinted)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_views_and_out_identity(device):
+    dt = torch.float16
+    B, Q, S, hq, hkv, d = 2, 3, 12, 4, 2, 32
+    query = randn((B, Q, hq, d), dt, device)
+    key, value = randn((B, S, hkv, d), dt, device), randn((B, S, hkv, d), dt, device)
+    ids = torch.randint(-1, S, (B, Q, 7), dtype=torch.int32, device=device)
+    expected, expected_lse = sparse_attn.qsa_sparse_attention(query, key, value, ids,
+                                                              return_lse=True,
+                                                              backend="reference")
+    # Batch and query axes of query, ids and out must collapse into one row axis (the seed's
+    # rule); everything else may be offset and strided.
+    big = poisoned((B, Q, hq + 1, 2 * d), dt, device)
+    out = big[:, :, 1:, ::2]
+    lse = poisoned((B, Q, hq + 3), torch.float32, device)[..., 1:hq + 1]
+    got_out, got_lse = sparse_attn.qsa_sparse_attention(
+        strided_copy(query, keep_rows=2), strided_copy(key), strided_copy(value),
+        strided_copy(ids, keep_rows=2), return_lse=True, out=out, lse=lse, backend="reference")
+    assert got_out is out and got_lse is lse
+    assert torch.equal(out, expected) and torch.equal(lse, expected_lse)
+    untouched = torch.ones(big.shape, dtype=torch.bool, device=device)
+    untouched[:, :, 1:, ::2] = False
+    assert torch.isnan(big[untouched]).all()
+
+
+def test_numpy_inputs():
+    rng = np.random.default_rng(0)
+    query = rng.standard_normal((1, 2, 2, 16)).astype(np.float16)
+    key = rng.standard_normal((1, 6, 1, 16)).astype(np.float16)
+    value = rng.standard_normal((1, 6, 1, 16)).astype(np.float16)
+    ids = np.array([[[0, 1, 2, -1], [5, 4, 3, 3]]], dtype=np.int32)
+    out, lse = sparse_attn.qsa_sparse_attention(query, key, value, ids, return_lse=True,
+                                                backend="reference")
+    assert isinstance(out, np.ndarray) and out.dtype == np.float16
+    assert isinstance(lse, np.ndarray) and lse.dtype == np.float32 and lse.shape == (1, 2, 2)
+    torch_out = sparse_attn.qsa_sparse_attention(
+        *(torch.from_numpy(a) for a in (query, key, value, ids)), backend="reference")
+    assert np.array_equal(out, torch_out.numpy())
+
+
+# ------------------------------------------------------------------------------------------
+# errors: kind and the argument named
+# ------------------------------------------------------------------------------------------
+
+def _args(dtype=torch.bfloat16):
+    query = randn((1, 2, 4, 32), dtype, "cpu")
+    key = randn((1, 8, 2, 32), dtype, "cpu")
+    value = randn((1, 8, 2, 32), dtype, "cpu")
+    ids = torch.zeros((1, 2, 3), dtype=torch.int32)
+    return query, key, value, ids
+
+
+@pytest.mark.parametrize("kwargs,kind,name", [
+    (dict(scale=0.1, softmax_scale=0.1), ValueError, "softmax_scale"),
+    (dict(k_scale=2.0), ValueError, "k_scale"),
+    (dict(num_splits=0), ValueError, "num_splits"),
+    (dict(num_splits=1.5), TypeError, "num_splits"),
+    (dict(warp_specialized=1), TypeError, "warp_specialized"),
+    (dict(scale="0.1"), TypeError, "scale"),
+    (dict(backend="auto"), ValueError, "backend"),
+    (dict(gate=torch.zeros((1, 2, 3), dtype=torch.bfloat16)), ValueError, "gate"),
+    (dict(seq_lens_k=torch.zeros(1, dtype=torch.int64)), TypeError, "seq_lens_k"),
+    (dict(block_table=[[0]]), TypeError, "block_table"),
+], ids=["scale_and_softmax_scale", "k_scale", "num_splits_zero", "num_splits_float",
+        "warp_specialized_int", "scale_str", "backend_auto", "gate_shape", "seq_lens_k_int64",
+        "block_table_list"])
+def test_errors_name_the_argument(kwargs, kind, name):
+    with pytest.raises(kind, match=name):
+        sparse_attn.qsa_sparse_attention(*_args(), backend=kwargs.pop("backend", "reference"),
+                                         **kwargs)
+
+
+def test_float32_query_is_a_type_error():
+    with pytest.raises(TypeError, match="query"):
+        sparse_attn.qsa_sparse_attention(*_args(torch.float32), backend="reference")
+
+
+def test_fp8_compute_dtype_is_not_supported():
+    with pytest.raises(ValueError, match="compute_dtype"):
+        sparse_attn.qsa_sparse_attention(*_args(), compute_dtype=torch.float8_e4m3fn,
+                                         backend="reference")
+
+
+def test_out_overlapping_query_is_rejected():
+    query, key, value, ids = _args()
+    with pytest.raises(ValueError, match="out"):
+        sparse_attn.qsa_sparse_attention(query, key, value, ids, out=query, backend="reference")
+
+
+def test_native_on_cpu_is_not_supported():
+    with pytest.raises(sparse_attn.NotSupportedError, match="native"):
+        sparse_attn.qsa_sparse_attention(*_args())
+
+
+def test_missing_token_indices_is_a_value_error():
+    query, key, value, _ = _args()
+    with pytest.raises(ValueError, match="token_indices"):
+        sparse_attn.qsa_sparse_attention(query, key, value, backend="reference")

@@ -1,0 +1,282 @@
+"""qsa_indexer_mqa_score, qsa_mqa_prefill / qsa_mqa and qsa_mqa_decode through the Python
+API, against independent float64 computations (qsa_testing.ref_*)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import sparse_attn
+from qsa_testing import (DEVICES, FLOAT_DTYPES, assert_close, backends_for,
+                         call_native_or_skip, poisoned, randn, ref_indexer_padded,
+                         ref_mqa_decode, ref_mqa_prefill, strided_copy)
+
+TOL = dict(rtol=2e-5, atol=2e-5)
+H, D = 4, 128  # the seed's canonical indexer geometry (native requires it)
+
+
+def cases(device):
+    return [pytest.param(device, backend, dtype, id=f"{device}-{backend}-{dtype}")
+            for backend in backends_for(device) for dtype in ("bf16", "fp16")]
+
+
+ALL_CASES = cases("cpu") + [pytest.param(*c.values, marks=DEVICES[1].marks, id=c.id)
+                            for c in cases("cuda")]
+
+
+# ------------------------------------------------------------------------------------------
+# qsa_indexer_mqa_score
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device,backend,dtype", ALL_CASES)
+def test_score_padded_matches_float64(device, backend, dtype):
+    dt = FLOAT_DTYPES[dtype]
+    q = randn((2, 37, H, D), dt, device)
+    k = randn((2, 11, D), dt, device)
+    out = call_native_or_skip(
+        lambda: sparse_attn.qsa_indexer_mqa_score(q, k, backend=backend), backend)
+    assert out.dtype == torch.float32 and out.device == q.device
+    assert_close(out, ref_indexer_padded(q, k, 1 / math.sqrt(D)), **TOL)
+
+
+@pytest.mark.parametrize("device,backend,dtype", ALL_CASES)
+def test_score_positions_seq_lens_and_scale(device, backend, dtype):
+    dt = FLOAT_DTYPES[dtype]
+    q = randn((3, 5, H, D), dt, device)
+    k = randn((3, 20, D), dt, device)
+    positions = torch.randint(0, 90, (3, 5), dtype=torch.int32, device=device)
+    seq_lens_q = torch.tensor([5, 2, 0], dtype=torch.int32, device=device)
+    out = call_native_or_skip(lambda: sparse_attn.qsa_indexer_mqa_score(
+        q, k, query_positions=positions, seq_lens_q=seq_lens_q, score_scale=4.0,
+        backend=backend), backend)
+    assert_close(out, ref_indexer_padded(q, k, 0.25, positions, seq_lens_q), **TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["cu_seqlens_q", "token_to_req"])
+def test_score_varlen(device, layout):
+    lens = [3, 0, 9]
+    k = randn((3, 4, D), torch.bfloat16, device)
+    q = randn((sum(lens), H, D), torch.bfloat16, device)
+    if layout == "cu_seqlens_q":
+        meta = dict(cu_seqlens_q=torch.tensor([0, 3, 3, 12], dtype=torch.int32, device=device))
+    else:
+        ids = [r for r, n in enumerate(lens) for _ in range(n)]
+        meta = dict(token_to_req=torch.tensor(ids, dtype=torch.int32, device=device),
+                    num_requests=3)
+    out = sparse_attn.qsa_indexer_mqa_score(q, k, backend="reference", **meta)
+    assert out.shape == (12, 4)
+    start = 0
+    for r, n in enumerate(lens):
+        ref = ref_indexer_padded(q[None, start:start + n], k[r:r + 1], 1 / math.sqrt(D))[0]
+        assert_close(out[start:start + n], ref, **TOL)
+        start += n
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_score_paged_masks_missing_pages(device):
+    page_size, pages = 4, 5
+    cache = randn((pages, page_size, 1, D), torch.float16, device)
+    table = torch.tensor([[2, -1, 4], [0, 7, 1]], dtype=torch.int32, device=device)
+    q = randn((2, 50, H, D), torch.float16, device)
+    out = sparse_attn.qsa_indexer_mqa_score(q, cache, block_table=table, page_size=page_size,
+                                            backend="reference")
+    # The logical keys behind the table, with missing pages as NaN rows that must stay masked.
+    logical = torch.full((2, 3 * page_size, D), float("nan"), dtype=torch.float64)
+    for b in range(2):
+        for j in range(3):
+            page = int(table[b, j])
+            if 0 <= page < pages:
+                logical[b, j * page_size:(j + 1) * page_size] = cache[page, :, 0].double().cpu()
+    ref = ref_indexer_padded(q, logical, 1 / math.sqrt(D))
+    ref = torch.where(torch.isnan(ref), torch.full_like(ref, -math.inf), ref)
+    assert_close(out, ref, **TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_score_strided_inputs_and_out_view(device):
+    q = randn((2, 9, H, D), torch.bfloat16, device)
+    k = randn((2, 6, D), torch.bfloat16, device)
+    big = poisoned((4, 12, 10), torch.float32, device)
+    out_view = big[1:3, 2:11, 3:9]
+    result = sparse_attn.qsa_indexer_mqa_score(strided_copy(q), strided_copy(k),
+                                               backend="reference", out=out_view)
+    assert result is out_view
+    assert_close(out_view, ref_indexer_padded(q, k, 1 / math.sqrt(D)), **TOL)
+    outside = torch.ones_like(big, dtype=torch.bool)
+    outside[1:3, 2:11, 3:9] = False
+    assert torch.isnan(big[outside]).all(), "elements around the out view were written"
+
+
+# ------------------------------------------------------------------------------------------
+# qsa_mqa_prefill / qsa_mqa
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device,backend,dtype", ALL_CASES)
+@pytest.mark.parametrize("k_rank", [2, 3])
+def test_prefill_matches_float64(device, backend, dtype, k_rank):
+    dt = FLOAT_DTYPES[dtype]
+    rows, keys = 23, 40
+    q = randn((rows, H, D), dt, device)
+    k = randn((keys, D) if k_rank == 2 else (keys, 1, D), dt, device)
+    starts = torch.randint(-2, 30, (rows,), dtype=torch.int32, device=device)
+    ends = starts + torch.randint(-1, 20, (rows,), dtype=torch.int32, device=device)
+    out = call_native_or_skip(
+        lambda: sparse_attn.qsa_mqa_prefill(q, k, starts, ends, backend=backend), backend)
+    assert_close(out, ref_mqa_prefill(q, k, starts.clamp_min(0), ends, 1 / math.sqrt(D)), **TOL)
+    alias = sparse_attn.qsa_mqa(q, k, starts, ends, backend=backend)
+    assert torch.equal(alias, out)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_score_scale_positional_and_strided(device):
+    q = randn((7, H, D), torch.float16, device)
+    k = randn((12, D), torch.float16, device)
+    starts = torch.zeros(7, dtype=torch.int32, device=device)
+    ends = torch.arange(1, 8, dtype=torch.int32, device=device)
+    out = poisoned((7, 12), torch.float32, device)
+    result = sparse_attn.qsa_mqa_prefill(strided_copy(q), strided_copy(k), strided_copy(starts),
+                                         ends, 2.0, backend="reference", out=out)
+    assert result is out
+    assert_close(out, ref_mqa_prefill(q, k, starts, ends, 0.5), **TOL)
+
+
+# ------------------------------------------------------------------------------------------
+# qsa_mqa_decode
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device,backend,dtype", ALL_CASES)
+@pytest.mark.parametrize("page_size", [8, 16, 64])
+def test_decode_matches_float64(device, backend, dtype, page_size):
+    dt = FLOAT_DTYPES[dtype]
+    B, pages, max_pages = 3, 6, 4
+    q = randn((B, 1, H, D), dt, device)
+    cache = randn((pages, page_size, 1, D), dt, device)
+    table = torch.tensor([[0, 3, -1, 5], [1, 2, 4, 9], [5, -1, -1, -1]], dtype=torch.int32,
+                         device=device)
+    lens = torch.tensor([3 * page_size, max_pages * page_size - 1, 0], dtype=torch.int32,
+                        device=device)
+    width = max_pages * page_size + 5
+    out = call_native_or_skip(
+        lambda: sparse_attn.qsa_mqa_decode(q, cache, table, lens, width, backend=backend),
+        backend)
+    assert out.shape == (B, width)
+    assert_close(out, ref_mqa_decode(q, cache, table, lens, width, 1 / math.sqrt(D)), **TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_broadcast_query_and_rank3_cache(device):
+    q_one = randn((1, H, D), torch.bfloat16, device)
+    q = q_one.expand(4, H, D)  # stride 0 on the batch axis
+    cache = randn((3, 8, D), torch.bfloat16, device)
+    table = torch.tensor([[0, 1], [2, 0], [1, -1], [2, 2]], dtype=torch.int32, device=device)
+    lens = torch.tensor([16, 9, 8, 1], dtype=torch.int32, device=device)
+    out = sparse_attn.qsa_mqa_decode(q, cache, table, lens, 16, scale=0.1, backend="reference")
+    assert_close(out, ref_mqa_decode(q, cache, table, lens, 16, 0.1), **TOL)
+
+
+# ------------------------------------------------------------------------------------------
+# numpy, dtypes, errors
+# ------------------------------------------------------------------------------------------
+
+def test_numpy_inputs_give_numpy_outputs():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((5, H, D)).astype(np.float16)
+    k = rng.standard_normal((6, D)).astype(np.float16)
+    starts = np.zeros(5, dtype=np.int32)
+    ends = np.array([0, 1, 3, 6, 6], dtype=np.int32)
+    out = sparse_attn.qsa_mqa_prefill(q, k, starts, ends, backend="reference")
+    assert isinstance(out, np.ndarray) and out.dtype == np.float32
+    ref = ref_mqa_prefill(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(starts),
+                          torch.from_numpy(ends), 1 / math.sqrt(D))
+    assert_close(torch.from_numpy(out), ref, **TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_float32_queries_are_a_type_error(device):
+    q = randn((2, 3, H, D), torch.float32, device)
+    k = randn((2, 4, D), torch.float32, device)
+    with pytest.raises(TypeError, match="q_idx"):
+        sparse_attn.qsa_indexer_mqa_score(q, k, backend="reference")
+
+
+def _prefill_args(dtype=torch.bfloat16):
+    q = randn((4, H, D), dtype, "cpu")
+    k = randn((6, D), dtype, "cpu")
+    return q, k, torch.zeros(4, dtype=torch.int32), torch.full((4,), 6, dtype=torch.int32)
+
+
+def test_scale_and_score_scale_together_is_a_value_error():
+    with pytest.raises(ValueError, match="scale"):
+        sparse_attn.qsa_mqa_prefill(*_prefill_args(), 2.0, scale=0.5, backend="reference")
+
+
+def test_int64_metadata_is_a_type_error_naming_it():
+    q, k, starts, ends = _prefill_args()
+    with pytest.raises(TypeError, match="row_ends"):
+        sparse_attn.qsa_mqa_prefill(q, k, starts, ends.long(), backend="reference")
+
+
+def test_float_where_a_tensor_goes_is_a_type_error_naming_it():
+    q, k, starts, ends = _prefill_args()
+    with pytest.raises(TypeError, match="^row_starts: expected a tensor"):
+        sparse_attn.qsa_mqa_prefill(q, k, 0.0, ends, backend="reference")
+    with pytest.raises(TypeError, match="^q: expected a tensor"):
+        sparse_attn.qsa_mqa_prefill(1.5, k, starts, ends, backend="reference")
+
+
+def test_tensor_where_a_float_goes_is_a_type_error_naming_it():
+    q, k, starts, ends = _prefill_args()
+    with pytest.raises(TypeError, match="^scale: expected a float"):
+        sparse_attn.qsa_mqa_prefill(q, k, starts, ends, scale=torch.tensor(0.5),
+                                    backend="reference")
+    with pytest.raises(TypeError, match="^max_model_len: expected an int"):
+        sparse_attn.qsa_mqa_decode(q, k[None, :, None], torch.zeros((4, 1), dtype=torch.int32),
+                                   starts, 6.0, backend="reference")
+
+
+def test_unknown_backend_is_a_value_error():
+    with pytest.raises(ValueError, match="backend"):
+        sparse_attn.qsa_mqa_prefill(*_prefill_args(), backend="triton")
+
+
+def test_native_backend_on_cpu_is_not_supported():
+    with pytest.raises(sparse_attn.NotSupportedError, match="native") as info:
+        sparse_attn.qsa_mqa_prefill(*_prefill_args())
+    assert isinstance(info.value, ValueError)
+
+
+def test_wrong_rank_query_is_a_value_error_from_cpp():
+    q, k, starts, ends = _prefill_args()
+    with pytest.raises(ValueError, match="q"):
+        sparse_attn.qsa_mqa_prefill(q[0], k, starts, ends, backend="reference")
+    with pytest.raises(ValueError, match="q_idx"):
+        sparse_attn.qsa_indexer_mqa_score(q[0], k, backend="reference")
+
+
+def test_read_only_numpy_out_is_rejected():
+    q, k, starts, ends = (np.asarray(t) if t.dtype != torch.bfloat16 else t.half().numpy()
+                          for t in _prefill_args())
+    out = np.zeros((4, 6), dtype=np.float32)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="^out: .*read-only"):
+        sparse_attn.qsa_mqa_prefill(q, k, starts, ends, backend="reference", out=out)
+
+
+def test_overlapping_out_is_rejected():
+    q, k, starts, ends = _prefill_args(torch.float16)
+    storage = torch.zeros(4 * 6 * 2, dtype=torch.float32)
+    out = storage[:24].view(4, 6)
+    with pytest.raises(ValueError, match="out"):
+        sparse_attn.qsa_mqa_prefill(q, k, starts, storage[:4].view(torch.int32), backend="reference",
+                                    out=out)
+
+
+def test_tensor_requiring_grad_is_read_without_autograd():
+    # There is no backward: the values are read as they are, and the output carries no graph.
+    q, k, starts, ends = _prefill_args(torch.float16)
+    plain = sparse_attn.qsa_mqa_prefill(q, k, starts, ends, backend="reference")
+    graded = sparse_attn.qsa_mqa_prefill(q.clone().requires_grad_(), k, starts, ends,
+                                         backend="reference")
+    assert torch.equal(plain, graded) and not graded.requires_grad

@@ -1,0 +1,166 @@
+"""torch integration: the custom ops (torch.ops.sparse_attn.*) pass torch's own op checks,
+torch.compile traces the public functions into them, and on a GPU the ops run on the
+caller's stream and inside CUDA graphs."""
+
+import math
+
+import pytest
+import torch
+
+import sparse_attn
+from qsa_testing import call_native_or_skip, needs_cuda, randn
+
+OPS = ["qsa_indexer_mqa_score", "qsa_mqa_prefill", "qsa_mqa_decode", "qsa_sparse_attention"]
+
+
+def decode_inputs(device, backend):
+    H, D, page_size = 4, 128, 16
+    q = randn((3, 1, H, D), torch.bfloat16, device)
+    cache = randn((4, page_size, 1, D), torch.bfloat16, device)
+    table = torch.tensor([[0, 1], [2, -1], [3, 0]], dtype=torch.int32, device=device)
+    lens = torch.tensor([20, 16, 1], dtype=torch.int32, device=device)
+    return (q, cache, table, lens, 2 * page_size)
+
+
+def attention_inputs(device):
+    query = randn((2, 1, 24, 256), torch.bfloat16, device)
+    key = randn((2, 32, 2, 256), torch.bfloat16, device)
+    value = randn((2, 32, 2, 256), torch.bfloat16, device)
+    ids = torch.randint(-1, 32, (2, 1, 16), dtype=torch.int32, device=device)
+    return query, key, value, ids
+
+
+def test_ops_are_registered():
+    for name in OPS:
+        assert hasattr(torch.ops.sparse_attn, name), name
+
+
+def test_opcheck_decode_and_attention():
+    q, cache, table, lens, width = decode_inputs("cpu", "reference")
+    out = torch.empty((3, width), dtype=torch.float32)
+    torch.library.opcheck(torch.ops.sparse_attn.qsa_mqa_decode.default,
+                          (q, cache, table, lens, width, out, None, None, "reference"))
+    query, key, value, ids = attention_inputs("cpu")
+    out = torch.empty_like(query)
+    lse = torch.empty(query.shape[:-1], dtype=torch.float32)
+    torch.library.opcheck(
+        torch.ops.sparse_attn.qsa_sparse_attention.default,
+        (query, key, value, ids, out, lse, None, None, None, None, None, None, None, None, None,
+         None, None, None, None, "reference", False, False, None, None, 1.0, 1.0,
+         torch.bfloat16))
+
+
+def test_opcheck_scores():
+    q = randn((1, 9, 4, 128), torch.float16, "cpu")
+    k = randn((1, 3, 128), torch.float16, "cpu")
+    out = torch.empty((1, 9, 3), dtype=torch.float32)
+    torch.library.opcheck(torch.ops.sparse_attn.qsa_indexer_mqa_score.default,
+                          (q, k, out, None, None, None, None, None, None, None, 4, None, None,
+                           "reference"))
+    starts = torch.zeros(9, dtype=torch.int32)
+    ends = torch.arange(9, dtype=torch.int32)
+    out = torch.empty((9, 3), dtype=torch.float32)
+    torch.library.opcheck(torch.ops.sparse_attn.qsa_mqa_prefill.default,
+                          (q[0], k[0], starts, ends, out, None, 0.5, "reference"))
+
+
+def layer(query, key, value, ids, q_idx, cache, table, lens):
+    # A decode step as a serving engine writes it: scores, then attention, then a gate-free
+    # output projection stand-in; compiled as one graph.
+    scores = sparse_attn.qsa_mqa_decode(q_idx, cache, table, lens, 32, backend="reference")
+    out, lse = sparse_attn.qsa_sparse_attention(query, key, value, ids, return_lse=True,
+                                                backend="reference")
+    return out.float().sum(-1) * 2, lse, scores.clamp_min(-1e4)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph_matches_eager(compiler):
+    args = (*attention_inputs("cpu"), *decode_inputs("cpu", "reference")[:4])
+    expected = layer(*args)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend=compiler, fullgraph=True)
+    got = compiled(*args)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_compiled_out_argument_is_written():
+    query, key, value, ids = attention_inputs("cpu")
+    expected = sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="reference")
+
+    def fn(out):
+        sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="reference", out=out)
+        return out
+
+    torch._dynamo.reset()
+    out = torch.full_like(query, float("nan"))
+    result = torch.compile(fn, backend="aot_eager", fullgraph=True)(out)
+    assert torch.equal(out, expected) and torch.equal(result, expected)
+
+
+# ------------------------------------------------------------------------------------------
+# CUDA: streams and graphs
+# ------------------------------------------------------------------------------------------
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["reference", "native"])
+def test_work_on_a_side_stream(backend):
+    query, key, value, ids = attention_inputs("cuda")
+    expected = call_native_or_skip(
+        lambda: sparse_attn.qsa_sparse_attention(query, key, value, ids, backend=backend),
+        backend)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        # Inputs produced on the side stream right before the call: a call issued on any
+        # other stream would race with these kernels.
+        late_value = torch.full_like(value, math.nan)
+        torch.cuda._sleep(50_000_000)
+        late_value.copy_(value)
+        out = sparse_attn.qsa_sparse_attention(query, key, late_value, ids, backend=backend)
+    side.synchronize()
+    assert torch.equal(out, expected)
+
+
+@needs_cuda
+def test_cuda_graph_capture_and_replay():
+    query, key, value, ids = attention_inputs("cuda")
+    call_native_or_skip(
+        lambda: sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native"),
+        "native")
+    out = torch.empty_like(query)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm up outside capture
+            sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native", out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native", out=out)
+    # Replay consumes the current contents of the inputs.
+    query.copy_(randn(query.shape, query.dtype, "cuda"))
+    ids.copy_(torch.randint(-1, 32, ids.shape, dtype=torch.int32, device="cuda"))
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="reference")
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+
+
+@needs_cuda
+def test_compiled_reduce_overhead_uses_cuda_graphs():
+    query, key, value, ids = attention_inputs("cuda")
+    call_native_or_skip(
+        lambda: sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native"),
+        "native")
+
+    def fn(q, k, v, i):
+        return sparse_attn.qsa_sparse_attention(q, k, v, i, backend="native") * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):
+        got = compiled(query, key, value, ids)
+    expected = fn(query, key, value, ids)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
