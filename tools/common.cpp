@@ -115,22 +115,28 @@ Progress::Progress(std::string what, int64_t total, std::string unit)
     : what_(std::move(what)), unit_(std::move(unit)), total_(total) {}
 
 void Progress::update(int64_t done) {
+  // On a terminal the line is redrawn in place; in a log, a line every 10 seconds.
+  static const bool tty = isatty(fileno(stderr));
   const double t = clock_.seconds();
-  if (t < 1.0 || (t - last_print_ < 0.25 && done < total_) || done <= 0) return;
+  const double every = tty ? 0.25 : 10.0;
+  if (t < 1.0 || (t - last_print_ < every) || done <= 0 || done >= total_) return;
   last_print_ = t;
   shown_ = true;
   const double left = t / double(done) * double(total_ - done);
-  std::fprintf(stderr, "\r%s: %lld/%lld %s, %s, about %s left   ", what_.c_str(),
-               static_cast<long long>(done), static_cast<long long>(total_), unit_.c_str(),
-               format_seconds(t).c_str(), format_seconds(left).c_str());
+  std::fprintf(stderr, "%s%s: %lld/%lld %s, %s, about %s left%s", tty ? "\r" : "",
+               what_.c_str(), static_cast<long long>(done), static_cast<long long>(total_),
+               unit_.c_str(), format_seconds(t).c_str(), format_seconds(left).c_str(),
+               tty ? "   " : "\n");
   std::fflush(stderr);
 }
 
 void Progress::finish() {
   if (done_) return;
   done_ = true;
-  if (shown_) std::fprintf(stderr, "\r%s: done in %s%40s\n", what_.c_str(),
-                           format_seconds(clock_.seconds()).c_str(), "");
+  static const bool tty = isatty(fileno(stderr));
+  if (shown_)
+    std::fprintf(stderr, "%s%s: done in %s%s\n", tty ? "\r" : "", what_.c_str(),
+                 format_seconds(clock_.seconds()).c_str(), tty ? "                    " : "");
 }
 
 std::vector<int64_t> sample_rows(const Workload& w, int64_t count) {

@@ -86,9 +86,14 @@ void write_heatmap_png(const std::string& path, const Heatmap& map) {
   const int cw = std::max<int>(1, static_cast<int>(800 / map.cols));
   const int ch = std::max<int>(1, static_cast<int>(500 / map.rows));
   const int mw = static_cast<int>(map.cols) * cw, mh = static_cast<int>(map.rows) * ch;
-  constexpr int kText = 2, kLeft = 120, kTop = 70, kBottom = 60, kRight = 30;
-  Canvas c(kLeft + mw + kRight, kTop + mh + kBottom);
-  const Rgb ink{30, 30, 30}, grid{120, 120, 120};
+  constexpr int kText = 2, kLine = 24, kLeft = 130, kBottom = 60, kRight = 70;
+  const int top = 16 + kLine * static_cast<int>(map.header.size()) + 16;
+  int width = kLeft + mw + kRight;
+  for (const auto& line : map.header)
+    width = std::max(width, kLeft + Canvas::text_width(line, kText) + 20);
+  Canvas c(width, top + mh + kBottom);
+  const int kTop = top;
+  const Rgb ink{30, 30, 30}, grid{120, 120, 120}, tick{120, 40, 160};
 
   for (int64_t r = 0; r < map.rows; ++r)
     for (int64_t k = 0; k < map.cols; ++k)
@@ -102,13 +107,13 @@ void write_heatmap_png(const std::string& path, const Heatmap& map) {
 
   for (const auto& m : map.marks) {
     const int cx = kLeft + int(m.col) * cw + cw / 2, cy = kTop + int(m.row) * ch + ch / 2;
-    const int radius = std::max({6, cw, ch});
+    const int radius = std::max(6, std::min(cw, ch) / 2 + 4);
     c.ring(cx, cy, radius, 2, m.kept ? Rgb{20, 170, 60} : Rgb{220, 30, 30});
-    c.fill(cx - cw / 2 - 1, kTop - 8, cx + cw / 2 + 2, kTop - 2, Rgb{220, 30, 30});  // tick
+    c.fill(cx - 1, kTop - 9, cx + 2, kTop - 2, tick);
   }
 
-  c.text(kLeft, 10, map.title, kText, ink);
-  c.text(kLeft, 34, map.subtitle, kText - 1 + (map.subtitle.size() < 90 ? 1 : 0), ink);
+  for (size_t i = 0; i < map.header.size(); ++i)
+    c.text(kLeft, 16 + kLine * static_cast<int>(i), map.header[i], kText, ink);
   c.text(kLeft, kTop + mh + 8, map.x_first, kText, ink);
   c.text(kLeft + mw - Canvas::text_width(map.x_last, kText), kTop + mh + 8, map.x_last, kText,
          ink);

@@ -1,6 +1,7 @@
 // Heatmap PNGs of what a sparse method selects: cells shaded from light grey (nothing kept) to
-// dark blue (all kept), white where the query cannot see, needles ringed in red (green when
-// the method kept them), with a title and axis labels.
+// dark blue (all kept), white where the query cannot see, needles ringed (green when the method
+// kept them, red when it missed them) with a tick above their key column, a header and axis
+// labels.
 #pragma once
 
 #include <cstdint>
@@ -17,8 +18,7 @@ struct Heatmap {
     bool kept;
   };
   std::vector<Mark> marks;   // needles
-  std::string title;         // first line on top
-  std::string subtitle;      // second line (legend, sizes)
+  std::vector<std::string> header;  // lines above the map: title, sizes, legend
   std::string x_label, y_label;
   std::string x_first, x_last;  // labels of the first and last column
   std::string y_first, y_last;  // labels of the first and last row
