@@ -11,7 +11,6 @@ try:
 except ImportError:
     numpy = None
 
-from . import _C
 
 if torch is not None:
     _Tensor = torch.Tensor
