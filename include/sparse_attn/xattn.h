@@ -57,7 +57,8 @@ struct FindBlocksOptions : BlockSelectOptions {
   // Query rows and keys behind the block sums (they place the diagonal). Omitted:
   // q_blocks * block_size and k_blocks * block_size (Lk - Lq a whole number of blocks, which is
   // upstream's current_index = k_blocks - q_blocks). Given: ceil(q_len / block_size) must be
-  // q_blocks, ceil(k_len / block_size) must be k_blocks, and q_len <= k_len.
+  // q_blocks, ceil(k_len / block_size) must be k_blocks, and q_len <= k_len when causal or
+  // keep_recent.
   std::optional<int64_t> q_len;
   std::optional<int64_t> k_len;
 };
@@ -86,7 +87,8 @@ struct XAttnEstimateOptions : BlockSelectOptions {
 Shape xattn_estimate_shape(const TensorView& query, const TensorView& key,
                            const XAttnEstimateOptions& options = {});
 
-// query [B, Hq, Lq, D], key [B, Hkv, Lk, D] (BF16, FP16 or FP32, one dtype), Lq <= Lk.
+// query [B, Hq, Lq, D], key [B, Hkv, Lk, D] (BF16, FP16 or FP32, one dtype); Lq <= Lk when
+// causal or keep_recent.
 // attn_sums: FP32 with the shape above, block_mask: bool with the shape above; both written
 // in full (attn_sums is 0 for key blocks a query block cannot see).
 void xattn_estimate(const TensorView& query, const TensorView& key, const TensorView& attn_sums,
@@ -155,7 +157,8 @@ struct XAttnPrefillOptions : XAttnEstimateOptions {
   std::optional<double> softmax_scale;  // attention scale, default 1 / sqrt(D)
 };
 
-// query [B, Hq, Lq, D], key and value [B, Hkv, Lk, D], Lq <= Lk, block_size 128.
+// query [B, Hq, Lq, D], key and value [B, Hkv, Lk, D], block_size 128; Lq <= Lk when causal or
+// keep_recent.
 // attn_sums / block_mask: outputs as in xattn_estimate (they are also the op's workspace).
 // out: the query's shape and dtype. lse: optional FP32 [B, Hq, Lq].
 // Chunked prefill: for causal calls, a query chunk [c, c + m) of a prompt against keys

@@ -38,10 +38,11 @@ XAttnEstimateParams check_estimate_inputs(const TensorView& query, const TensorV
   if (query.size(3) < 1) {
     throw_value_error("query: expected head_dim >= 1, got shape {}", query.shape_str());
   }
-  if (query.size(2) > key.size(2)) {
+  if (query.size(2) > key.size(2) && (o.causal || o.keep_recent)) {
     throw_value_error(
-        "query: expected at most as many query rows as keys (the queries are the last Lq "
-        "positions of the key sequence), got Lq = {} with key length Lk = {}",
+        "query: expected at most as many query rows as keys with causal or keep_recent (the "
+        "queries are the last Lq positions of the key sequence), got Lq = {} with key length "
+        "Lk = {}",
         query.size(2), key.size(2));
   }
   if (o.block_size < 1) {
@@ -205,10 +206,10 @@ void find_blocks_chunked(const TensorView& attn_sums, const TensorView& block_ma
         "k_len: expected a key length of {} blocks of {} (attn_sums.shape[3]), got {}", s.k_blocks,
         s.block_size, s.k_len);
   }
-  if (s.q_len > s.k_len) {
+  if (s.q_len > s.k_len && (options.causal || options.keep_recent)) {
     throw_value_error(
-        "attn_sums: expected at most as many query rows as keys (the queries are the last rows "
-        "of the key sequence), got q_len = {} and k_len = {} (shape {})",
+        "attn_sums: expected at most as many query rows as keys with causal or keep_recent (the "
+        "queries are the last rows of the key sequence), got q_len = {} and k_len = {} (shape {})",
         s.q_len, s.k_len, attn_sums.shape_str());
   }
   check_select_outputs(attn_sums, block_mask, attn_sums.shape(), "the shape of attn_sums",

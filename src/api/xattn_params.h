@@ -25,7 +25,8 @@ struct BlockSelectParams {
   int64_t q_blocks = 0;
   int64_t k_blocks = 0;
   int64_t q_len = 0;  // query rows behind the sums; ceil(q_len / block_size) == q_blocks
-  int64_t k_len = 0;  // keys; ceil(k_len / block_size) == k_blocks; q_len <= k_len
+  int64_t k_len = 0;  // keys; ceil(k_len / block_size) == k_blocks; q_len <= k_len when
+                      // causal or keep_recent (the diagonal is placed)
   int64_t block_size = 0;
 
   // FP32 [batch, num_heads, q_blocks, k_blocks].
@@ -53,7 +54,7 @@ struct XAttnEstimateParams {
   int64_t group = 0;         // Hq / Hkv
   int64_t head_dim = 0;      // D
   int64_t q_len = 0;         // Lq (>= 0)
-  int64_t k_len = 0;         // Lk >= Lq; query row r sits at position Lk - Lq + r
+  int64_t k_len = 0;         // Lk (>= Lq when causal or keep_recent); query row r is at Lk - Lq + r
   int64_t block_size = 0;
   int64_t stride = 0;      // divides block_size
   int64_t chunk_size = 0;  // processing granularity only (a multiple of block_size)

@@ -159,6 +159,7 @@ std::vector<EstimateCase> estimate_cases() {
       // Without the causal mask.
       {"noncausal_len300", 1, 2, 2, 300, 300, 16, 8, 256, false},
       {"noncausal_q77_k333", 1, 4, 2, 77, 333, 16, 4, 128, false},
+      {"noncausal_q300_k140_more_queries_than_keys", 1, 2, 1, 300, 140, 16, 8, 256, false},
   };
 }
 

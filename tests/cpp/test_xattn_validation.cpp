@@ -85,6 +85,17 @@ TEST_F(EstimateArgs, QueryMayNotBeLongerThanKey) {
   expect_error<ValueError>([&] { run_with(q, k2, sums, mask); }, "query");
 }
 
+TEST_F(EstimateArgs, NonCausalAllowsMoreQueriesThanKeys) {
+  Tensor k2 = Tensor::empty({1, 2, 100, 16}, DType::kBF16);
+  std::fill_n(k2.data_as<uint16_t>(), k2.numel(), uint16_t{0});
+  Tensor s2 = Tensor::empty({1, 4, 2, 1}, DType::kF32);
+  Tensor m2 = Tensor::empty({1, 4, 2, 1}, DType::kBool);
+  o.causal = false;
+  EXPECT_NO_THROW(run_with(q, k2, s2, m2));
+  o.keep_recent = true;  // the diagonal needs the queries inside the key sequence
+  expect_error<ValueError>([&] { run_with(q, k2, s2, m2); }, "query");
+}
+
 TEST_F(EstimateArgs, QueryDataMustNotBeNull) {
   TensorView qn(nullptr, DType::kBF16, Device::cpu(), q.shape());
   expect_error<ValueError>([&] { run_with(qn, k, sums, mask); }, "query");
