@@ -11,8 +11,6 @@ try:
 except ImportError:
     numpy = None
 
-from . import _C
-
 if torch is not None:
     _Tensor = torch.Tensor
     _TORCH_DTYPES = {"float32": torch.float32, "int32": torch.int32, "bool": torch.bool}
