@@ -91,7 +91,8 @@ BenchWork bench_work(const BenchCase& c, double kept_fraction) {
   switch (c.op) {
     case BenchOp::kIndexerPrefill: {
       const double nb = std::floor(T / 4);
-      const double pairs = Lq * nb / 2;  // causal: row p sees (p + 1) / 4 blocks
+      double pairs = 0;  // causal: the row at position p sees (p + 1) / 4 complete blocks
+      for (double p = T - Lq; p < T; ++p) pairs += std::min(nb, std::floor((p + 1) / 4));
       w.flops = B * pairs * Hi * Di * 2;
       w.bytes = B * (Lq * Hi * Di * in_bytes + nb * Di * in_bytes + Lq * nb * 4);
       break;
