@@ -57,6 +57,12 @@ void add_workload_options(CLI::App* app, sa::WorkloadOptions& w, std::string& mo
       ->check(CLI::NonNegativeNumber)->capture_default_str()->group(g);
   app->add_option("--sink-logit", w.sink_logit, "logit (nats) every query gives the sinks")
       ->check(CLI::NonNegativeNumber)->capture_default_str()->group(g);
+  app->add_option("--heavy-fraction", w.heavy_fraction,
+                  "share of the other keys that are heavy hitters (attended a little by every "
+                  "query)")
+      ->check(CLI::Range(0.0, 1.0))->capture_default_str()->group(g);
+  app->add_option("--heavy-logit", w.heavy_logit, "logit every query gives the heavy hitters")
+      ->check(CLI::NonNegativeNumber)->capture_default_str()->group(g);
   app->add_option("--needles", w.num_needles, "retrieval needles (far keys matched by later rows)")
       ->check(CLI::NonNegativeNumber)->capture_default_str()->group(g);
   app->add_option("--needle-logit", w.needle_logit, "logit of a needle for its query rows")

@@ -41,6 +41,7 @@ enum Stream : uint64_t {
   kUnrotatedBasis,
   kHeadMix,
   kNeedlePlacement,
+  kHeavyHitters,
 };
 
 uint64_t mix64(uint64_t x) {
@@ -79,7 +80,7 @@ struct Rng {
 // How much a token's content differs from its segment's topic (0: identical tokens within a
 // segment, 1: unrelated tokens). 0.3 keeps neighbours alike, as consecutive rows of a real
 // model select nearly the same blocks, without making them copies.
-constexpr double kTokenVariation = 0.3;
+constexpr double kTokenVariation = 0.15;
 // How much query heads of one group differ from each other (perturbation of the latent).
 constexpr double kHeadVariation = 0.3;
 
@@ -122,7 +123,8 @@ class Latent {
 };
 
 // The projections of one vector space (the attention heads or the indexer): per key head the
-// rotary content projection, the unrotated orthonormal basis (topic columns, then the sink
+// rotary content projection, the unrotated orthonormal basis (topic columns, then the sink,
+// heavy-hitter
 // direction, then one direction per needle) and, per query head, the latent perturbation.
 class Space {
  public:
@@ -138,6 +140,7 @@ class Space {
     a_rot_ = rotary_dims > 0 ? amp(o.local_logit) : 0.f;
     a_topic_ = un > 0 ? amp(o.topic_logit) : 0.f;
     a_sink_ = amp(o.sink_logit);
+    a_heavy_ = amp(o.heavy_logit);
     a_needle_ = amp(o.needle_logit);
     noise_std_ = static_cast<float>(
         o.noise * std::sqrt((a_rot_ * a_rot_ + a_topic_ * a_topic_) / static_cast<double>(dim)));
@@ -149,7 +152,7 @@ class Space {
             rng.normal(kRotaryProjection, space_id, g, i) / std::sqrt(double(rotary_dims)));
 
     // Gram-Schmidt while the unrotated space has room; random unit vectors after that.
-    const int64_t nvec = topic_cols_ + 1 + num_needles;
+    const int64_t nvec = topic_cols_ + 2 + num_needles;
     basis_.assign(static_cast<size_t>(key_heads * nvec * un), 0.f);
     for (int64_t g = 0; g < key_heads && un > 0; ++g) {
       for (int64_t j = 0; j < nvec; ++j) {
@@ -186,9 +189,10 @@ class Space {
   }
 
   // Writes the structured vector (before noise) of one token into out[dim].
-  // query_head < 0 builds a key of key head `g`; sink/needle flags select the extra parts.
+  // query_head < 0 builds a key of key head `g`; the sink, heavy and needle flags select the
+  // extra parts (queries carry the sink and heavy-hitter directions always).
   void build(float* out, const float* z, int64_t pos, int64_t query_head, int64_t g, bool sink,
-             const std::vector<int64_t>& needles, std::vector<float>& scratch) const {
+             bool heavy, const std::vector<int64_t>& needles, std::vector<float>& scratch) const {
     const int64_t r = rank_, un = dim_ - rot_;
     scratch.resize(static_cast<size_t>(r + rot_));
     float* zz = scratch.data();
@@ -217,7 +221,7 @@ class Space {
       out[i] = static_cast<float>(c[i] * cs - c[i + half] * sn);
       out[i + half] = static_cast<float>(c[i] * sn + c[i + half] * cs);
     }
-    // Unrotated part: topic, sink, needles.
+    // Unrotated part: topic, sink, heavy hitters, needles.
     float* u = out + rot_;
     std::fill(u, u + un, 0.f);
     for (int64_t k = 0; k < topic_cols_; ++k) {
@@ -230,8 +234,12 @@ class Space {
       const float* e = basis(g, topic_cols_);
       for (int64_t i = 0; i < un; ++i) u[i] += a_sink_ * e[i];
     }
+    if (heavy) {
+      const float* e = basis(g, topic_cols_ + 1);
+      for (int64_t i = 0; i < un; ++i) u[i] += a_heavy_ * e[i];
+    }
     for (int64_t j : needles) {
-      const float* e = basis(g, topic_cols_ + 1 + j);
+      const float* e = basis(g, topic_cols_ + 2 + j);
       const float a = query_head >= 0 ? a_needle_ : a_needle_ * key_needle_gain_;
       for (int64_t i = 0; i < un; ++i) u[i] += a * e[i];
     }
@@ -246,14 +254,14 @@ class Space {
 
  private:
   const float* basis(int64_t g, int64_t j) const {
-    return &basis_[(g * (topic_cols_ + 1 + num_needles_) + j) * (dim_ - rot_)];
+    return &basis_[(g * (topic_cols_ + 2 + num_needles_) + j) * (dim_ - rot_)];
   }
   float* basis(int64_t g, int64_t j) {
-    return &basis_[(g * (topic_cols_ + 1 + num_needles_) + j) * (dim_ - rot_)];
+    return &basis_[(g * (topic_cols_ + 2 + num_needles_) + j) * (dim_ - rot_)];
   }
 
   int64_t dim_, rot_, rank_, query_heads_, group_, num_needles_, topic_cols_ = 0;
-  float a_rot_ = 0, a_topic_ = 0, a_sink_ = 0, a_needle_ = 0, noise_std_ = 0;
+  float a_rot_ = 0, a_topic_ = 0, a_sink_ = 0, a_heavy_ = 0, a_needle_ = 0, noise_std_ = 0;
   float key_needle_gain_ = 1;
   std::vector<float> rotary_, basis_, mix_;
   std::vector<double> inv_freq_;
@@ -293,6 +301,9 @@ void validate(const WorkloadOptions& o) {
     check_option(std::isfinite(v) && v >= 0, name, "a finite logit >= 0", v);
   };
   logit(o.sink_logit, "sink_logit");
+  logit(o.heavy_logit, "heavy_logit");
+  check_option(o.heavy_fraction >= 0 && o.heavy_fraction <= 1, "heavy_fraction", "0 to 1",
+               o.heavy_fraction);
   logit(o.local_logit, "local_logit");
   logit(o.topic_logit, "topic_logit");
   logit(o.needle_logit, "needle_logit");
@@ -445,6 +456,16 @@ Workload make_workload(const WorkloadOptions& options) {
       index->set_key_needle_gain(static_cast<float>(blk));
     }
   }
+  // Heavy hitters: keys after the sinks that every query attends a little (H2O's observation).
+  auto is_heavy = [&](int64_t b, int64_t t) {
+    return t >= o.num_sinks && Rng::uniform(rng.hash(kHeavyHitters, b, t)) < o.heavy_fraction;
+  };
+  if (structured) {
+    w.heavy_hitters.resize(static_cast<size_t>(B));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < Lk; ++t)
+        if (is_heavy(b, t)) w.heavy_hitters[b].push_back(t);
+  }
   // Needles each token carries: as a key (at key_pos) and as a query (inside the span).
   auto key_needles = [&](int64_t b, int64_t t) {
     std::vector<int64_t> ids;
@@ -468,10 +489,10 @@ Workload make_workload(const WorkloadOptions& options) {
       for (int64_t b = 0; b < B; ++b)
         for (int64_t t = 0; t < Lk; ++t) {
           const float* z = latent->at(b, t);
-          const bool sink = t < o.num_sinks;
+          const bool sink = t < o.num_sinks, heavy = is_heavy(b, t);
           const auto kn = key_needles(b, t);
           for (int64_t g = 0; g < Hkv; ++g) {
-            attn->build(vec.data(), z, t, -1, g, sink, kn, scratch);
+            attn->build(vec.data(), z, t, -1, g, sink, heavy, kn, scratch);
             for (int64_t d = 0; d < D; ++d)
               store_from_float(k, dt, ((b * Lk + t) * Hkv + g) * D + d,
                                vec[d] + attn->noise_std() *
@@ -480,7 +501,7 @@ Workload make_workload(const WorkloadOptions& options) {
           if (t < qoff) continue;
           const auto qn = query_needles(b, t);
           for (int64_t h = 0; h < Hq; ++h) {
-            attn->build(vec.data(), z, t, h, h / attn->group(), true, qn, scratch);
+            attn->build(vec.data(), z, t, h, h / attn->group(), true, true, qn, scratch);
             for (int64_t d = 0; d < D; ++d)
               store_from_float(q, dt, ((b * Lq + t - qoff) * Hq + h) * D + d,
                                vec[d] + attn->noise_std() *
@@ -488,7 +509,7 @@ Workload make_workload(const WorkloadOptions& options) {
           }
           if (!indexer) continue;
           for (int64_t h = 0; h < Hi; ++h) {
-            index->build(vec.data(), z, t, h, 0, true, qn, scratch);
+            index->build(vec.data(), z, t, h, 0, true, true, qn, scratch);
             for (int64_t d = 0; d < Di; ++d)
               store_from_float(qi, dt, ((b * Lq + t - qoff) * Hi + h) * Di + d,
                                vec[d] + index->noise_std() *
@@ -510,8 +531,8 @@ Workload make_workload(const WorkloadOptions& options) {
         for (int64_t t = 0; t < Lk; ++t) {
           float* out = rk + (b * Lk + t) * Di;
           if (structured)
-            index->build(out, latent->at(b, t), t, -1, 0, t < o.num_sinks, key_needles(b, t),
-                         scratch);
+            index->build(out, latent->at(b, t), t, -1, 0, t < o.num_sinks, is_heavy(b, t),
+                         key_needles(b, t), scratch);
           for (int64_t d = 0; d < Di; ++d)
             out[d] = (structured ? out[d] + index->noise_std() * float(rng.normal(
                                                  kIndexKeyNoise, b, t, d))
