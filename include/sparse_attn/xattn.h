@@ -44,11 +44,11 @@ namespace sparse_attn {
 struct BlockSelectOptions {
   double threshold = 0.9;               // in [0, 1]
   std::vector<double> head_thresholds;  // non-empty: one per query head, replaces threshold
-  bool causal = true;       // key blocks past the block of a query block's last key: never kept;
-                            // that last block (the diagonal) is always kept
-  bool keep_sink = false;   // always keep key block 0
-  bool keep_recent = false; // always keep the diagonal block (implied by causal)
-  int64_t block_size = 128; // tokens per query/key block
+  bool causal = true;        // key blocks past the block of a query block's last key: never kept;
+                             // that last block (the diagonal) is always kept
+  bool keep_sink = false;    // always keep key block 0
+  bool keep_recent = false;  // always keep the diagonal block (implied by causal)
+  int64_t block_size = 128;  // tokens per query/key block
   Backend backend = Backend::kNative;
   StreamHandle stream = nullptr;
 };
@@ -57,7 +57,8 @@ struct FindBlocksOptions : BlockSelectOptions {
   // Query rows and keys behind the block sums (they place the diagonal). Omitted:
   // q_blocks * block_size and k_blocks * block_size (Lk - Lq a whole number of blocks, which is
   // upstream's current_index = k_blocks - q_blocks). Given: ceil(q_len / block_size) must be
-  // q_blocks, ceil(k_len / block_size) must be k_blocks, and q_len <= k_len.
+  // q_blocks, ceil(k_len / block_size) must be k_blocks, and q_len <= k_len when causal or
+  // keep_recent.
   std::optional<int64_t> q_len;
   std::optional<int64_t> k_len;
 };
@@ -74,10 +75,10 @@ void find_blocks_chunked(const TensorView& attn_sums, const TensorView& block_ma
 // ---------------------------------------------------------------------------------------
 
 struct XAttnEstimateOptions : BlockSelectOptions {
-  int64_t stride = 8;         // antidiagonal stride; divides block_size
-  double norm = 1.0;          // score divisor; positive
-  int64_t chunk_size = 16384; // query rows per processing chunk (a multiple of block_size);
-                              // bounds native workspace, never changes a result
+  int64_t stride = 8;          // antidiagonal stride; divides block_size
+  double norm = 1.0;           // score divisor; positive
+  int64_t chunk_size = 16384;  // query rows per processing chunk (a multiple of block_size);
+                               // bounds native workspace, never changes a result
   std::string select_mode = "inverse";  // the only mode implemented
 };
 
@@ -86,7 +87,8 @@ struct XAttnEstimateOptions : BlockSelectOptions {
 Shape xattn_estimate_shape(const TensorView& query, const TensorView& key,
                            const XAttnEstimateOptions& options = {});
 
-// query [B, Hq, Lq, D], key [B, Hkv, Lk, D] (BF16, FP16 or FP32, one dtype), Lq <= Lk.
+// query [B, Hq, Lq, D], key [B, Hkv, Lk, D] (BF16, FP16 or FP32, one dtype); Lq <= Lk when
+// causal or keep_recent.
 // attn_sums: FP32 with the shape above, block_mask: bool with the shape above; both written
 // in full (attn_sums is 0 for key blocks a query block cannot see).
 void xattn_estimate(const TensorView& query, const TensorView& key, const TensorView& attn_sums,
@@ -110,8 +112,8 @@ struct BlockSparseAttentionOptions {
   std::vector<int32_t> streaming_info;  // [2 * Hq] (sink, local) block counts per head;
                                         // required (non-negative) when a head is -1
   std::optional<double> softmax_scale;  // default 1 / sqrt(D)
-  bool is_causal = true;  // XAttention's setting (block_sparse_attn_func defaults to false)
-  double p_dropout = 0.0; // inference only: must be 0
+  bool is_causal = true;   // XAttention's setting (block_sparse_attn_func defaults to false)
+  double p_dropout = 0.0;  // inference only: must be 0
   Backend backend = Backend::kNative;
   StreamHandle stream = nullptr;
 };
@@ -143,8 +145,8 @@ void block_sparse_attention_paged(const TensorView& q, const TensorView& k_cache
                                   const TensorView& v_cache, const TensorView& block_table,
                                   const TensorView& seqlens_k, const TensorView& cu_seqlens_q,
                                   const std::optional<TensorView>& base_blockmask,
-                                  int64_t max_seqlen_q, int64_t max_seqlen_k,
-                                  const TensorView& out, const std::optional<TensorView>& lse,
+                                  int64_t max_seqlen_q, int64_t max_seqlen_k, const TensorView& out,
+                                  const std::optional<TensorView>& lse,
                                   const BlockSparseAttentionOptions& options = {});
 
 // ---------------------------------------------------------------------------------------
@@ -155,7 +157,8 @@ struct XAttnPrefillOptions : XAttnEstimateOptions {
   std::optional<double> softmax_scale;  // attention scale, default 1 / sqrt(D)
 };
 
-// query [B, Hq, Lq, D], key and value [B, Hkv, Lk, D], Lq <= Lk, block_size 128.
+// query [B, Hq, Lq, D], key and value [B, Hkv, Lk, D], block_size 128; Lq <= Lk when causal or
+// keep_recent.
 // attn_sums / block_mask: outputs as in xattn_estimate (they are also the op's workspace).
 // out: the query's shape and dtype. lse: optional FP32 [B, Hq, Lq].
 // Chunked prefill: for causal calls, a query chunk [c, c + m) of a prompt against keys

@@ -27,16 +27,32 @@ from .qsa import (  # noqa: E402
     qsa_mqa_prefill,
     qsa_sparse_attention,
 )
+from .select import QSA_TOPK_BLOCKS, qsa_expand_blocks, qsa_topk_blocks  # noqa: E402
+from .xattn import (  # noqa: E402
+    Xattention_prefill,
+    block_sparse_attn_func,
+    block_sparse_attn_paged_func,
+    find_blocks_chunked,
+    xattn_estimate,
+)
 from . import _torch_ops  # noqa: E402,F401  (registers torch.ops.sparse_attn.* when torch is present)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "NotSupportedError",
+    "QSA_TOPK_BLOCKS",
+    "Xattention_prefill",
+    "block_sparse_attn_func",
+    "block_sparse_attn_paged_func",
     "built_with_cuda",
+    "find_blocks_chunked",
     "qsa_indexer_mqa_score",
     "qsa_mqa",
     "qsa_mqa_decode",
     "qsa_mqa_prefill",
+    "qsa_expand_blocks",
     "qsa_sparse_attention",
+    "qsa_topk_blocks",
+    "xattn_estimate",
 ]

@@ -11,8 +11,6 @@ try:
 except ImportError:
     numpy = None
 
-from . import _C
-
 if torch is not None:
     _Tensor = torch.Tensor
     _TORCH_DTYPES = {"float32": torch.float32, "int32": torch.int32, "bool": torch.bool}
@@ -78,14 +76,30 @@ def torch_stream(tensor):
     return torch.cuda.current_stream(index).cuda_stream
 
 
-def run(binding, op_name, like, args):
-    """Calls binding(*args, stream). Torch tensors run on torch's current stream; under
-    torch.compile the call goes through torch.ops.sparse_attn.<op_name> (same arguments,
-    the stream is found when the op runs), so graphs capture it as one opaque op."""
+def run(binding, op_name, like, args, stream=True):
+    """Calls binding(*args, stream) (binding(*args) for ops that take no stream). Torch
+    tensors run on torch's current stream; under torch.compile the call goes through
+    torch.ops.sparse_attn.<op_name> (same arguments, the stream is found when the op runs),
+    so graphs capture it as one opaque op."""
     if isinstance(like, _Tensor):
         if ops_registered and _is_compiling():
             getattr(torch.ops.sparse_attn, op_name)(*args)
-            return
-        binding(*args, torch_stream(like))
-    else:
+        elif stream:
+            binding(*args, torch_stream(like))
+        else:
+            binding(*args)
+    elif stream:
         binding(*args, None)
+    else:
+        binding(*args)
+
+
+def host_list(values):
+    """None, a number sequence, or a tensor/array (read to the host: the C++ API takes these
+    per-head settings as host values, as the reference implementations read them)."""
+    if values is None or isinstance(values, (list, tuple)):
+        return values
+    tolist = getattr(values, "tolist", None)
+    if tolist is None:
+        return values  # the binding names the argument and says what it expected
+    return tolist()

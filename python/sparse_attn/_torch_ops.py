@@ -8,7 +8,7 @@ torch.library.custom_op, nothing is registered and the plain functions still wor
 Eager calls do not go through these ops (the dispatcher costs more than the whole binding);
 _runtime.run routes only compiled code here."""
 
-from typing import Optional
+from typing import List, Optional
 
 from . import _C
 from . import _runtime as rt
@@ -74,10 +74,81 @@ def _register():
             assume_compact_blocks, selected_kv_indices, softmax_scale, k_scale, v_scale,
             compute_dtype, rt.torch_stream(query))
 
+    def qsa_topk_blocks(scores: Tensor, k: int, out: Tensor) -> None:
+        _C.qsa_topk_blocks(scores, k, out)
+
+    def qsa_expand_blocks(block_ids: Tensor, query_positions: Tensor, token_indices: Tensor,
+                          block_indices: Optional[Tensor]) -> None:
+        _C.qsa_expand_blocks(block_ids, query_positions, token_indices, block_indices)
+
+    def xattn_estimate(
+        query: Tensor, key: Tensor, attn_sums: Tensor, block_mask: Tensor, threshold: float,
+        head_thresholds: Optional[List[float]], causal: bool, keep_sink: bool,
+        keep_recent: bool, block_size: int, stride: int, norm: float, chunk_size: int,
+        select_mode: str, backend: str,
+    ) -> None:
+        _C.xattn_estimate(query, key, attn_sums, block_mask, threshold, head_thresholds, causal,
+                          keep_sink, keep_recent, block_size, stride, norm, chunk_size,
+                          select_mode, backend, rt.torch_stream(query))
+
+    def find_blocks_chunked(
+        attn_sums: Tensor, block_mask: Tensor, threshold: float,
+        head_thresholds: Optional[List[float]], causal: bool, keep_sink: bool,
+        keep_recent: bool, block_size: int, q_len: Optional[int], k_len: Optional[int],
+        backend: str,
+    ) -> None:
+        _C.find_blocks_chunked(attn_sums, block_mask, threshold, head_thresholds, causal,
+                               keep_sink, keep_recent, block_size, q_len, k_len, backend,
+                               rt.torch_stream(attn_sums))
+
+    def block_sparse_attention(
+        q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+        base_blockmask: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, out: Tensor,
+        lse: Optional[Tensor], head_mask_type: Optional[List[int]],
+        streaming_info: Optional[List[int]], softmax_scale: Optional[float], is_causal: bool,
+        p_dropout: float, backend: str,
+    ) -> None:
+        _C.block_sparse_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, base_blockmask,
+                                  max_seqlen_q, max_seqlen_k, out, lse, head_mask_type,
+                                  streaming_info, softmax_scale, is_causal, p_dropout, backend,
+                                  rt.torch_stream(q))
+
+    def block_sparse_attention_paged(
+        q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seqlens_k: Tensor,
+        cu_seqlens_q: Tensor, base_blockmask: Optional[Tensor], max_seqlen_q: int,
+        max_seqlen_k: int, out: Tensor, lse: Optional[Tensor],
+        head_mask_type: Optional[List[int]], streaming_info: Optional[List[int]],
+        softmax_scale: Optional[float], is_causal: bool, p_dropout: float, backend: str,
+    ) -> None:
+        _C.block_sparse_attention_paged(q, k_cache, v_cache, block_table, seqlens_k,
+                                        cu_seqlens_q, base_blockmask, max_seqlen_q,
+                                        max_seqlen_k, out, lse, head_mask_type, streaming_info,
+                                        softmax_scale, is_causal, p_dropout, backend,
+                                        rt.torch_stream(q))
+
+    def xattention_prefill(
+        query: Tensor, key: Tensor, value: Tensor, attn_sums: Tensor, block_mask: Tensor,
+        out: Tensor, lse: Optional[Tensor], threshold: float,
+        head_thresholds: Optional[List[float]], causal: bool, keep_sink: bool,
+        keep_recent: bool, block_size: int, stride: int, norm: float, chunk_size: int,
+        select_mode: str, softmax_scale: Optional[float], backend: str,
+    ) -> None:
+        _C.xattention_prefill(query, key, value, attn_sums, block_mask, out, lse, threshold,
+                              head_thresholds, causal, keep_sink, keep_recent, block_size,
+                              stride, norm, chunk_size, select_mode, softmax_scale, backend,
+                              rt.torch_stream(query))
+
     define("qsa_indexer_mqa_score", ("out",), qsa_indexer_mqa_score)
     define("qsa_mqa_prefill", ("out",), qsa_mqa_prefill)
     define("qsa_mqa_decode", ("out",), qsa_mqa_decode)
     define("qsa_sparse_attention", ("out", "lse"), qsa_sparse_attention)
+    define("qsa_topk_blocks", ("out",), qsa_topk_blocks)
+    define("qsa_expand_blocks", ("token_indices", "block_indices"), qsa_expand_blocks)
+    define("xattn_estimate", ("attn_sums", "block_mask"), xattn_estimate)
+    define("find_blocks_chunked", ("block_mask",), find_blocks_chunked)
+    define("block_sparse_attention", ("out", "lse"), block_sparse_attention)
+    define("block_sparse_attention_paged", ("out", "lse"), block_sparse_attention_paged)
+    define("xattention_prefill", ("attn_sums", "block_mask", "out", "lse"), xattention_prefill)
     rt.ops_registered = True
 
 

@@ -4,8 +4,6 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
 
-#include <utility>
-
 #include "bind.h"
 #include "convert.h"
 #include "sparse_attn/qsa.h"
@@ -153,12 +151,6 @@ void sparse_attention(handle query, handle key, handle value, handle token_indic
   opts.stream = to_stream(stream);
   nb::gil_scoped_release release;
   qsa_sparse_attention(q, k, v, ids, o, l, opts);
-}
-
-// Every argument accepts None (the binding decides what None means, and says so).
-template <typename Func, typename... Names>
-void def(nb::module_& m, const char* name, Func&& f, Names... arg_names) {
-  m.def(name, std::forward<Func>(f), nb::arg(arg_names).none()...);
 }
 
 Shape sparse_attention_out_shape(handle query) {

@@ -12,8 +12,10 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <vector>
 
-#include "sparse_attn/qsa.h"
+#include "sparse_attn/common.h"
 #include "sparse_attn/tensor.h"
 
 namespace sparse_attn::python {
@@ -47,6 +49,11 @@ std::optional<int64_t> optional_int(nb::handle obj, const char* name);
 int64_t to_int(nb::handle obj, const char* name);
 // bool (or numpy.bool_) only.
 bool to_bool(nb::handle obj, const char* name);
+// None -> empty; a list or tuple of numbers (Python converts tensors with tolist() first).
+std::vector<int32_t> to_int32_list(nb::handle obj, const char* name);
+std::vector<double> to_float_list(nb::handle obj, const char* name);
+// A str.
+std::string to_str(nb::handle obj, const char* name);
 // A str naming the backend ("native", "tilelang", "reference").
 Backend to_backend(nb::handle obj);
 // A dtype: a torch.dtype, a numpy dtype or type, or a name ("bfloat16").

@@ -61,4 +61,6 @@ NB_MODULE(_C, m) {
   // Set by python/CMakeLists.txt from the library's configuration.
   m.attr("built_with_cuda") = nb::bool_(SPARSE_ATTN_PY_WITH_CUDA != 0);
   bind_qsa(m);
+  bind_select(m);
+  bind_xattn(m);
 }

@@ -28,6 +28,8 @@ using detail::throw_value_error;
 struct Views {
   TensorView q, k, v, cu_seqlens_q, out;
   std::optional<TensorView> cu_seqlens_k, block_table, seqlens_k, mask, lse;
+  const char* k_name = "k";  // "k_cache" / "v_cache" in the paged form
+  const char* v_name = "v";
 };
 
 // An int32 metadata tensor of the given shape on the query's device.
@@ -39,7 +41,8 @@ void check_metadata(const TensorView& t, std::string_view name, const Shape& sha
   check_data(t, name);
 }
 
-// Head types, streaming info and mask presence; returns the resolved head types.
+// Checks head types and streaming info; returns the resolved head types (empty: all 1), counts
+// the block-sparse heads and says whether any head streams.
 std::vector<int32_t> check_heads(const BlockSparseAttentionOptions& o, int64_t hq,
                                  int64_t* sparse_heads, bool* any_streaming) {
   std::vector<int32_t> types = o.head_mask_type;
@@ -91,12 +94,12 @@ BlockSparseAttnParams validate(const Views& v, int kv_heads_dim, int64_t max_seq
   const Device dev = q.device();
   check_rank(q, "q", {3});
   detail::check_float_input(q, "q", nullptr, "");
-  detail::check_float_input(v.k, "k", &q, "q");
-  detail::check_float_input(v.v, "v", &q, "q");
-  check_shape(v.v, "v", v.k.shape(), "the shape of k");
-  check_size(v.k, "k", -1, q.size(2), "the head_dim of q");
+  detail::check_float_input(v.k, v.k_name, &q, "q");
+  detail::check_float_input(v.v, v.v_name, &q, "q");
+  check_shape(v.v, v.v_name, v.k.shape(), fmt::format("the shape of {}", v.k_name));
+  check_size(v.k, v.k_name, -1, q.size(2), "the head_dim of q");
   if (q.size(2) < 1) throw_value_error("q: expected head_dim >= 1, got shape {}", q.shape_str());
-  detail::check_gqa(q.size(1), v.k.size(kv_heads_dim), "q", "k");
+  detail::check_gqa(q.size(1), v.k.size(kv_heads_dim), "q", v.k_name);
 
   check_rank(v.cu_seqlens_q, "cu_seqlens_q", {1});
   if (v.cu_seqlens_q.size(0) < 1) {
@@ -131,8 +134,8 @@ BlockSparseAttnParams validate(const Views& v, int kv_heads_dim, int64_t max_seq
   p.device_index = dev.is_cuda() ? dev.index : 0;
   p.stream = o.stream;
 
-  const Shape mask_shape = block_sparse_attention_mask_shape(batch, sparse_heads, max_seqlen_q,
-                                                             max_seqlen_k);
+  const Shape mask_shape =
+      block_sparse_attention_mask_shape(batch, sparse_heads, max_seqlen_q, max_seqlen_k);
   if (sparse_heads > 0 && !v.mask) {
     throw_value_error(
         "base_blockmask: required when a head is block-sparse (head_mask_type 1): bool {}",
@@ -153,17 +156,18 @@ BlockSparseAttnParams validate(const Views& v, int kv_heads_dim, int64_t max_seq
 
   detail::check_xattn_output(v.out, "out", q.dtype(), q.shape(), "the shape of q", dev, "q");
   if (v.lse) {
-    detail::check_xattn_output(*v.lse, "lse", DType::kF32, {q.size(0), q.size(1)},
-                               "[total_q, Hq]", dev, "q");
+    detail::check_xattn_output(*v.lse, "lse", DType::kF32, {q.size(0), q.size(1)}, "[total_q, Hq]",
+                               dev, "q");
     check_no_overlap(*v.lse, "lse", v.out, "out");
   }
-  for (const auto& [t, name] : {std::pair{v.q, "q"}, {v.k, "k"}, {v.v, "v"},
-                                {v.cu_seqlens_q, "cu_seqlens_q"}}) {
+  for (const auto& [t, name] :
+       {std::pair{v.q, "q"}, {v.k, v.k_name}, {v.v, v.v_name}, {v.cu_seqlens_q, "cu_seqlens_q"}}) {
     check_no_overlap(v.out, "out", t, name);
     if (v.lse) check_no_overlap(*v.lse, "lse", t, name);
   }
   for (const auto& [t, name] : {std::pair{v.mask, "base_blockmask"},
-                                {v.cu_seqlens_k, "cu_seqlens_k"}, {v.block_table, "block_table"},
+                                {v.cu_seqlens_k, "cu_seqlens_k"},
+                                {v.block_table, "block_table"},
                                 {v.seqlens_k, "seqlens_k"}}) {
     if (!t) continue;
     check_no_overlap(v.out, "out", *t, name);
@@ -228,8 +232,8 @@ Views stage(detail::HostStaging& s, const Views& v) {
   return h;
 }
 
-void run(BlockSparseAttnParams& p, const Views& v, bool paged,
-         const BlockSparseAttentionOptions& o, const char* op) {
+void run(BlockSparseAttnParams& p, const Views& v, bool paged, const BlockSparseAttentionOptions& o,
+         const char* op) {
   if (o.backend == Backend::kNative) {
     detail::check_native_device(v.q, "q", op);
     fill_pointers(p, v, paged);
@@ -259,14 +263,12 @@ void block_sparse_attention(const TensorView& q, const TensorView& k, const Tens
   int64_t sparse_heads = 0;
   bool any_streaming = false;
   check_rank(q, "q", {3});
-  const std::vector<int32_t> types = check_heads(options, q.size(1), &sparse_heads,
-                                                 &any_streaming);
+  const std::vector<int32_t> types = check_heads(options, q.size(1), &sparse_heads, &any_streaming);
   check_rank(k, "k", {3});
   check_rank(v, "v", {3});
-  const Views views{q, k, v, cu_seqlens_q, out, cu_seqlens_k, std::nullopt, std::nullopt,
-                    base_blockmask, lse};
-  BlockSparseAttnParams p =
-      validate(views, 1, max_seqlen_q, max_seqlen_k, options, sparse_heads);
+  const Views views{
+      q, k, v, cu_seqlens_q, out, cu_seqlens_k, std::nullopt, std::nullopt, base_blockmask, lse};
+  BlockSparseAttnParams p = validate(views, 1, max_seqlen_q, max_seqlen_k, options, sparse_heads);
   check_metadata(cu_seqlens_k, "cu_seqlens_k", {p.batch + 1},
                  "[batch + 1], batch from cu_seqlens_q", q.device());
   p.kv_layout = XAttnKVLayout::kVarlen;
@@ -280,20 +282,18 @@ void block_sparse_attention_paged(const TensorView& q, const TensorView& k_cache
                                   const TensorView& v_cache, const TensorView& block_table,
                                   const TensorView& seqlens_k, const TensorView& cu_seqlens_q,
                                   const std::optional<TensorView>& base_blockmask,
-                                  int64_t max_seqlen_q, int64_t max_seqlen_k,
-                                  const TensorView& out, const std::optional<TensorView>& lse,
+                                  int64_t max_seqlen_q, int64_t max_seqlen_k, const TensorView& out,
+                                  const std::optional<TensorView>& lse,
                                   const BlockSparseAttentionOptions& options) {
   int64_t sparse_heads = 0;
   bool any_streaming = false;
   check_rank(q, "q", {3});
-  const std::vector<int32_t> types = check_heads(options, q.size(1), &sparse_heads,
-                                                 &any_streaming);
+  const std::vector<int32_t> types = check_heads(options, q.size(1), &sparse_heads, &any_streaming);
   check_rank(k_cache, "k_cache", {4});
   check_rank(v_cache, "v_cache", {4});
-  const Views views{q, k_cache, v_cache, cu_seqlens_q, out, std::nullopt, block_table, seqlens_k,
-                    base_blockmask, lse};
-  BlockSparseAttnParams p =
-      validate(views, 2, max_seqlen_q, max_seqlen_k, options, sparse_heads);
+  const Views views{q,           k_cache,   v_cache,        cu_seqlens_q, out,       std::nullopt,
+                    block_table, seqlens_k, base_blockmask, lse,          "k_cache", "v_cache"};
+  BlockSparseAttnParams p = validate(views, 2, max_seqlen_q, max_seqlen_k, options, sparse_heads);
   const int64_t page_size = k_cache.size(1);
   if (page_size < 1 ||
       (kBlockSparseBlockSize % page_size != 0 && page_size % kBlockSparseBlockSize != 0)) {
@@ -305,8 +305,7 @@ void block_sparse_attention_paged(const TensorView& q, const TensorView& k_cache
   check_rank(block_table, "block_table", {2});
   check_metadata(block_table, "block_table", {p.batch, block_table.size(1)},
                  "[batch, max_pages], batch from cu_seqlens_q", q.device());
-  check_metadata(seqlens_k, "seqlens_k", {p.batch}, "[batch], batch from cu_seqlens_q",
-                 q.device());
+  check_metadata(seqlens_k, "seqlens_k", {p.batch}, "[batch], batch from cu_seqlens_q", q.device());
   if (max_seqlen_k > block_table.size(1) * page_size) {
     throw_value_error(
         "max_seqlen_k: expected at most max_pages * page_size = {} * {} = {} keys, got {}",

@@ -6,9 +6,8 @@
 
 namespace sparse_attn::detail {
 
-void check_xattn_output(const TensorView& t, std::string_view name, DType dtype,
-                        const Shape& shape, std::string_view what, Device device,
-                        std::string_view device_of) {
+void check_xattn_output(const TensorView& t, std::string_view name, DType dtype, const Shape& shape,
+                        std::string_view what, Device device, std::string_view device_of) {
   check_dtype(t, name, {dtype});
   check_shape(t, name, shape, what);
   check_device(t, name, device, device_of);
@@ -45,8 +44,7 @@ std::vector<double> resolve_thresholds(const BlockSelectOptions& o, int64_t num_
   }
   auto check_one = [](double t, std::string_view name) {
     if (!(t >= 0.0 && t <= 1.0)) {
-      throw_value_error("{}: expected a fraction of the attention mass in [0, 1], got {}", name,
-                        t);
+      throw_value_error("{}: expected a fraction of the attention mass in [0, 1], got {}", name, t);
     }
   };
   if (o.head_thresholds.empty()) {

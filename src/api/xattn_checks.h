@@ -16,9 +16,8 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // An output: dtype, exact shape, device, data pointer, positive strides, no two elements at
 // one address.
-void check_xattn_output(const TensorView& t, std::string_view name, DType dtype,
-                        const Shape& shape, std::string_view what, Device device,
-                        std::string_view device_of);
+void check_xattn_output(const TensorView& t, std::string_view name, DType dtype, const Shape& shape,
+                        std::string_view what, Device device, std::string_view device_of);
 
 // A floating input of the attention family: dtype BF16, FP16 or FP32, and when `like` is
 // given, the same dtype and device as it (`like_name` names it in messages).
@@ -46,9 +45,8 @@ void check_estimate_outputs(const XAttnEstimateParams& p, const TensorView& quer
                             const TensorView& block_mask);
 
 // Fills the pointers and strides of the estimate (and its selection step) from these views.
-void fill_estimate_pointers(XAttnEstimateParams& p, const TensorView& query,
-                            const TensorView& key, const TensorView& attn_sums,
-                            const TensorView& block_mask);
+void fill_estimate_pointers(XAttnEstimateParams& p, const TensorView& query, const TensorView& key,
+                            const TensorView& attn_sums, const TensorView& block_mask);
 
 // Copies the first n strides of t into `out`.
 void copy_strides(const TensorView& t, int64_t* out, int n);

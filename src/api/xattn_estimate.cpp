@@ -38,10 +38,11 @@ XAttnEstimateParams check_estimate_inputs(const TensorView& query, const TensorV
   if (query.size(3) < 1) {
     throw_value_error("query: expected head_dim >= 1, got shape {}", query.shape_str());
   }
-  if (query.size(2) > key.size(2)) {
+  if (query.size(2) > key.size(2) && (o.causal || o.keep_recent)) {
     throw_value_error(
-        "query: expected at most as many query rows as keys (the queries are the last Lq "
-        "positions of the key sequence), got Lq = {} with key length Lk = {}",
+        "query: expected at most as many query rows as keys with causal or keep_recent (the "
+        "queries are the last Lq positions of the key sequence), got Lq = {} with key length "
+        "Lk = {}",
         query.size(2), key.size(2));
   }
   if (o.block_size < 1) {
@@ -111,8 +112,7 @@ void check_select_outputs(const TensorView& attn_sums, const TensorView& block_m
                           const Shape& shape, std::string_view what, Device device,
                           std::string_view device_of, bool sums_is_output) {
   if (sums_is_output) {
-    detail::check_xattn_output(attn_sums, "attn_sums", DType::kF32, shape, what, device,
-                               device_of);
+    detail::check_xattn_output(attn_sums, "attn_sums", DType::kF32, shape, what, device, device_of);
   }
   detail::check_xattn_output(block_mask, "block_mask", DType::kBool, shape, what, device,
                              device_of);
@@ -143,9 +143,8 @@ void check_estimate_outputs(const XAttnEstimateParams& p, const TensorView& quer
   }
 }
 
-void fill_estimate_pointers(XAttnEstimateParams& p, const TensorView& query,
-                            const TensorView& key, const TensorView& attn_sums,
-                            const TensorView& block_mask) {
+void fill_estimate_pointers(XAttnEstimateParams& p, const TensorView& query, const TensorView& key,
+                            const TensorView& attn_sums, const TensorView& block_mask) {
   p.q = query.data();
   copy_strides(query, p.q_stride, 4);
   p.k = key.data();
@@ -204,13 +203,13 @@ void find_blocks_chunked(const TensorView& attn_sums, const TensorView& block_ma
   }
   if (options.k_len && (s.k_len < 0 || ceil_div(s.k_len, s.block_size) != s.k_blocks)) {
     throw_value_error(
-        "k_len: expected a key length of {} blocks of {} (attn_sums.shape[3]), got {}",
-        s.k_blocks, s.block_size, s.k_len);
+        "k_len: expected a key length of {} blocks of {} (attn_sums.shape[3]), got {}", s.k_blocks,
+        s.block_size, s.k_len);
   }
-  if (s.q_len > s.k_len) {
+  if (s.q_len > s.k_len && (options.causal || options.keep_recent)) {
     throw_value_error(
-        "attn_sums: expected at most as many query rows as keys (the queries are the last rows "
-        "of the key sequence), got q_len = {} and k_len = {} (shape {})",
+        "attn_sums: expected at most as many query rows as keys with causal or keep_recent (the "
+        "queries are the last rows of the key sequence), got q_len = {} and k_len = {} (shape {})",
         s.q_len, s.k_len, attn_sums.shape_str());
   }
   check_select_outputs(attn_sums, block_mask, attn_sums.shape(), "the shape of attn_sums",

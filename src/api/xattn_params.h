@@ -21,11 +21,12 @@ namespace sparse_attn {
 // find_blocks_chunked, and the selection step of xattn_estimate / xattention_prefill.
 struct BlockSelectParams {
   int64_t batch = 0;
-  int64_t num_heads = 0;   // H of attn_sums (query heads)
+  int64_t num_heads = 0;  // H of attn_sums (query heads)
   int64_t q_blocks = 0;
   int64_t k_blocks = 0;
-  int64_t q_len = 0;       // query rows behind the sums; ceil(q_len / block_size) == q_blocks
-  int64_t k_len = 0;       // keys; ceil(k_len / block_size) == k_blocks; q_len <= k_len
+  int64_t q_len = 0;  // query rows behind the sums; ceil(q_len / block_size) == q_blocks
+  int64_t k_len = 0;  // keys; ceil(k_len / block_size) == k_blocks; q_len <= k_len when
+                      // causal or keep_recent (the diagonal is placed)
   int64_t block_size = 0;
 
   // FP32 [batch, num_heads, q_blocks, k_blocks].
@@ -53,12 +54,12 @@ struct XAttnEstimateParams {
   int64_t group = 0;         // Hq / Hkv
   int64_t head_dim = 0;      // D
   int64_t q_len = 0;         // Lq (>= 0)
-  int64_t k_len = 0;         // Lk >= Lq; query row r sits at position Lk - Lq + r
+  int64_t k_len = 0;         // Lk (>= Lq when causal or keep_recent); query row r is at Lk - Lq + r
   int64_t block_size = 0;
-  int64_t stride = 0;        // divides block_size
-  int64_t chunk_size = 0;    // processing granularity only (a multiple of block_size)
-  int64_t q_blocks = 0;      // ceil(Lq / block_size)
-  int64_t k_blocks = 0;      // ceil(Lk / block_size)
+  int64_t stride = 0;      // divides block_size
+  int64_t chunk_size = 0;  // processing granularity only (a multiple of block_size)
+  int64_t q_blocks = 0;    // ceil(Lq / block_size)
+  int64_t k_blocks = 0;    // ceil(Lk / block_size)
   DType dtype = DType::kBF16;
 
   // Query [batch, Hq, Lq, D] and key [batch, Hkv, Lk, D]; strides (batch, head, token, dim).
@@ -124,11 +125,11 @@ struct BlockSparseAttnParams {
   int64_t total_k = 0;                    // kVarlen: k.shape[0]
   const int32_t* block_table = nullptr;   // kPaged: [batch, max_pages]; otherwise null
   int64_t block_table_stride[2] = {};
-  const int32_t* seqlens_k = nullptr;     // kPaged: [batch]; otherwise null
+  const int32_t* seqlens_k = nullptr;  // kPaged: [batch]; otherwise null
   int64_t seqlens_k_stride = 0;
-  int64_t page_size = 0;                  // kPaged: divides 128 or is a multiple of it
-  int64_t num_pages = 0;                  // kPaged: k.shape[0]
-  int64_t max_pages = 0;                  // kPaged: block_table.shape[1]
+  int64_t page_size = 0;  // kPaged: divides 128 or is a multiple of it
+  int64_t num_pages = 0;  // kPaged: k.shape[0]
+  int64_t max_pages = 0;  // kPaged: block_table.shape[1]
 
   // Per query head: -1 streaming, 0 dense, 1 block-sparse (host, [Hq]).
   const int32_t* head_mask_type = nullptr;

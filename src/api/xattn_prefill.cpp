@@ -72,13 +72,15 @@ void xattention_prefill(const TensorView& query, const TensorView& key, const Te
   detail::check_xattn_output(out, "out", query.dtype(), query.shape(), "the shape of query",
                              query.device(), "query");
   if (lse) {
-    detail::check_xattn_output(*lse, "lse", DType::kF32,
-                               {e.batch, e.num_q_heads, e.q_len}, "[B, Hq, Lq]", query.device(),
-                               "query");
+    detail::check_xattn_output(*lse, "lse", DType::kF32, {e.batch, e.num_q_heads, e.q_len},
+                               "[B, Hq, Lq]", query.device(), "query");
     check_no_overlap(*lse, "lse", out, "out");
   }
-  for (const auto& [t, name] : {std::pair{query, "query"}, {key, "key"}, {value, "value"},
-                                {attn_sums, "attn_sums"}, {block_mask, "block_mask"}}) {
+  for (const auto& [t, name] : {std::pair{query, "query"},
+                                {key, "key"},
+                                {value, "value"},
+                                {attn_sums, "attn_sums"},
+                                {block_mask, "block_mask"}}) {
     check_no_overlap(out, "out", t, name);
     if (lse) check_no_overlap(*lse, "lse", t, name);
   }
@@ -120,7 +122,7 @@ void xattention_prefill(const TensorView& query, const TensorView& key, const Te
     return;
   }
   detail::HostStaging staging;
-  const Views h{staging.input(query),     staging.input(key),         staging.input(value),
+  const Views h{staging.input(query),      staging.input(key),         staging.input(value),
                 staging.output(attn_sums), staging.output(block_mask), staging.output(out),
                 staging.output(lse)};
   detail::fill_estimate_pointers(e, h.query, h.key, h.attn_sums, h.block_mask);

@@ -256,10 +256,19 @@ void reference_sparse_attention(const SparseAttentionParams& p) {
       vf.resize(n * D);
       s.resize(n);
       for (int64_t g = 0; g < p.num_kv_heads; ++g) {
+        // K is transposed a tile of tokens at a time so each write fills a cache line.
+        constexpr int64_t kTile = 16;
+        for (int64_t j0 = 0; j0 < n; j0 += kTile) {
+          const int64_t j1 = std::min(n, j0 + kTile);
+          for (int64_t d = 0; d < D; ++d) {
+            for (int64_t j = j0; j < j1; ++j) {
+              kt[d * n + j] =
+                  load_as_float(p.k, dt, k_offs[j] + g * p.k_head_stride + d * p.k_dim_stride);
+            }
+          }
+        }
         for (int64_t j = 0; j < n; ++j) {
           for (int64_t d = 0; d < D; ++d) {
-            kt[d * n + j] =
-                load_as_float(p.k, dt, k_offs[j] + g * p.k_head_stride + d * p.k_dim_stride);
             vf[j * D + d] =
                 load_as_float(p.v, dt, v_offs[j] + g * p.v_head_stride + d * p.v_dim_stride);
           }

@@ -30,9 +30,8 @@ template <typename... Args>
 
 // Reads cu_seqlens [batch + 1] and checks the promise: non-decreasing offsets in [0, total],
 // lengths <= max_len.
-std::vector<int64_t> read_offsets(const int32_t* cu, int64_t batch, int64_t total,
-                                  int64_t max_len, const char* name, const char* total_name,
-                                  const char* max_name) {
+std::vector<int64_t> read_offsets(const int32_t* cu, int64_t batch, int64_t total, int64_t max_len,
+                                  const char* name, const char* total_name, const char* max_name) {
   std::vector<int64_t> off(static_cast<size_t>(batch + 1));
   for (int64_t b = 0; b <= batch; ++b) off[b] = cu[b];
   if (off[0] < 0 || off[0] > total) {
@@ -89,10 +88,11 @@ std::vector<Sequence> read_sequences(const BlockSparseAttnParams& p) {
           const int64_t id =
               p.block_table[b * p.block_table_stride[0] + page * p.block_table_stride[1]];
           if (id < 0 || id >= p.num_pages) {
-            broken("block_table: sequence {} needs page slot {} (keys {}..{}), which holds {}; "
-                   "expected a page id in [0, {})",
-                   b, page, page * p.page_size, std::min(len, (page + 1) * p.page_size) - 1, id,
-                   p.num_pages);
+            broken(
+                "block_table: sequence {} needs page slot {} (keys {}..{}), which holds {}; "
+                "expected a page id in [0, {})",
+                b, page, page * p.page_size, std::min(len, (page + 1) * p.page_size) - 1, id,
+                p.num_pages);
           }
         }
         seqs[b].k_len = len;
@@ -156,7 +156,8 @@ void reference_block_sparse_attention(const BlockSparseAttnParams& p) {
           const int64_t row = s.q_start + r;
           const int64_t qbase = b * p.q_stride[0] + row * p.q_stride[1] + h * p.q_stride[2];
           std::vector<double> q(static_cast<size_t>(D));
-          for (int64_t d = 0; d < D; ++d) q[d] = load_as_float(p.q, p.dtype, qbase + d * p.q_stride[3]);
+          for (int64_t d = 0; d < D; ++d)
+            q[d] = load_as_float(p.q, p.dtype, qbase + d * p.q_stride[3]);
 
           // Key blocks this row's head may read, then the causal limit inside them.
           const int64_t qblk = r / BS;
@@ -174,17 +175,21 @@ void reference_block_sparse_attention(const BlockSparseAttnParams& p) {
             return p.block_mask[b * p.mask_stride[0] + sparse_index[h] * p.mask_stride[1] +
                                 qblk * p.mask_stride[2] + j * p.mask_stride[3]] != 0;
           };
-          const int64_t key_end = p.causal ? std::clamp<int64_t>(offset + r + 1, 0, s.k_len)
-                                           : s.k_len;
+          const int64_t key_end =
+              p.causal ? std::clamp<int64_t>(offset + r + 1, 0, s.k_len) : s.k_len;
 
           std::vector<double> score;
           std::vector<int64_t> keys;
+          score.reserve(static_cast<size_t>(key_end));
+          keys.reserve(static_cast<size_t>(key_end));
           double max_score = -std::numeric_limits<double>::infinity();
           for (int64_t j = 0; j * BS < key_end; ++j) {
             if (!block_allowed(j)) continue;
             for (int64_t t = j * BS; t < std::min((j + 1) * BS, key_end); ++t) {
               double dot = 0.0;
-              for (int64_t d = 0; d < D; ++d) dot += q[d] * k[t * D + d];
+              const float* kt = &k[t * D];
+#pragma omp simd reduction(+ : dot)
+              for (int64_t d = 0; d < D; ++d) dot += q[d] * kt[d];
               score.push_back(dot * p.softmax_scale);
               keys.push_back(t);
               max_score = std::max(max_score, score.back());
@@ -195,10 +200,11 @@ void reference_block_sparse_attention(const BlockSparseAttnParams& p) {
           for (size_t i = 0; i < keys.size(); ++i) {
             const double w = std::exp(score[i] - max_score);
             denom += w;
-            for (int64_t d = 0; d < D; ++d) acc[d] += w * v[keys[i] * D + d];
+            const float* vt = &v[keys[i] * D];
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) acc[d] += w * vt[d];
           }
-          const int64_t obase =
-              b * p.out_stride[0] + row * p.out_stride[1] + h * p.out_stride[2];
+          const int64_t obase = b * p.out_stride[0] + row * p.out_stride[1] + h * p.out_stride[2];
           for (int64_t d = 0; d < D; ++d) {
             const double o = keys.empty() ? 0.0 : acc[d] / denom;
             store_from_float(p.out, p.dtype, obase + d * p.out_stride[3], static_cast<float>(o));

@@ -18,15 +18,17 @@ std::vector<float> load_rows(const void* base, DType dtype, const int64_t stride
   std::vector<float> out(static_cast<size_t>(rows * dim));
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t d = 0; d < dim; ++d) {
-      out[r * dim + d] = load_as_float(
-          base, dtype, b * stride[0] + h * stride[1] + r * stride[2] + d * stride[3]);
+      out[r * dim + d] =
+          load_as_float(base, dtype, b * stride[0] + h * stride[1] + r * stride[2] + d * stride[3]);
     }
   }
   return out;
 }
 
+// FP64 dot product; the simd reduction only reorders FP64 additions.
 double dot(const float* a, const float* b, int64_t n) {
   double s = 0.0;
+#pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += static_cast<double>(a[i]) * b[i];
   return s;
 }
@@ -38,17 +40,16 @@ void reference_xattn_estimate_sums(const XAttnEstimateParams& p) {
   const int64_t D = p.head_dim;
   const int64_t Lq = p.q_len;
   const int64_t Lk = p.k_len;
-  const int64_t offset = Lk - Lq;                 // position of query row 0
-  const int64_t q_groups = (Lq + S - 1) / S;      // partial last group: missing rows are zero
-  const int64_t k_groups = (Lk + S - 1) / S;      // partial last group: missing keys are zero
+  const int64_t offset = Lk - Lq;             // position of query row 0
+  const int64_t q_groups = (Lq + S - 1) / S;  // partial last group: missing rows are zero
+  const int64_t k_groups = (Lk + S - 1) / S;  // partial last group: missing keys are zero
   const int64_t groups_per_block = p.block_size / S;
 
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
   for (int64_t b = 0; b < p.batch; ++b) {
     for (int64_t h = 0; h < p.num_q_heads; ++h) {
       const std::vector<float> q = load_rows(p.q, p.dtype, p.q_stride, b, h, Lq, D);
-      const std::vector<float> k =
-          load_rows(p.k, p.dtype, p.k_stride, b, h / p.group, Lk, D);
+      const std::vector<float> k = load_rows(p.k, p.dtype, p.k_stride, b, h / p.group, Lk, D);
       std::vector<double> score(static_cast<size_t>(k_groups));
       std::vector<double> block_sum(static_cast<size_t>(p.k_blocks));
       for (int64_t qb = 0; qb < p.q_blocks; ++qb) {
@@ -82,8 +83,7 @@ void reference_xattn_estimate_sums(const XAttnEstimateParams& p) {
         }
         for (int64_t kb = 0; kb < p.k_blocks; ++kb) {
           p.attn_sums[b * p.sums_stride[0] + h * p.sums_stride[1] + qb * p.sums_stride[2] +
-                      kb * p.sums_stride[3]] =
-              static_cast<float>(block_sum[kb]);
+                      kb * p.sums_stride[3]] = static_cast<float>(block_sum[kb]);
         }
       }
     }
@@ -101,8 +101,8 @@ void reference_find_blocks(const BlockSelectParams& p) {
         const int64_t last_row = std::min((qb + 1) * p.block_size, p.q_len) - 1;
         const int64_t diagonal = (offset + last_row) / p.block_size;
         const int64_t eligible = p.causal ? diagonal + 1 : p.k_blocks;
-        const float* x = p.attn_sums + b * p.sums_stride[0] + h * p.sums_stride[1] +
-                         qb * p.sums_stride[2];
+        const float* x =
+            p.attn_sums + b * p.sums_stride[0] + h * p.sums_stride[1] + qb * p.sums_stride[2];
         auto value = [&](int64_t kb) { return static_cast<double>(x[kb * p.sums_stride[3]]); };
 
         std::vector<char> forced(static_cast<size_t>(p.k_blocks), 0);
@@ -137,8 +137,8 @@ void reference_find_blocks(const BlockSelectParams& p) {
             before += value(kb);
           }
         }
-        uint8_t* m = p.block_mask + b * p.mask_stride[0] + h * p.mask_stride[1] +
-                     qb * p.mask_stride[2];
+        uint8_t* m =
+            p.block_mask + b * p.mask_stride[0] + h * p.mask_stride[1] + qb * p.mask_stride[2];
         for (int64_t kb = 0; kb < p.k_blocks; ++kb) m[kb * p.mask_stride[3]] = keep[kb];
       }
     }

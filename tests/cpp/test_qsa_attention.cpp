@@ -14,6 +14,7 @@
 #include "sparse_attn/dtype.h"
 #include "sparse_attn/errors.h"
 #include "sparse_attn/qsa.h"
+#include "sparse_attn/qsa_select.h"
 #include "sparse_attn/tensor.h"
 #include "test_util.h"
 
@@ -566,6 +567,75 @@ TEST(SparseAttentionGate, EqualsUnfusedPathBitwise) {
       }
     }
   }
+}
+
+// The selection helpers feed attention: top-k over block scores, expansion with the tail of
+// the current block, then attention with and without the block hint. The expected output is
+// dense attention restricted to exactly the kept blocks' tokens plus the tail.
+TEST(SparseAttentionPipeline, TopkExpandThenAttentionMatchesRestrictedDense) {
+  auto rng = make_rng();
+  const int64_t Q = 8, Hq = 4, Hkv = 2, D = 32, S = 64, NB = S / 4, K = 5;
+  Tensor q = testing::random_tensor({1, Q, Hq, D}, DType::kBF16, rng);
+  Tensor k = testing::random_tensor({1, S, Hkv, D}, DType::kBF16, rng);
+  Tensor v = testing::random_tensor({1, S, Hkv, D}, DType::kBF16, rng);
+  const std::vector<int32_t> pos = {2, 3, 20, 33, 46, 59, 62, 63};  // every p % 4
+  Tensor positions = testing::int32_tensor({1, Q}, pos);
+  Tensor scores = testing::random_tensor({1, Q, NB}, DType::kF32, rng);
+  for (int64_t r = 0; r < Q; ++r) {
+    for (int64_t b = 0; b < NB; ++b) {
+      if (4 * b + 3 > pos[r]) set(scores, {0, r, b}, -kInf);
+    }
+  }
+  Tensor top = Tensor::empty({1, Q, K}, DType::kI32);
+  qsa_topk_blocks(scores, K, top);
+  Tensor tokens = Tensor::empty({1, Q, 4 * K + 3}, DType::kI32);
+  Tensor blocks = Tensor::empty({1, Q, K}, DType::kI32);
+  qsa_expand_blocks(top, positions, tokens, blocks.view());
+
+  SparseAttentionOptions o;
+  o.backend = Backend::kReference;
+  o.query_positions = positions.view();
+  Tensor out = Tensor::empty({1, Q, Hq, D}, DType::kBF16);
+  Tensor lse = Tensor::empty({1, Q, Hq}, DType::kF32);
+  poison(out);
+  qsa_sparse_attention(q, k, v, tokens.view(), out, lse.view(), o);
+  const std::vector<double> plain = to_vector(out), plain_lse = to_vector(lse);
+  o.block_indices = blocks.view();
+  poison(out);
+  qsa_sparse_attention(q, k, v, tokens.view(), out, lse.view(), o);
+  EXPECT_EQ(to_vector(out), plain);
+  EXPECT_EQ(to_vector(lse), plain_lse);
+
+  std::vector<double> eo;
+  for (int64_t r = 0; r < Q; ++r) {
+    std::vector<int64_t> sel;
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t b = static_cast<int64_t>(get(top, {0, r, j}));
+      if (b < 0) continue;
+      for (int64_t t = 4 * b; t < 4 * b + 4; ++t) sel.push_back(t);
+    }
+    for (int64_t t = 4 * ((pos[r] + 1) / 4); t <= pos[r]; ++t) sel.push_back(t);
+    for (int64_t h = 0; h < Hq; ++h) {
+      const int64_t g = h / (Hq / Hkv);
+      std::vector<double> sc;
+      for (int64_t t : sel) {
+        double acc = 0;
+        for (int64_t d = 0; d < D; ++d) acc += get(q, {0, r, h, d}) * get(k, {0, t, g, d});
+        sc.push_back(acc / std::sqrt(static_cast<double>(D)));
+      }
+      const double m = *std::max_element(sc.begin(), sc.end());
+      double l = 0;
+      for (double x : sc) l += std::exp(x - m);
+      for (int64_t d = 0; d < D; ++d) {
+        double acc = 0;
+        for (size_t j = 0; j < sel.size(); ++j) {
+          acc += std::exp(sc[j] - m) / l * get(v, {0, sel[j], g, d});
+        }
+        eo.push_back(acc);
+      }
+    }
+  }
+  EXPECT_TRUE(all_close(out, eo, 1e-2, 1e-2));
 }
 
 TEST(SparseAttentionScale, ExplicitScaleAndAlias) {

@@ -63,8 +63,8 @@ struct Varlen {
     cu_q = testing::int32_tensor({batch + 1}, cq);
     cu_k = testing::int32_tensor({batch + 1}, ck);
     sparse = std::count(heads.types.begin(), heads.types.end(), 1);
-    mask = Tensor::empty(block_sparse_attention_mask_shape(batch, sparse, max_q, max_k),
-                         DType::kBool);
+    mask =
+        Tensor::empty(block_sparse_attention_mask_shape(batch, sparse, max_q, max_k), DType::kBool);
     std::bernoulli_distribution coin(density);
     for (int64_t i = 0; i < mask.numel(); ++i) mask.data_as<uint8_t>()[i] = coin(rng);
     out = Tensor::empty(q.shape(), dtype);
@@ -85,9 +85,7 @@ struct Varlen {
     s.q = [this, q0](int64_t r, int64_t h, int64_t d) { return get(q, {q0 + r, h, d}); };
     s.k = [this, k0](int64_t t, int64_t h, int64_t d) { return get(k, {k0 + t, h, d}); };
     s.v = [this, k0](int64_t t, int64_t h, int64_t d) { return get(v, {k0 + t, h, d}); };
-    s.mask = [this, b](int64_t sh, int64_t i, int64_t j) {
-      return get(mask, {b, sh, i, j}) != 0;
-    };
+    s.mask = [this, b](int64_t sh, int64_t i, int64_t j) { return get(mask, {b, sh, i, j}) != 0; };
     return s;
   }
 
@@ -195,6 +193,28 @@ TEST(BlockSparseAttention, EmptyMaskRowsGiveZeroOutputAndMinusInfLse) {
   }
 }
 
+TEST(BlockSparseAttention, EmptySequencesAndRowsOutsideEverySequence) {
+  auto rng = make_rng();
+  // Sequence 1 has no queries, sequence 2 no keys (its rows see nothing), and the last 5 rows
+  // of q belong to no sequence: they are left untouched.
+  Varlen p({60, 0, 20}, {90, 40, 0}, {1, 0}, 1, 16, DType::kF32, rng);
+  Tensor q = random_tensor({85, 2, 16}, DType::kF32, rng);
+  for (int64_t r = 0; r < 80; ++r)
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t d = 0; d < 16; ++d) testing::set(q, {r, h, d}, get(p.q, {r, h, d}));
+  Tensor out = Tensor::empty({85, 2, 16}, DType::kF32);
+  Tensor lse = Tensor::empty({85, 2}, DType::kF32);
+  poison(out);
+  poison(lse);
+  block_sparse_attention(q, p.k, p.v, p.cu_q, p.cu_k, p.mask_arg(), p.max_q, p.max_k, out,
+                         lse.view(), p.options());
+  const auto [eo, el] = p.expected();
+  EXPECT_TRUE(all_close(out.view().narrow(0, 0, 80), eo, 1e-5, 1e-5));
+  EXPECT_TRUE(all_close(lse.view().narrow(0, 0, 80), el, 1e-5, 1e-6));
+  for (int64_t r = 60; r < 80; ++r) EXPECT_EQ(get(lse, {r, 1}), -kInf);
+  for (double x : to_vector(out.view().narrow(0, 80, 5))) EXPECT_TRUE(std::isnan(x));
+}
+
 TEST(BlockSparseAttention, StridedOutputAndTransposedLse) {
   auto rng = make_rng();
   Varlen p({140, 60}, {140, 200}, {1, 0, 1, 1}, 2, 16, DType::kBF16, rng);
@@ -297,9 +317,11 @@ XAttnPrefillOptions prefill_opts(double threshold) {
 
 // Expected prefill out [B, Hq, Lq, D] and lse [B, Hq, Lq] (row-major) for a given mask (all
 // heads block-sparse), or dense causal when mask is null.
-std::pair<std::vector<double>, std::vector<double>> expected_prefill(
-    const TensorView& q, const TensorView& k, const TensorView& v, const TensorView* mask,
-    bool causal) {
+std::pair<std::vector<double>, std::vector<double>> expected_prefill(const TensorView& q,
+                                                                     const TensorView& k,
+                                                                     const TensorView& v,
+                                                                     const TensorView* mask,
+                                                                     bool causal) {
   const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2), D = q.size(3);
   AttnHeads heads;
   heads.types.assign(Hq, mask ? 1 : 0);
@@ -342,6 +364,66 @@ TEST(XAttentionPrefill, ThresholdOneEqualsDenseCausalAttention) {
   const auto [eo, el] = expected_prefill(q, k, v, nullptr, true);
   EXPECT_TRUE(all_close(r.out, eo, 1e-5, 1e-5));
   EXPECT_TRUE(all_close(r.lse, el, 1e-5, 1e-6));
+}
+
+TEST(XAttentionPipeline, EstimateAtThresholdOneThenBlockSparseAttentionIsDenseCausal) {
+  auto rng = make_rng();
+  // [B, L, H, D] storage: seen as [B, H, L, D] by the estimate, as varlen [B * L, H, D] by BSA.
+  const int64_t B = 2, Lq = 200, Lk = 330, Hq = 4, Hkv = 1, D = 16;
+  Tensor qs = random_tensor({B, Lq, Hq, D}, DType::kF32, rng, -2.f, 2.f);
+  Tensor ks = random_tensor({B, Lk, Hkv, D}, DType::kF32, rng, -2.f, 2.f);
+  Tensor vs = random_tensor({B, Lk, Hkv, D}, DType::kF32, rng);
+  auto bhld = [](const Tensor& t) {
+    const Shape s = t.shape();
+    return t.view().as_strided({s[0], s[2], s[1], s[3]},
+                               {s[1] * s[2] * s[3], s[3], s[2] * s[3], 1});
+  };
+  XAttnEstimateOptions eo;
+  eo.backend = Backend::kReference;
+  eo.threshold = 1.0;
+  const Shape mshape = xattn_estimate_shape(bhld(qs), bhld(ks), eo);
+  ASSERT_EQ(mshape, block_sparse_attention_mask_shape(B, Hq, Lq, Lk));
+  Tensor sums = Tensor::empty(mshape, DType::kF32), mask = Tensor::empty(mshape, DType::kBool);
+  xattn_estimate(bhld(qs), bhld(ks), sums, mask, eo);
+
+  auto flat = [](const Tensor& t) {
+    const Shape s = t.shape();
+    return t.view().as_strided({s[0] * s[1], s[2], s[3]}, {s[2] * s[3], s[3], 1});
+  };
+  Tensor cu_q = testing::int32_tensor({3}, {0, Lq, 2 * Lq});
+  Tensor cu_k = testing::int32_tensor({3}, {0, Lk, 2 * Lk});
+  Tensor out = Tensor::empty({B * Lq, Hq, D}, DType::kF32);
+  Tensor lse = Tensor::empty({B * Lq, Hq}, DType::kF32);
+  poison(out);
+  poison(lse);
+  BlockSparseAttentionOptions ao;
+  ao.backend = Backend::kReference;
+  block_sparse_attention(flat(qs), flat(ks), flat(vs), cu_q, cu_k, mask.view(), Lq, Lk, out,
+                         lse.view(), ao);
+
+  // Dense causal attention, sequence by sequence, in the [B * L, H, D] row order.
+  std::vector<double> want_out, want_lse;
+  AttnHeads dense;
+  dense.types.assign(Hq, 0);
+  dense.num_kv_heads = Hkv;
+  dense.dim = D;
+  dense.scale = 1.0 / std::sqrt(double(D));
+  for (int64_t b = 0; b < B; ++b) {
+    AttnSequence s;
+    s.q_len = Lq;
+    s.k_len = Lk;
+    s.q = [&, b](int64_t r, int64_t h, int64_t d) { return get(qs, {b, r, h, d}); };
+    s.k = [&, b](int64_t t, int64_t h, int64_t d) { return get(ks, {b, t, h, d}); };
+    s.v = [&, b](int64_t t, int64_t h, int64_t d) { return get(vs, {b, t, h, d}); };
+    const auto rows = expected_attention(s, dense);
+    for (int64_t r = 0; r < Lq; ++r)
+      for (int64_t h = 0; h < Hq; ++h) {
+        want_out.insert(want_out.end(), rows[h][r].out.begin(), rows[h][r].out.end());
+        want_lse.push_back(rows[h][r].lse);
+      }
+  }
+  EXPECT_TRUE(all_close(out, want_out, 1e-5, 1e-5));
+  EXPECT_TRUE(all_close(lse, want_lse, 1e-5, 1e-6));
 }
 
 TEST(XAttentionPrefill, OutputFollowsTheEstimatedMask) {
@@ -392,8 +474,8 @@ TEST(XAttentionPrefill, ChunkedPrefillEqualsFullPrefillRows) {
   Tensor v = random_tensor({1, Hkv, L, D}, DType::kBF16, rng);
   const XAttnPrefillOptions o = prefill_opts(0.8);
   const Prefill full(q, k, v, o);
-  for (auto [start, end] : {std::pair<int64_t, int64_t>{0, 128}, {128, 384}, {384, 600},
-                            {512, 600}}) {
+  for (auto [start, end] :
+       {std::pair<int64_t, int64_t>{0, 128}, {128, 384}, {384, 600}, {512, 600}}) {
     SCOPED_TRACE("chunk [" + std::to_string(start) + ", " + std::to_string(end) + ")");
     const Prefill part(q.view().narrow(2, start, end - start), k.view().narrow(2, 0, end),
                        v.view().narrow(2, 0, end), o);

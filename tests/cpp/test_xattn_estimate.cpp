@@ -46,7 +46,8 @@ std::vector<double> expected_sums(const TensorView& q, const TensorView& k, int6
       for (int64_t g = 0; g < nq; ++g)
         for (int64_t t = 0; t < S; ++t)
           for (int64_t d = 0; d < D; ++d)
-            if (g * S + S - 1 - t < Lq) qr[(g * S + t) * D + d] = get(q, {b, h, g * S + S - 1 - t, d});
+            if (g * S + S - 1 - t < Lq)
+              qr[(g * S + t) * D + d] = get(q, {b, h, g * S + S - 1 - t, d});
       for (int64_t j = 0; j < nk; ++j)
         for (int64_t t = 0; t < S; ++t)
           for (int64_t d = 0; d < D; ++d)
@@ -60,8 +61,8 @@ std::vector<double> expected_sums(const TensorView& q, const TensorView& k, int6
         for (int64_t j = 0; j < nk; ++j) {
           double s = 0;
           for (int64_t e = 0; e < S * D; ++e) s += qr[g * S * D + e] * kr[j * S * D + e];
-          logits[j] = (causal && j * S > last_query_pos) ? -INFINITY
-                                                          : s / std::sqrt(double(D)) / S / norm;
+          logits[j] =
+              (causal && j * S > last_query_pos) ? -INFINITY : s / std::sqrt(double(D)) / S / norm;
           m = std::max(m, logits[j]);
         }
         double z = 0;
@@ -158,6 +159,7 @@ std::vector<EstimateCase> estimate_cases() {
       // Without the causal mask.
       {"noncausal_len300", 1, 2, 2, 300, 300, 16, 8, 256, false},
       {"noncausal_q77_k333", 1, 4, 2, 77, 333, 16, 4, 128, false},
+      {"noncausal_q300_k140_more_queries_than_keys", 1, 2, 1, 300, 140, 16, 8, 256, false},
   };
 }
 
@@ -210,8 +212,8 @@ TEST(XAttnEstimateChunked, ChunkAgainstEarlierKeysEqualsFullPrefillRows) {
   const Estimated full = run_estimate(q, k, o);
   // Chunks start on 128-token boundaries, end on one or at the prompt's end; chunk_size
   // differs from the chunk length on purpose (it never changes a result).
-  for (auto [start, end] : {std::pair<int64_t, int64_t>{0, 256}, {256, 384}, {384, 700},
-                            {128, 700}, {640, 700}}) {
+  for (auto [start, end] :
+       {std::pair<int64_t, int64_t>{0, 256}, {256, 384}, {384, 700}, {128, 700}, {640, 700}}) {
     SCOPED_TRACE("chunk [" + std::to_string(start) + ", " + std::to_string(end) + ")");
     TensorView qc = q.view().narrow(2, start, end - start);
     TensorView kc = k.view().narrow(2, 0, end);

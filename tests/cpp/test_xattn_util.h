@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "sparse_attn/errors.h"
-
 #include "sparse_attn/tensor.h"
 #include "test_util.h"
 
@@ -88,8 +87,8 @@ struct AttnSequence {
 
 // Which keys each head may read (docs/xattention.md, "Block-sparse attention").
 struct AttnHeads {
-  std::vector<int> types;          // per query head: -1, 0, 1
-  std::vector<int> streaming;      // 2 per query head (sink, local)
+  std::vector<int> types;      // per query head: -1, 0, 1
+  std::vector<int> streaming;  // 2 per query head (sink, local)
   int64_t num_kv_heads = 1;
   int64_t dim = 0;
   double scale = 0;
@@ -124,8 +123,8 @@ inline std::vector<std::vector<AttnRow>> expected_attention(const AttnSequence& 
           // The block of the query block's last visible key (causal), else the last block.
           const int64_t last_row = std::min(128 * i + 127, s.q_len - 1);
           const int64_t last_key = s.k_len - s.q_len + last_row;
-          const int64_t d = a.causal ? static_cast<int64_t>(std::floor(last_key / 128.0))
-                                     : kblocks - 1;
+          const int64_t d =
+              a.causal ? static_cast<int64_t>(std::floor(last_key / 128.0)) : kblocks - 1;
           ok = j < a.streaming[2 * h] || (j <= d && j > d - a.streaming[2 * h + 1]);
         }
         if (a.causal && t > s.k_len - s.q_len + r) ok = false;
@@ -166,8 +165,8 @@ void expect_error(F&& f, const std::string& argument) {
     ADD_FAILURE() << "no error; expected one naming " << argument;
   } catch (const E& e) {
     const std::string msg = e.what();
-    EXPECT_EQ(msg.rfind(argument + ":", 0), 0u) << "message does not start with '" << argument
-                                                 << ":': " << msg;
+    EXPECT_EQ(msg.rfind(argument + ":", 0), 0u)
+        << "message does not start with '" << argument << ":': " << msg;
     if constexpr (std::is_same_v<E, ValueError>) {
       EXPECT_EQ(dynamic_cast<const NotSupportedError*>(&e), nullptr)
           << "NotSupportedError where a ValueError was expected: " << msg;

@@ -85,6 +85,17 @@ TEST_F(EstimateArgs, QueryMayNotBeLongerThanKey) {
   expect_error<ValueError>([&] { run_with(q, k2, sums, mask); }, "query");
 }
 
+TEST_F(EstimateArgs, NonCausalAllowsMoreQueriesThanKeys) {
+  Tensor k2 = Tensor::empty({1, 2, 100, 16}, DType::kBF16);
+  std::fill_n(k2.data_as<uint16_t>(), k2.numel(), uint16_t{0});
+  Tensor s2 = Tensor::empty({1, 4, 2, 1}, DType::kF32);
+  Tensor m2 = Tensor::empty({1, 4, 2, 1}, DType::kBool);
+  o.causal = false;
+  EXPECT_NO_THROW(run_with(q, k2, s2, m2));
+  o.keep_recent = true;  // the diagonal needs the queries inside the key sequence
+  expect_error<ValueError>([&] { run_with(q, k2, s2, m2); }, "query");
+}
+
 TEST_F(EstimateArgs, QueryDataMustNotBeNull) {
   TensorView qn(nullptr, DType::kBF16, Device::cpu(), q.shape());
   expect_error<ValueError>([&] { run_with(qn, k, sums, mask); }, "query");
@@ -475,7 +486,7 @@ TEST_F(PagedArgs, PageSizeMustDivideOrBeAMultipleOf128) {
 
 TEST_F(PagedArgs, VCacheShapeMustMatchKCache) {
   Tensor v2 = Tensor::empty({7, 64, 2, 16}, DType::kBF16);
-  expect_error<ValueError>([&] { run_paged(kc, v2, table, seqlens); }, "v");
+  expect_error<ValueError>([&] { run_paged(kc, v2, table, seqlens); }, "v_cache");
 }
 
 TEST_F(PagedArgs, BlockTableNeedsOneRowPerSequence) {
@@ -551,8 +562,12 @@ TEST_F(PrefillArgs, LseShapeIsBatchHeadsRows) {
 }
 
 TEST_F(PrefillArgs, OutMustNotOverlapValue) {
-  TensorView o2(val.data(), DType::kBF16, Device::cpu(), {1, 4, 200, 16});
-  expect_error<ValueError>([&] { run_prefill(val, o2, lse); }, "out");
+  // value and out inside one buffer, overlapping each other only.
+  Tensor buf = Tensor::empty({1, 4, 400, 16}, DType::kBF16);
+  std::fill_n(buf.data_as<uint16_t>(), buf.numel(), uint16_t{0});
+  TensorView vv = buf.view().as_strided({1, 2, 300, 16}, {9600, 4800, 16, 1});
+  TensorView ov = buf.view().as_strided({1, 4, 200, 16}, {12800, 3200, 16, 1}, 1000);
+  expect_error<ValueError>([&] { run_prefill(vv, ov, lse); }, "out");
 }
 
 TEST_F(PrefillArgs, SoftmaxScaleMustBePositive) {

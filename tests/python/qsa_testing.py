@@ -179,13 +179,16 @@ def ref_attention_rows(q, ids, kv_of_row, positions, seq_lens_k, active, scale, 
 
 
 def expand_blocks(blocks, positions):
-    """The SPEC's expansion: each block b -> 4b..4b+3, then the tail 4*((p+1)//4) .. p; valid
-    ids to the front, -1 after; width 4 * nb + 3."""
+    """The SPEC's expansion: each kept block b (b >= 0 and 4b + 3 <= p) -> 4b..4b+3 in input
+    order, then the tail 4*((p+1)//4) .. p; valid ids to the front, -1 after; width
+    4 * nb + 3. Returns (token ids, kept block ids padded with -1)."""
     rows, nb = blocks.shape
-    out = torch.full((rows, 4 * nb + 3), -1, dtype=torch.int32)
+    tokens = torch.full((rows, 4 * nb + 3), -1, dtype=torch.int32)
+    kept = torch.full((rows, nb), -1, dtype=torch.int32)
     for r in range(rows):
-        ids = [4 * b + t for b in blocks[r].tolist() if b >= 0 for t in range(4)]
         p = int(positions[r])
-        ids += list(range(4 * ((p + 1) // 4), p + 1))
-        out[r, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
-    return out
+        ids = [b for b in blocks[r].tolist() if b >= 0 and 4 * b + 3 <= p]
+        kept[r, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        toks = [4 * b + t for b in ids for t in range(4)] + list(range(4 * ((p + 1) // 4), p + 1))
+        tokens[r, :len(toks)] = torch.tensor(toks, dtype=torch.int32)
+    return tokens, kept

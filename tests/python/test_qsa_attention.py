@@ -190,7 +190,7 @@ def test_block_indices_hint_gives_the_same_result(device):
     key, value = randn((1, S, 2, 32), dt, device), randn((1, S, 2, 32), dt, device)
     positions = torch.arange(S - Q, S, dtype=torch.int32)
     blocks = torch.stack([torch.randperm((int(p) + 1) // 4)[:nb] for p in positions]).int()
-    ids = expand_blocks(blocks, positions)
+    ids, _ = expand_blocks(blocks, positions)
     plain = sparse_attn.qsa_sparse_attention(query, key, value, ids[None].to(device),
                                              backend="reference")
     hinted = sparse_attn.qsa_sparse_attention(query, key, value, ids[None].to(device),

@@ -10,7 +10,9 @@ import torch
 import sparse_attn
 from qsa_testing import call_native_or_skip, needs_cuda, randn
 
-OPS = ["qsa_indexer_mqa_score", "qsa_mqa_prefill", "qsa_mqa_decode", "qsa_sparse_attention"]
+OPS = ["qsa_indexer_mqa_score", "qsa_mqa_prefill", "qsa_mqa_decode", "qsa_sparse_attention",
+       "qsa_topk_blocks", "qsa_expand_blocks", "xattn_estimate", "find_blocks_chunked",
+       "block_sparse_attention", "block_sparse_attention_paged", "xattention_prefill"]
 
 
 def decode_inputs(device, backend):
@@ -64,6 +66,38 @@ def test_opcheck_scores():
                           (q[0], k[0], starts, ends, out, None, 0.5, "reference"))
 
 
+def test_opcheck_selection_and_xattn():
+    scores = torch.randn(3, 20)
+    torch.library.opcheck(torch.ops.sparse_attn.qsa_topk_blocks.default,
+                          (scores, 4, torch.empty((3, 4), dtype=torch.int32)))
+    blocks = torch.randint(-1, 5, (3, 4), dtype=torch.int32)
+    positions = torch.tensor([3, 17, 25], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.sparse_attn.qsa_expand_blocks.default,
+                          (blocks, positions, torch.empty((3, 19), dtype=torch.int32),
+                           torch.empty((3, 4), dtype=torch.int32)))
+    q = randn((1, 2, 256, 32), torch.float32, "cpu")
+    sums = torch.empty((1, 2, 2, 2))
+    mask = torch.empty((1, 2, 2, 2), dtype=torch.bool)
+    torch.library.opcheck(torch.ops.sparse_attn.xattn_estimate.default,
+                          (q, q, sums, mask, 0.9, None, True, False, False, 128, 8, 1.0, 16384,
+                           "inverse", "reference"))
+    torch.library.opcheck(torch.ops.sparse_attn.xattention_prefill.default,
+                          (q, q, q, sums, mask, torch.empty_like(q), None, 0.0, [0.5, 0.9],
+                           True, True, False, 128, 8, 1.0, 16384, "inverse", None, "reference"))
+
+
+def test_compiled_xattention_matches_eager():
+    q = randn((1, 2, 256, 32), torch.float16, "cpu")
+
+    def fn(q, k, v):
+        return sparse_attn.Xattention_prefill(q, k, v, 8, backend="reference").float() + 1
+
+    expected = fn(q, q, q)
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, q, q)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def layer(query, key, value, ids, q_idx, cache, table, lens):
     # A decode step as a serving engine writes it: scores, then attention, then a gate-free
     # output projection stand-in; compiled as one graph.
@@ -107,7 +141,8 @@ def test_compiled_out_argument_is_written():
 def test_work_on_a_side_stream(backend):
     query, key, value, ids = attention_inputs("cuda")
     expected = call_native_or_skip(
-        lambda: sparse_attn.qsa_sparse_attention(query, key, value, ids, backend=backend),
+        lambda: sparse_attn.qsa_sparse_attention(query, key, value, ids, backend=backend,
+                                                 num_splits=1),
         backend)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -117,7 +152,8 @@ def test_work_on_a_side_stream(backend):
         late_value = torch.full_like(value, math.nan)
         torch.cuda._sleep(50_000_000)
         late_value.copy_(value)
-        out = sparse_attn.qsa_sparse_attention(query, key, late_value, ids, backend=backend)
+        out = sparse_attn.qsa_sparse_attention(query, key, late_value, ids, backend=backend,
+                                                num_splits=1)
     side.synchronize()
     assert torch.equal(out, expected)
 
@@ -126,7 +162,8 @@ def test_work_on_a_side_stream(backend):
 def test_cuda_graph_capture_and_replay():
     query, key, value, ids = attention_inputs("cuda")
     call_native_or_skip(
-        lambda: sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native"),
+        lambda: sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native",
+                                                 num_splits=1),
         "native")
     out = torch.empty_like(query)
     graph = torch.cuda.CUDAGraph()
@@ -134,10 +171,12 @@ def test_cuda_graph_capture_and_replay():
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):  # warm up outside capture
-            sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native", out=out)
+            sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native",
+                                             num_splits=1, out=out)
     torch.cuda.current_stream().wait_stream(side)
     with torch.cuda.graph(graph):
-        sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native", out=out)
+        sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native",
+                                         num_splits=1, out=out)
     # Replay consumes the current contents of the inputs.
     query.copy_(randn(query.shape, query.dtype, "cuda"))
     ids.copy_(torch.randint(-1, 32, ids.shape, dtype=torch.int32, device="cuda"))
@@ -152,11 +191,12 @@ def test_cuda_graph_capture_and_replay():
 def test_compiled_reduce_overhead_uses_cuda_graphs():
     query, key, value, ids = attention_inputs("cuda")
     call_native_or_skip(
-        lambda: sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native"),
+        lambda: sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native",
+                                                 num_splits=1),
         "native")
 
     def fn(q, k, v, i):
-        return sparse_attn.qsa_sparse_attention(q, k, v, i, backend="native") * 2
+        return sparse_attn.qsa_sparse_attention(q, k, v, i, backend="native", num_splits=1) * 2
 
     torch._dynamo.reset()
     compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
