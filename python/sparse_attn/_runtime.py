@@ -44,6 +44,13 @@ def require_tensor(obj, name):
     )
 
 
+def require_bool(value, name):
+    """TypeError unless value is a bool: flags that only Python reads (they choose what is
+    returned) get the check the binding gives the others."""
+    if value is not True and value is not False:
+        raise TypeError(f"{name}: expected a bool, got {describe(value)}")
+
+
 def empty(shape, like, name, dtype=None):
     """An uninitialised output of `shape` in the framework and on the device of `like`;
     dtype None means like's dtype, otherwise a name ("float32", "int32", "bool")."""
