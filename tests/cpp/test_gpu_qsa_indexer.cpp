@@ -279,6 +279,29 @@ TEST_P(GpuIndexer, ScoreVarlenTokenToReqCountsPositions) {
                              1.0 / std::sqrt(128.0)));
 }
 
+TEST(GpuIndexerScore, TokenToReqIdsSpreadPastOneHistogramPass) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = make_rng();
+  // Request ids spanning more than the kernel's 2048-id histogram, so that counting the
+  // positions of rows before a tile takes several passes.
+  const int64_t total = 300, NB = 6, B = 5000;
+  Tensor q = random_tensor({total, H, D}, DType::kBF16, rng);
+  Tensor k = random_tensor({B, NB, D}, DType::kBF16, rng);
+  const std::vector<int32_t> ids{0, 7, 2047, 2048, 2600, 4999};
+  std::vector<int32_t> t2r(total);
+  std::uniform_int_distribution<size_t> pick(0, ids.size() - 1);
+  for (auto& id : t2r) id = ids[pick(rng)];
+  Tensor dt2r = to_device(int32_tensor({total}, t2r));
+  IndexerScoreOptions o;
+  o.token_to_req = dt2r.view();
+  std::vector<ScoreRow> rows;
+  std::vector<int64_t> seen(B, 0);
+  for (int64_t i = 0; i < total; ++i) rows.push_back({i, t2r[i], seen[t2r[i]]++, true});
+  check_score(q, k, o,
+              score_expected(q, k, rows, NB, [&](int64_t r, int64_t b) { return r * NB + b; },
+                             1.0 / std::sqrt(128.0)));
+}
+
 class GpuScorePaged : public ::testing::TestWithParam<int64_t> {};
 
 TEST_P(GpuScorePaged, VarlenQueriesMissingAndOutOfRangePages) {
@@ -351,8 +374,9 @@ DecodeCase random_decode(DType dtype, int64_t B, int64_t page_size, int64_t page
   return c;
 }
 
-Tensor run_decode(const DecodeCase& c, const TensorView& dq, Backend backend) {
-  Tensor dk = to_device(c.cache), dt = to_device(c.table), dl = to_device(c.lens);
+Tensor run_decode(const DecodeCase& c, const TensorView& dq, const TensorView& dk,
+                  Backend backend) {
+  Tensor dt = to_device(c.table), dl = to_device(c.lens);
   MqaScoreOptions o;
   o.backend = backend;
   return run_native({c.q.shape()[0], c.max_model_len}, [&](const TensorView& out) {
@@ -369,9 +393,26 @@ TEST_P(GpuDecode, MasksContextMissingAndOutOfRangePages) {
   const int64_t max_pages = 600 / page_size + 1;
   // max_model_len cuts inside the page table; 5 requests, 40 pages.
   DecodeCase c = random_decode(dtype, 5, page_size, 40, max_pages, 557, rng);
-  Tensor dq = to_device(c.q);
-  expect_matches(run_decode(c, dq, Backend::kNative), decode_expected(c, 1.0 / std::sqrt(128.0)),
-                 run_decode(c, dq, Backend::kReference));
+  Tensor dq = to_device(c.q), dk = to_device(c.cache);
+  expect_matches(run_decode(c, dq, dk, Backend::kNative),
+                 decode_expected(c, 1.0 / std::sqrt(128.0)),
+                 run_decode(c, dq, dk, Backend::kReference));
+}
+
+TEST(GpuIndexerDecode, KeyCacheWithFeatureStrideTwoIsGathered) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = make_rng();
+  const int64_t pages = 10, page_size = 16;
+  DecodeCase c = random_decode(DType::kF16, 3, page_size, pages, 8, 130, rng);
+  // Every other feature of a wider cache: no 16-byte vector loads possible.
+  Tensor wide = random_tensor({pages, page_size, 1, 2 * D}, DType::kF16, rng);
+  const Shape strides{page_size * 2 * D, 2 * D, 2 * D, 2};
+  c.cache = Tensor::to_host(wide.view().as_strided({pages, page_size, 1, D}, strides));
+  Tensor dwide = to_device(wide), dq = to_device(c.q);
+  const TensorView dk = dwide.view().as_strided({pages, page_size, 1, D}, strides);
+  expect_matches(run_decode(c, dq, dk, Backend::kNative),
+                 decode_expected(c, 1.0 / std::sqrt(128.0)),
+                 run_decode(c, dq, dk, Backend::kReference));
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -394,9 +435,10 @@ TEST(GpuIndexerDecode, BroadcastQueryAndWidthPastThePageTable) {
     copy_into(c.q.view().select(0, b), q1.view().select(0, 0));
   Tensor dq1 = to_device(q1);
   const TensorView broadcast = dq1.view().as_strided({B, 1, H, D}, {0, 0, D, 1});
-  expect_matches(run_decode(c, broadcast, Backend::kNative),
+  Tensor dk = to_device(c.cache);
+  expect_matches(run_decode(c, broadcast, dk, Backend::kNative),
                  decode_expected(c, 1.0 / std::sqrt(128.0)),
-                 run_decode(c, broadcast, Backend::kReference));
+                 run_decode(c, broadcast, dk, Backend::kReference));
 }
 
 // ---------------------------------------------------------------------------------------

@@ -9,12 +9,14 @@
 // of m16n8k16; the M tile of head h holds the warp's 16 rows for that head, so the sum over
 // heads of ReLU is thread-local in the accumulator layout (no shuffles).
 //
-// Why mma.sync (CuTe's SM80 atom) and not wgmma: wgmma's M = 64 rows per warpgroup would
-// spread a row's 4 heads over 4 warps (head-major) or over 4 lanes (row-major), so the ReLU
-// head sum would need a shared-memory or shuffle reduction per output element, and Q as a
-// register A operand costs the same 128 registers. The output write (4 bytes per score,
-// -inf included) is the floor for the benchmark shapes, which mma.sync's rate keeps up with;
-// docs/perf-notes.md has the measured numbers.
+// Why mma.sync (CuTe's SM80 atom) and not wgmma: with mma.sync the head sum of ReLU is
+// thread-local; wgmma's M = 64 rows per warpgroup spreads a row's 4 heads over 4 warps
+// (head-major M) or 4 lanes (row-major M), so the sum needs shuffles or shared memory per
+// output element, and the first goal was a kernel that is exact on every form. Measured on
+// the H200 (docs/perf-notes.md) this version is latency-bound, not write-bound: the resident
+// Q fragments (128 registers a thread) cap an SM at 8 warps and the tensor pipe is busy a
+// third of the time (64K prefill at 40% of its floor). The next step is wgmma with Q and K
+// in shared memory (no Q registers, MMAs overlapping the previous tile's epilogue).
 //
 // Masking: only tiles that intersect a row interval are loaded and computed; everything else
 // is filled with -inf by plain vector stores. Rows of several requests in one CTA (varlen,
@@ -34,9 +36,9 @@
 
 namespace sparse_attn::cuda::indexer::rows {
 
-// 4 warps of ~250 registers let two CTAs share an SM, so one can stream -inf stores while
-// the other runs MMAs (with one 8-warp CTA per SM the two phases serialised: measured 2.42 ms
-// for the 64K prefill, docs/perf-notes.md).
+// 4-warp CTAs, two per SM: the same 8 warps an SM holds at ~250 registers as one 8-warp CTA,
+// in twice as many CTAs, which small prefills need (4K tokens: 52 -> 33 us measured); the
+// 64K prefill stayed at 2.4 - 2.5 ms (docs/perf-notes.md).
 inline constexpr int kWarps = 4;
 inline constexpr int kCtasPerSm = 2;
 inline constexpr int kThreads = kWarps * 32;
