@@ -229,16 +229,17 @@ __device__ inline void load_tile(const RowsProblem& p, SharedStorage& s, int sta
   }
 }
 
-// Writes the scores (or -inf) of one thread's two adjacent columns of one row.
-__device__ __forceinline__ void store_pair(const RowsProblem& p, float* row, int64_t col,
-                                           int64_t col1, float v0, float v1) {
-  float* dst = row + col * p.out_col_stride;
-  if (p.out_col_stride == 1 && col + 1 < col1 && (reinterpret_cast<uintptr_t>(dst) & 7) == 0) {
+// Writes the scores (or -inf) of one thread's two adjacent columns kc, kc + 1 of a tile.
+// `dst` points at column kc; `lim` is the number of the tile's columns inside the CTA's range;
+// `pairs`: unit column stride and an 8-byte aligned row (kc is even), so one float2 store.
+__device__ __forceinline__ void store_pair(float* dst, int64_t stride, bool pairs, int kc,
+                                           int lim, float v0, float v1) {
+  if (pairs && kc + 1 < lim) {
     *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
     return;
   }
-  if (col < col1) dst[0] = v0;
-  if (col + 1 < col1) dst[p.out_col_stride] = v1;
+  if (kc < lim) dst[0] = v0;
+  if (kc + 1 < lim) dst[stride] = v1;
 }
 
 template <typename T>
@@ -313,6 +314,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       whi = max(whi, __shfl_xor_sync(0xffffffffu, whi, m));
     }
     const bool warp_owns = __any_sync(0xffffffffu, own_a || own_b);
+    float* const row_a = out + s.out_off[ra];
+    float* const row_b = out + s.out_off[rb];
+    const int64_t cs = p.out_col_stride;
+    const bool pairs_a = cs == 1 && (reinterpret_cast<uintptr_t>(row_a) & 7) == 0;
+    const bool pairs_b = cs == 1 && (reinterpret_cast<uintptr_t>(row_b) & 7) == 0;
+    const bool paged = p.block_table != nullptr;  // only then can a key inside the range be missing
     if (lane == 0 && wlo < whi) {
       atomicMin(&s.union_lo, static_cast<unsigned long long>(wlo));
       atomicMax(&s.union_hi, static_cast<unsigned long long>(whi));
@@ -350,6 +357,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       if (!warp_owns) continue;
       // A warp whose rows see nothing of this tile writes -inf without computing.
       const bool compute = n0 < whi && wlo < n0 + kBlockKeys;
+      // Tile-relative 32-bit bounds keep the per-element masks cheap.
+      const auto rel = [&](int64_t x) { return int(std::clamp<int64_t>(x - n0, 0, kBlockKeys)); };
+      const int lim = rel(col1), la = rel(lo_a), ha = rel(hi_a), lb = rel(lo_b), hb = rel(hi_b);
+      float* const tile_a = row_a + n0 * cs;
+      float* const tile_b = row_b + n0 * cs;
 #pragma unroll
       for (int j = 0; j < kBlockKeys / 8; j += 2) {
         float acc[2][kHeads][4] = {};
@@ -373,24 +385,23 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 #pragma unroll
         for (int jj = 0; jj < 2; ++jj) {
           const int kc = 8 * (j + jj) + 2 * c;  // column within the tile
-          const int64_t col = n0 + kc;
           float v[4];
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            float sum = 0.f;
-#pragma unroll
-            for (int h = 0; h < kHeads; ++h) sum += relu(acc[jj][h][e]);
+            const float sum = (relu(acc[jj][0][e]) + relu(acc[jj][1][e])) +
+                              (relu(acc[jj][2][e]) + relu(acc[jj][3][e]));
             v[e] = p.scale * sum;
           }
-          const bool k0 = s.key_valid[stage][kc], k1 = s.key_valid[stage][kc + 1];
+          const bool k0 = !paged || s.key_valid[stage][kc];
+          const bool k1 = !paged || s.key_valid[stage][kc + 1];
           const float ninf = -INFINITY;
           if (own_a) {
-            const bool in0 = k0 && col >= lo_a && col < hi_a, in1 = k1 && col + 1 >= lo_a && col + 1 < hi_a;
-            store_pair(p, out + s.out_off[ra], col, col1, in0 ? v[0] : ninf, in1 ? v[1] : ninf);
+            const bool in0 = k0 && kc >= la && kc < ha, in1 = k1 && kc + 1 >= la && kc + 1 < ha;
+            store_pair(tile_a + kc * cs, cs, pairs_a, kc, lim, in0 ? v[0] : ninf, in1 ? v[1] : ninf);
           }
           if (own_b) {
-            const bool in0 = k0 && col >= lo_b && col < hi_b, in1 = k1 && col + 1 >= lo_b && col + 1 < hi_b;
-            store_pair(p, out + s.out_off[rb], col, col1, in0 ? v[2] : ninf, in1 ? v[3] : ninf);
+            const bool in0 = k0 && kc >= lb && kc < hb, in1 = k1 && kc + 1 >= lb && kc + 1 < hb;
+            store_pair(tile_b + kc * cs, cs, pairs_b, kc, lim, in0 ? v[2] : ninf, in1 ? v[3] : ninf);
           }
         }
       }
