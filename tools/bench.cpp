@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -38,7 +39,10 @@ double measure_bandwidth(Device dev) {
   double best = INFINITY;
   for (int i = 0; i < 4; ++i) {
     Stopwatch sw;
-    copy_into(b, a);
+    if (dev.is_cuda())
+      copy_into(b, a);
+    else
+      std::memcpy(b.data(), a.data(), static_cast<size_t>(n));
     synchronize(b);
     if (i > 0) best = std::min(best, sw.seconds());
   }
@@ -75,30 +79,37 @@ struct Prepared {
   double kept_fraction = 1.0;
 };
 
-// Token selections the way the pipeline makes them: indexer scores (reference on the host),
-// top-k, expansion; rows in chunks so the score matrix stays small.
+// Token selections the way the pipeline makes them: indexer scores, top-k, expansion (on the
+// run's device and backend); rows in chunks so the score matrix stays small. Host results.
 Tensor select_tokens(const Workload& w, int64_t k, const std::vector<int64_t>& positions_per_req,
-                     Tensor* blocks_out) {
+                     Tensor* blocks_out, Device dev, BackendPolicy& policy) {
   const int64_t B = w.options.batch, Lq = w.options.query_len, NB = w.index_key.shape()[1];
-  const int64_t width = 4 * k + 3, chunk = 1024;
+  const int64_t width = 4 * k + 3, chunk = dev.is_cuda() ? 4096 : 1024;
   Tensor tokens = Tensor::empty({B, Lq, width}, DType::kI32);
   Tensor blocks = Tensor::empty({B, Lq, k}, DType::kI32);
-  for (int64_t b = 0; b < B; ++b)
+  for (int64_t b = 0; b < B; ++b) {
+    const Tensor ki = to_device(Tensor::to_host(request(w.index_key, b)), dev);
     for (int64_t r0 = 0; r0 < Lq; r0 += chunk) {
       const int64_t n = std::min(chunk, Lq - r0);
       std::vector<int64_t> pos(positions_per_req.begin() + r0, positions_per_req.begin() + r0 + n);
-      const Tensor p = int32_row(pos);
-      const Tensor scores = Tensor::empty({1, n, NB}, DType::kF32);
-      IndexerScoreOptions io;
-      io.query_positions = p.view();
-      io.backend = Backend::kReference;
-      qsa_indexer_mqa_score(request(w.index_query, b).narrow(1, r0, n), request(w.index_key, b),
-                            scores, io);
-      const Tensor top = Tensor::empty({1, n, k}, DType::kI32);
+      const Tensor p = to_device(int32_row(pos), dev);
+      const Tensor qi = to_device(Tensor::to_host(request(w.index_query, b).narrow(1, r0, n)), dev);
+      const Tensor scores = Tensor::empty({1, n, NB}, DType::kF32, dev);
+      policy.run("qsa_indexer_mqa_score", [&](Backend be) {
+        IndexerScoreOptions io;
+        io.query_positions = p.view();
+        io.backend = be;
+        qsa_indexer_mqa_score(qi, ki, scores, io);
+      });
+      const Tensor top = Tensor::empty({1, n, k}, DType::kI32, dev);
       qsa_topk_blocks(scores, k, top);
-      qsa_expand_blocks(top, p, request(tokens, b).narrow(1, r0, n),
-                        request(blocks, b).narrow(1, r0, n));
+      const Tensor tok = Tensor::empty({1, n, width}, DType::kI32, dev);
+      const Tensor blk = Tensor::empty({1, n, k}, DType::kI32, dev);
+      qsa_expand_blocks(top, p, tok, blk.view());
+      copy_into(request(tokens, b).narrow(1, r0, n), tok);
+      copy_into(request(blocks, b).narrow(1, r0, n), blk);
     }
+  }
   if (blocks_out) *blocks_out = blocks;
   return tokens;
 }
@@ -157,7 +168,7 @@ Prepared prepare(const BenchCase& c, Device dev, BackendPolicy& policy) {
     }
     case BenchOp::kSparseDecode: {
       const int64_t ps = c.page_size, ppr = (T + ps - 1) / ps;
-      const Tensor tokens = select_tokens(w, c.topk, {T - 1}, nullptr);
+      const Tensor tokens = select_tokens(w, c.topk, {T - 1}, nullptr, dev, policy);
       Tensor kc = Tensor::empty({B * ppr, ps, Hkv, D}, wo.dtype);
       Tensor vc = Tensor::empty({B * ppr, ps, Hkv, D}, wo.dtype);
       std::memset(kc.data(), 0, kc.numel() * dtype_size(wo.dtype));
@@ -192,7 +203,7 @@ Prepared prepare(const BenchCase& c, Device dev, BackendPolicy& policy) {
       std::vector<int64_t> pos(static_cast<size_t>(Lq));
       std::iota(pos.begin(), pos.end(), T - Lq);
       Tensor blocks;
-      const Tensor tokens = select_tokens(w, c.topk, pos, &blocks);
+      const Tensor tokens = select_tokens(w, c.topk, pos, &blocks, dev, policy);
       const Tensor q = dv(w.query), k = dv(w.key), v = dv(w.value), tok = dv(tokens),
                    blk = dv(blocks);
       const Tensor out = dv(Tensor::empty(w.query.shape(), wo.dtype));
@@ -329,15 +340,25 @@ int run_bench(const BenchOptions& o) {
     json.open(o.json, std::ios::app);
     if (!json) throw ValueError(fmt::format("--json {}: cannot open for appending", o.json));
   }
+  // GPU-size cases run natively or not at all: the reference at those sizes takes hours.
+  BackendPolicy native_only(o.backend == "auto" ? "native" : o.backend, rd.device);
   for (const auto& c : run) {
-    Prepared p = prepare(c, rd.device, policy);
+    BackendPolicy& pol = gpu && c.gpu_size ? native_only : policy;
+    Prepared p;
+    try {
+      p = prepare(c, rd.device, pol);
+      if (gpu && c.gpu_size) pol.run(bench_op_name(c.op), p.call);
+    } catch (const NotSupportedError& e) {
+      std::printf("%-36s skipped: %s\n", c.name.c_str(), e.what());
+      continue;
+    }
     Backend used = Backend::kReference;
-    for (int64_t i = 0; i < o.warmup; ++i) used = policy.run(bench_op_name(c.op), p.call);
+    for (int64_t i = 0; i < o.warmup; ++i) used = pol.run(bench_op_name(c.op), p.call);
     std::vector<double> times;
     Progress progress(c.name, reps, "runs");
     for (int64_t i = 0; i < reps; ++i) {
       Stopwatch sw;
-      used = policy.run(bench_op_name(c.op), p.call);
+      used = pol.run(bench_op_name(c.op), p.call);
       synchronize(p.sync_on);
       times.push_back(sw.seconds());
       progress.update(i + 1);
@@ -347,7 +368,7 @@ int run_bench(const BenchOptions& o) {
     const double t = times[times.size() / 2];
     const BenchWork work = bench_work(c, p.kept_fraction);
     const double floor = std::max(work.flops / peak, work.bytes / bw);
-    std::printf("%-36s %-10s %12s %10.3f %10.3f %12s %9.1f%%\n", c.name.c_str(),
+    std::printf("%-36s %-10s %12s %10.4g %10.4g %12s %9.1f%%\n", c.name.c_str(),
                 backend_name(used), format_seconds(t).c_str(), work.flops / t / 1e12,
                 work.bytes / t / 1e12, format_seconds(floor).c_str(), 100 * floor / t);
     if (json) {

@@ -104,6 +104,19 @@ Backend BackendPolicy::run(const std::string& op_name, const std::function<void(
   }
 }
 
+bool BackendPolicy::native_supported(const std::string& op_name,
+                                     const std::function<void(Backend)>& op) {
+  if (flag_ == "reference" || !device_.is_cuda()) return false;
+  if (flag_ != "auto") return true;
+  try {
+    op(Backend::kNative);
+    return true;
+  } catch (const NotSupportedError& e) {
+    notes_.push_back(fmt::format("{}: native unavailable ({})", op_name, e.what()));
+    return false;
+  }
+}
+
 void synchronize(const TensorView& t) {
   if (!t.device().is_cuda() || t.numel() == 0) return;
   const int nd = t.dim();

@@ -28,6 +28,40 @@ struct SelectionMap {
   std::vector<double> kept, visible;
 };
 
+// Whether the indexer and sparse attention run natively for this geometry (probed on one
+// row): only then does the pipeline run every row; the reference at GPU sizes would take hours.
+bool native_pipeline(const Workload& w, Device dev, int64_t k, BackendPolicy& policy) {
+  const WorkloadOptions& o = w.options;
+  const std::vector<int64_t> row = {o.query_len - 1};
+  const Tensor pos = to_device(int32_row({o.seq_len - 1}), dev);
+  const Tensor qi = to_device(gather_rows(w.index_query, 0, row), dev);
+  const Tensor bkeys = to_device(Tensor::to_host(request(w.index_key, 0)), dev);
+  const Tensor scores = Tensor::empty({1, 1, bkeys.shape()[1]}, DType::kF32, dev);
+  const bool indexer = policy.native_supported("qsa_indexer_mqa_score", [&](Backend be) {
+    IndexerScoreOptions io;
+    io.query_positions = pos.view();
+    io.backend = be;
+    qsa_indexer_mqa_score(qi, bkeys, scores, io);
+  });
+  // A selection of the last 4k + 3 tokens is enough to probe the attention kernel.
+  const int64_t width = 4 * k + 3;
+  Tensor tok_h = Tensor::empty({1, 1, width}, DType::kI32);
+  for (int64_t j = 0; j < width; ++j)
+    tok_h.data_as<int32_t>()[j] = int32_t(std::max<int64_t>(-1, o.seq_len - 1 - j));
+  const Tensor tok = to_device(tok_h, dev);
+  const Tensor q = to_device(gather_rows(w.query, 0, row), dev);
+  const Tensor key = to_device(Tensor::to_host(request(w.key, 0)), dev);
+  const Tensor value = to_device(Tensor::to_host(request(w.value, 0)), dev);
+  const Tensor out = Tensor::empty({1, 1, o.num_q_heads, o.head_dim}, o.dtype, dev);
+  const bool attention = policy.native_supported("qsa_sparse_attention", [&](Backend be) {
+    SparseAttentionOptions so;
+    so.query_positions = pos.view();
+    so.backend = be;
+    qsa_sparse_attention(q, key, value, tok.view(), out, std::nullopt, so);
+  });
+  return indexer && attention;
+}
+
 }  // namespace
 
 MethodResult run_qsa_demo(const DemoOptions& opt, const Workload& w, const RunDevice& rd,
@@ -42,7 +76,8 @@ MethodResult run_qsa_demo(const DemoOptions& opt, const Workload& w, const RunDe
   const int64_t qoff = Lk - Lq;
   // Metrics on `eval` rows; the pipeline runs every row on a GPU, only the eval rows on the CPU.
   const std::vector<int64_t> eval = sample_rows(w, opt.rows >= 0 ? opt.rows : 64);
-  const std::vector<int64_t> rows = dev.is_cuda() ? sample_rows(w, 0) : eval;
+  const std::vector<int64_t> rows =
+      dev.is_cuda() && native_pipeline(w, dev, k, policy) ? sample_rows(w, 0) : eval;
   const int64_t R = static_cast<int64_t>(rows.size()), E = static_cast<int64_t>(eval.size());
   const bool all_rows = R == Lq;
   // Rows per call: small on the CPU so the progress line moves, large on a GPU.

@@ -41,6 +41,45 @@ Tensor pages_of(const TensorView& host, int64_t b) {
   return t;
 }
 
+// Whether estimation and block-sparse attention run natively for this geometry (probed on
+// the first query block): only then do whole-prompt calls run; the reference at GPU sizes
+// would take hours.
+bool native_pipeline(const Workload& w, Device dev, const DemoOptions& opt,
+                     BackendPolicy& policy) {
+  const WorkloadOptions& o = w.options;
+  const int64_t m = std::min(kBlock, o.query_len), Hq = o.num_q_heads, Hkv = o.num_kv_heads,
+                D = o.head_dim;
+  const int64_t end = o.seq_len - o.query_len + m;
+  const Tensor q = to_device(Tensor::to_host(request(w.query, 0).narrow(1, 0, m)), dev);
+  const Tensor k = to_device(Tensor::to_host(request(w.key, 0).narrow(1, 0, end)), dev);
+  const Tensor v = to_device(Tensor::to_host(request(w.value, 0).narrow(1, 0, end)), dev);
+  const int64_t kbs = (end + kBlock - 1) / kBlock;
+  const Tensor sums = Tensor::empty({1, Hq, 1, kbs}, DType::kF32, dev);
+  const Tensor mask = Tensor::empty({1, Hq, 1, kbs}, DType::kBool, dev);
+  const bool estimate = policy.native_supported("xattn_estimate", [&](Backend be) {
+    XAttnEstimateOptions e;
+    e.threshold = opt.threshold;
+    e.stride = opt.stride;
+    e.backend = be;
+    xattn_estimate(heads_first(q), heads_first(k), sums, mask, e);
+  });
+  const Tensor cu_q = to_device(int32_row({0, m}), dev), cu_k = to_device(int32_row({0, end}), dev);
+  const Tensor out = Tensor::empty({m, Hq, D}, o.dtype, dev);
+  const Tensor ones_h = Tensor::empty({1, Hq, 1, kbs}, DType::kBool);
+  std::memset(ones_h.data(), 1, static_cast<size_t>(ones_h.numel()));
+  const Tensor ones = to_device(ones_h, dev);
+  const bool attention = policy.native_supported("block_sparse_attention", [&](Backend be) {
+    BlockSparseAttentionOptions ao;
+    ao.backend = be;
+    block_sparse_attention(q.view().as_strided({m, Hq, D}, {Hq * D, D, 1}),
+                           k.view().as_strided({end, Hkv, D}, {Hkv * D, D, 1}),
+                           v.view().as_strided({end, Hkv, D}, {Hkv * D, D, 1}),
+                           cu_q.view().select(0, 0), cu_k.view().select(0, 0), ones.view(), m,
+                           end, out, std::nullopt, ao);
+  });
+  return estimate && attention;
+}
+
 }  // namespace
 
 MethodResult run_xattn_demo(const DemoOptions& opt, const Workload& w, const RunDevice& rd,
@@ -52,7 +91,8 @@ MethodResult run_xattn_demo(const DemoOptions& opt, const Workload& w, const Run
   const int64_t qb = (Lq + kBlock - 1) / kBlock, kb = (Lk + kBlock - 1) / kBlock;
   // Whole-prompt calls on a GPU, with --rows all, or when chunks could not start on a block
   // boundary of the prompt (then they would not reproduce its mask rows exactly).
-  const bool full = dev.is_cuda() || opt.rows == 0 || qoff % kBlock != 0;
+  const bool full = (dev.is_cuda() && native_pipeline(w, dev, opt, policy)) || opt.rows == 0 ||
+                    qoff % kBlock != 0;
 
   // Evaluated rows. Sampled mode: query blocks evenly spaced (ending with the last) plus each
   // needle's block, and in each a contiguous run of rows (the needle rows, else the last 8),

@@ -72,7 +72,7 @@ bool compare(const std::string& name, const TensorView& got_v, const TensorView&
               name.c_str(), shape_str(got.shape()).c_str(), dtype_name(got.dtype()), max_abs,
               static_cast<long long>(bad), static_cast<long long>(n), atol, rtol,
               static_cast<long long>(nonfinite_mismatch), bad == 0 ? "OK" : "MISMATCH");
-  for (size_t j = 0; j < k; ++j) {
+  for (size_t j = 0; j < k && worst[j].first > 0; ++j) {
     const int64_t i = worst[j].second;
     std::printf("      at %-22s %s %-12.6g reference %-12.6g (|diff| / tolerance %.3g)\n",
                 index_str(i, got.shape()).c_str(), backend, value_at(got, i), value_at(want, i),
