@@ -42,11 +42,11 @@ namespace sparse_attn::cuda::indexer::rows {
 inline constexpr int kWarps = 4;
 inline constexpr int kCtasPerSm = 2;
 inline constexpr int kThreads = kWarps * 32;
-inline constexpr int kRowsPerWarp = 16;                  // one m16 tile per head
+inline constexpr int kRowsPerWarp = 16;                   // one m16 tile per head
 inline constexpr int kBlockRows = kWarps * kRowsPerWarp;  // 64 query rows per CTA
-inline constexpr int kBlockKeys = 64;                    // keys per pipeline stage
-inline constexpr int kStages = 4;                        // cp.async stages in flight
-inline constexpr int kChunks = kDim * 2 / 16;            // 16-byte chunks per key (16)
+inline constexpr int kBlockKeys = 64;                     // keys per pipeline stage
+inline constexpr int kStages = 4;                         // cp.async stages in flight
+inline constexpr int kChunks = kDim * 2 / 16;             // 16-byte chunks per key (16)
 inline constexpr int kHistBins = 2048;  // request ids counted per pass (positions from ids)
 
 static_assert(kBlockRows <= kThreads, "one thread resolves one row of the tile");
@@ -115,7 +115,8 @@ __device__ inline void resolve_row(const RowsProblem& p, int64_t r, SharedStorag
         const int64_t b = r / p.q_len, i = r % p.q_len;
         q_off = b * p.q_batch_stride + i * p.q_row_stride;
         out_off = b * p.out_batch_stride + i * p.out_row_stride;
-        const bool valid = p.seq_lens_q == nullptr || i < ld_meta(p.seq_lens_q, b, p.seq_lens_q_stride);
+        const bool valid =
+            p.seq_lens_q == nullptr || i < ld_meta(p.seq_lens_q, b, p.seq_lens_q_stride);
         req = valid ? static_cast<int32_t>(b) : -1;
         pos = p.query_positions ? __ldg(p.query_positions + b * p.query_positions_batch_stride +
                                         i * p.query_positions_row_stride)
@@ -131,7 +132,10 @@ __device__ inline void resolve_row(const RowsProblem& p, int64_t r, SharedStorag
         int64_t a = 0, b = p.batch;  // invariant: answer in [a, b)
         while (b - a > 1) {
           const int64_t m = (a + b) / 2;
-          if (ld_meta(p.cu_seqlens_q, m, p.cu_seqlens_q_stride) <= r) a = m; else b = m;
+          if (ld_meta(p.cu_seqlens_q, m, p.cu_seqlens_q_stride) <= r)
+            a = m;
+          else
+            b = m;
         }
         const int64_t start = ld_meta(p.cu_seqlens_q, a, p.cu_seqlens_q_stride);
         const int64_t end = ld_meta(p.cu_seqlens_q, a + 1, p.cu_seqlens_q_stride);
@@ -221,7 +225,8 @@ __device__ inline void load_tile(const RowsProblem& p, SharedStorage& s, int sta
         const int64_t page = __ldg(p.block_table + req * p.block_table_batch_stride +
                                    (n / p.page_size) * p.block_table_page_stride);
         valid = page >= 0 && page < p.num_pages;
-        if (valid) src = k + page * p.k_batch_stride + (n % p.page_size) * p.k_row_stride + chunk * 8;
+        if (valid)
+          src = k + page * p.k_batch_stride + (n % p.page_size) * p.k_row_stride + chunk * 8;
       }
     }
     // Invalid keys are zero-filled (no global read) and marked, so they become -inf.
@@ -234,8 +239,8 @@ __device__ inline void load_tile(const RowsProblem& p, SharedStorage& s, int sta
 // Writes the scores (or -inf) of one thread's two adjacent columns kc, kc + 1 of a tile.
 // `dst` points at column kc; `lim` is the number of the tile's columns inside the CTA's range;
 // `pairs`: unit column stride and an 8-byte aligned row (kc is even), so one float2 store.
-__device__ __forceinline__ void store_pair(float* dst, int64_t stride, bool pairs, int kc,
-                                           int lim, float v0, float v1) {
+__device__ __forceinline__ void store_pair(float* dst, int64_t stride, bool pairs, int kc, int lim,
+                                           float v0, float v1) {
   if (pairs && kc + 1 < lim) {
     *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
     return;
@@ -262,7 +267,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   // --- rows of the tile: request, offsets, visible interval
   if (tid < kBlockRows) resolve_row(p, row0 + tid, s, tid);
   __syncthreads();
-  if (p.mode == RowMode::kVarlenTok && p.query_positions == nullptr) count_positions(p, row0, s, tid);
+  if (p.mode == RowMode::kVarlenTok && p.query_positions == nullptr)
+    count_positions(p, row0, s, tid);
 
   // --- Q fragments of the warp's rows ra = 16 warp + g and rb = ra + 8, all heads
   const int ra = warp * kRowsPerWarp + g, rb = ra + 8;
@@ -327,7 +333,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       atomicMax(&s.union_hi, static_cast<unsigned long long>(whi));
     }
     __syncthreads();
-    const int64_t ulo = std::max<int64_t>(col0, s.union_lo == ULLONG_MAX ? col1 : int64_t(s.union_lo));
+    const int64_t ulo =
+        std::max<int64_t>(col0, s.union_lo == ULLONG_MAX ? col1 : int64_t(s.union_lo));
     const int64_t uhi = std::min<int64_t>(col1, int64_t(s.union_hi));
     // Active tiles (aligned at col0) intersect [ulo, uhi); the rest of the range is -inf.
     const int64_t t0 = ulo < uhi ? (ulo - col0) / kBlockKeys : 0;
@@ -351,7 +358,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       cute::cp_async_wait<kStages - 2>();
       __syncthreads();
       const int64_t pre = t + kStages - 1;
-      if (pre < t1) load_tile(p, s, int((pre - t0) % kStages), col0 + pre * kBlockKeys, col1, cur, tid);
+      if (pre < t1)
+        load_tile(p, s, int((pre - t0) % kStages), col0 + pre * kBlockKeys, col1, cur, tid);
       cute::cp_async_fence();
 
       const int stage = int((t - t0) % kStages);
@@ -380,7 +388,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 #pragma unroll
             for (int jj = 0; jj < 2; ++jj)
 #pragma unroll
-              for (int h = 0; h < kHeads; ++h) mma_pair<T>(acc[jj][h], qa[h][pp], qb[h][pp], kf[jj]);
+              for (int h = 0; h < kHeads; ++h)
+                mma_pair<T>(acc[jj][h], qa[h][pp], qb[h][pp], kf[jj]);
           }
         }
         // score = scale * sum_h ReLU(S_h), -inf outside the row's interval or on a missing page
@@ -399,11 +408,13 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
           const float ninf = -INFINITY;
           if (own_a) {
             const bool in0 = k0 && kc >= la && kc < ha, in1 = k1 && kc + 1 >= la && kc + 1 < ha;
-            store_pair(tile_a + kc * cs, cs, pairs_a, kc, lim, in0 ? v[0] : ninf, in1 ? v[1] : ninf);
+            store_pair(tile_a + kc * cs, cs, pairs_a, kc, lim, in0 ? v[0] : ninf,
+                       in1 ? v[1] : ninf);
           }
           if (own_b) {
             const bool in0 = k0 && kc >= lb && kc < hb, in1 = k1 && kc + 1 >= lb && kc + 1 < hb;
-            store_pair(tile_b + kc * cs, cs, pairs_b, kc, lim, in0 ? v[2] : ninf, in1 ? v[3] : ninf);
+            store_pair(tile_b + kc * cs, cs, pairs_b, kc, lim, in0 ? v[2] : ninf,
+                       in1 ? v[3] : ninf);
           }
         }
       }
