@@ -5,7 +5,8 @@
 //   decode (qsa_mqa_decode): B = 1, 32, 128 requests of 8K..128K tokens (uniform), page
 //     sizes 16 and 64, max_model_len = 128K / 4. Floor: K read + output write (+ Q, page
 //     table) at the copy ceiling. Goal: >= 80% for B >= 32.
-// Usage: qsa_indexer_bench [results.csv]. Prints a table last.
+// Usage: qsa_indexer_bench [results.csv] [--only NAME]. Prints a table last. --only runs one
+// benchmark (for a profiler run); the ceilings are still measured first.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -31,7 +32,9 @@ struct Result {
   double tbps;    // achieved, counted bytes
   double floor_ms;
   std::string floor_kind;
-  double goal;  // 0: no goal
+  double goal;        // 0: no goal
+  double compute_ms;  // the two floors behind floor_ms
+  double memory_ms;
 };
 
 Tensor int32_device(const std::vector<int32_t>& v, const Shape& shape) {
@@ -67,10 +70,15 @@ Result bench_prefill(Timer& timer, const Ceilings& c, int64_t tokens) {
   const double compute_ms = kFlopPerScore * tile_scores / (c.gemm_tflops * 1e12) * 1e3;
   const double memory_ms = bytes / (c.copy_tbps * 1e12) * 1e3;
   const double s = t.median_ms * 1e-3;
-  return {fmt::format("prefill_{}k", tokens / 1024), t.median_ms,
-          kFlopPerScore * visible / s / 1e12, bytes / s / 1e12,
-          std::max(compute_ms, memory_ms), compute_ms > memory_ms ? "compute" : "write",
-          0.8};
+  return {fmt::format("prefill_{}k", tokens / 1024),
+          t.median_ms,
+          kFlopPerScore * visible / s / 1e12,
+          bytes / s / 1e12,
+          std::max(compute_ms, memory_ms),
+          compute_ms > memory_ms ? "compute" : "write",
+          0.8,
+          compute_ms,
+          memory_ms};
 }
 
 Result bench_decode(Timer& timer, const Ceilings& c, int64_t batch, int64_t page_size) {
@@ -102,17 +110,33 @@ Result bench_decode(Timer& timer, const Ceilings& c, int64_t batch, int64_t page
     qsa_mqa_decode(q, cache, dt, dl, max_model_len, out, o);
   });
   const double keys = std::accumulate(lens.begin(), lens.end(), 0.0);
-  const double bytes = 256.0 * keys + 4.0 * batch * max_model_len + 1024.0 * batch +
-                       4.0 * keys / page_size;
+  const double bytes =
+      256.0 * keys + 4.0 * batch * max_model_len + 1024.0 * batch + 4.0 * keys / page_size;
   const double s = t.median_ms * 1e-3;
-  return {fmt::format("decode_b{}_page{}", batch, page_size), t.median_ms,
-          kFlopPerScore * keys / s / 1e12, bytes / s / 1e12,
-          bytes / (c.copy_tbps * 1e12) * 1e3, "hbm", batch >= 32 ? 0.8 : 0.0};
+  const double memory_ms = bytes / (c.copy_tbps * 1e12) * 1e3;
+  return {fmt::format("decode_b{}_page{}", batch, page_size),
+          t.median_ms,
+          kFlopPerScore * keys / s / 1e12,
+          bytes / s / 1e12,
+          memory_ms,
+          "hbm",
+          batch >= 32 ? 0.8 : 0.0,
+          kFlopPerScore * keys / (c.gemm_tflops * 1e12) * 1e3,
+          memory_ms};
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::string csv_path, only;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--only" && i + 1 < argc) {
+      only = argv[++i];
+    } else {
+      csv_path = arg;
+    }
+  }
   cudaDeviceProp prop{};
   BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
   Timer timer;
@@ -123,21 +147,28 @@ int main(int argc, char** argv) {
              c.copy_tbps, c.gemm_tflops);
 
   std::vector<Result> results;
-  for (int64_t tokens : {4096, 16384, 65536}) results.push_back(bench_prefill(timer, c, tokens));
+  const auto wanted = [&](const std::string& name) { return only.empty() || only == name; };
+  for (int64_t tokens : {4096, 16384, 65536})
+    if (wanted(fmt::format("prefill_{}k", tokens / 1024)))
+      results.push_back(bench_prefill(timer, c, tokens));
   for (int64_t batch : {1, 32, 128})
-    for (int64_t page_size : {16, 64}) results.push_back(bench_decode(timer, c, batch, page_size));
+    for (int64_t page_size : {16, 64})
+      if (wanted(fmt::format("decode_b{}_page{}", batch, page_size)))
+        results.push_back(bench_decode(timer, c, batch, page_size));
 
-  if (argc > 1) {
-    std::FILE* f = std::fopen(argv[1], "w");
+  if (!csv_path.empty()) {
+    std::FILE* f = std::fopen(csv_path.c_str(), "w");
     if (f == nullptr) {
-      fmt::print(stderr, "cannot write {}\n", argv[1]);
+      fmt::print(stderr, "cannot write {}\n", csv_path);
       return 2;
     }
-    fmt::print(f, "name,ms,tflops,tbps,floor_ms,floor_kind,ratio,goal,copy_tbps,gemm_tflops\n");
+    fmt::print(f,
+               "name,ms,tflops,tbps,floor_ms,floor_kind,compute_floor_ms,memory_floor_ms,"
+               "ratio,goal,copy_tbps,gemm_tflops\n");
     for (const Result& r : results)
-      fmt::print(f, "{},{:.5f},{:.2f},{:.3f},{:.5f},{},{:.3f},{},{:.3f},{:.1f}\n", r.name, r.ms,
-                 r.tflops, r.tbps, r.floor_ms, r.floor_kind, r.floor_ms / r.ms, r.goal,
-                 c.copy_tbps, c.gemm_tflops);
+      fmt::print(f, "{},{:.5f},{:.2f},{:.3f},{:.5f},{},{:.5f},{:.5f},{:.3f},{},{:.3f},{:.1f}\n",
+                 r.name, r.ms, r.tflops, r.tbps, r.floor_ms, r.floor_kind, r.compute_ms,
+                 r.memory_ms, r.floor_ms / r.ms, r.goal, c.copy_tbps, c.gemm_tflops);
     std::fclose(f);
   }
   fmt::print("\n{:<20} {:>9} {:>8} {:>7} {:>9} {:>8} {:>6} {:>5}\n", "benchmark", "ms", "TFLOP/s",

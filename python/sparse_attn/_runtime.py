@@ -52,12 +52,14 @@ def require_bool(value, name):
 
 
 def empty(shape, like, name, dtype=None):
-    """An uninitialised output of `shape` in the framework and on the device of `like`;
-    dtype None means like's dtype, otherwise a name ("float32", "int32", "bool")."""
+    """An uninitialised contiguous output of `shape` in the framework and on the device of
+    `like`; dtype None means like's dtype, otherwise a name ("float32", "int32", "bool")."""
     if isinstance(like, _Tensor):
-        return torch.empty(
-            shape, dtype=like.dtype if dtype is None else _TORCH_DTYPES[dtype], device=like.device
-        )
+        # new_empty / empty_like skip torch.empty's device argument parsing (~0.4 us per
+        # call on the development machine); the outputs stay contiguous either way.
+        if dtype is None and shape == like.shape:
+            return torch.empty_like(like, memory_format=torch.contiguous_format)
+        return like.new_empty(shape, dtype=None if dtype is None else _TORCH_DTYPES[dtype])
     if numpy is not None and isinstance(like, numpy.ndarray):
         return numpy.empty(shape, dtype=like.dtype if dtype is None else dtype)
     namespace = getattr(like, "__array_namespace__", None)

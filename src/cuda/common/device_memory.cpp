@@ -54,6 +54,9 @@ struct HostMirror {
   }
 };
 
+// The copy itself: dense on both sides one cudaMemcpy, otherwise through host mirrors.
+void copy_synchronously(const TensorView& dst, const TensorView& src);
+
 }  // namespace
 
 std::shared_ptr<void> device_alloc(size_t bytes, Device device) {
@@ -67,12 +70,24 @@ std::shared_ptr<void> device_alloc(size_t bytes, Device device) {
 void device_copy(const TensorView& dst, const TensorView& src) {
   const Device device = dst.device().is_cuda() ? dst.device() : src.device();
   DeviceGuard guard(device);
+  // The caller's work may be on any stream, including non-blocking ones that the legacy
+  // stream of cudaMemcpy does not wait for, and a host-to-device cudaMemcpy may return before
+  // its DMA lands. Synchronising the device before and after makes the copy see all earlier
+  // work and be complete for all later work, whichever streams those use.
+  SPARSE_ATTN_CUDA_CHECK(cudaDeviceSynchronize());
+  copy_synchronously(dst, src);
+  SPARSE_ATTN_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+namespace {
+
+void copy_synchronously(const TensorView& dst, const TensorView& src) {
   // Dense on both sides: one copy. Strided: through host mirrors of the byte spans, which
   // keeps the bytes between a strided destination's elements as they were. Both are
   // synchronous, as the reference's staging needs.
   if (dst.is_contiguous() && src.is_contiguous()) {
-    SPARSE_ATTN_CUDA_CHECK(cudaMemcpy(dst.data(), src.data(), dst.numel() * dst.element_size(),
-                                      cudaMemcpyDefault));
+    SPARSE_ATTN_CUDA_CHECK(
+        cudaMemcpy(dst.data(), src.data(), dst.numel() * dst.element_size(), cudaMemcpyDefault));
     return;
   }
   std::optional<HostMirror> src_mirror;
@@ -89,5 +104,7 @@ void device_copy(const TensorView& dst, const TensorView& src) {
   copy_into(dst_mirror.view, host_src);
   dst_mirror.write_back();
 }
+
+}  // namespace
 
 }  // namespace sparse_attn::detail

@@ -7,9 +7,10 @@
 // tensor cores do the dot products at 50% column occupancy, far above what the bandwidth needs,
 // and no shared memory or synchronisation is involved.
 //
-// A CTA covers 256 columns of one request (8 warps x 32 keys, each warp's loads all issued
-// before its first MMA, so a CTA pays the page-table and key latencies once); columns past
+// A CTA covers 256 columns of one request (4 warps x 2 iterations x 32 keys); columns past
 // the context length (or on missing pages) are -inf, and a CTA wholly past it only fills.
+// This is the fastest of three versions measured on the H200 (docs/perf-notes.md): 8 warps x
+// 1 iteration, and a per-warp cp.async ring in shared memory, were both slower.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,10 +24,10 @@
 
 namespace sparse_attn::cuda::indexer::decode {
 
-inline constexpr int kWarps = 8;
+inline constexpr int kWarps = 4;
 inline constexpr int kThreads = kWarps * 32;
 inline constexpr int kTilesPerIter = 2;  // m16 key tiles loaded together (more bytes in flight)
-inline constexpr int kIters = 1;
+inline constexpr int kIters = 2;
 inline constexpr int kKeysPerWarp = 16 * kTilesPerIter * kIters;
 inline constexpr int kKeysPerCta = kWarps * kKeysPerWarp;  // 256
 
@@ -53,9 +54,9 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t c1 = min(c0 + kKeysPerCta, p.max_model_len);
   float* const out = p.out + b * p.out_batch_stride;
   // Columns >= limit are -inf: past the context, the output, or the page table.
-  const int64_t limit = min(std::min<int64_t>(__ldg(p.context_lens + b * p.context_lens_stride),
-                                         p.max_model_len),
-                            p.max_pages << p.page_size_log2);
+  const int64_t limit =
+      min(std::min<int64_t>(__ldg(p.context_lens + b * p.context_lens_stride), p.max_model_len),
+          p.max_pages << p.page_size_log2);
   if (c0 >= limit) {
     for (int64_t i = c0 + tid; i < c1; i += kThreads) out[i * p.out_col_stride] = -INFINITY;
     return;
@@ -86,8 +87,7 @@ __global__ void __launch_bounds__(kThreads)
         bool ok = n < limit;
         const uint16_t* row = k;
         if (ok) {
-          const int64_t page =
-              __ldg(pages + (n >> p.page_size_log2) * p.page_table_page_stride);
+          const int64_t page = __ldg(pages + (n >> p.page_size_log2) * p.page_table_page_stride);
           ok = page >= 0 && page < p.num_pages;
           row = k + page * p.k_page_stride + (n & slot_mask) * p.k_slot_stride;
         }
