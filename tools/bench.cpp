@@ -6,8 +6,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -34,7 +34,8 @@ TensorView heads_first(const TensorView& t) {
 // Memory ceiling: the best of three copies of a large buffer (bytes read + written / time).
 double measure_bandwidth(Device dev) {
   const int64_t n = dev.is_cuda() ? (int64_t(1) << 28) : (int64_t(1) << 26);  // bytes
-  const Tensor a = Tensor::empty({n / 4}, DType::kF32, dev), b = Tensor::empty({n / 4}, DType::kF32, dev);
+  const Tensor a = Tensor::empty({n / 4}, DType::kF32, dev),
+               b = Tensor::empty({n / 4}, DType::kF32, dev);
   if (!dev.is_cuda()) std::memset(a.data(), 1, static_cast<size_t>(n));
   double best = INFINITY;
   for (int i = 0; i < 4; ++i) {
@@ -222,7 +223,8 @@ Prepared prepare(const BenchCase& c, Device dev, BackendPolicy& policy) {
       const Tensor q = dv(w.query), k = dv(w.key), v = dv(w.value);
       XAttnEstimateOptions eo;
       const Shape ms = xattn_estimate_shape(heads_first(q), heads_first(k), eo);
-      const Tensor sums = dv(Tensor::empty(ms, DType::kF32)), mask = dv(Tensor::empty(ms, DType::kBool));
+      const Tensor sums = dv(Tensor::empty(ms, DType::kF32)),
+                   mask = dv(Tensor::empty(ms, DType::kBool));
       auto estimate = [=](Backend be) {
         XAttnEstimateOptions e;
         e.backend = be;
@@ -285,16 +287,21 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
       ->capture_default_str();
   b->add_option("--json", o.json, "append one JSON object per case to this file");
   b->add_option("--warmup", o.warmup, "untimed runs per case")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
-  b->add_option("--reps", o.reps, "timed runs per case (the median is reported); 0: 10 on a GPU, "
-                                  "1 on the CPU")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  b->add_option("--reps", o.reps,
+                "timed runs per case (the median is reported); 0: 10 on a GPU, "
+                "1 on the CPU")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   b->add_option("--peak-tflops", o.peak_tflops,
                 "compute ceiling for the floor; 0: measured on the CPU, the H100/H200 SXM "
                 "BF16 dense spec (989 TFLOP/s) on a GPU")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   b->add_option("--peak-tbs", o.peak_tbs, "memory ceiling in TB/s; 0: measured (a large copy)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   return b;
 }
 
@@ -312,8 +319,8 @@ int run_bench(const BenchOptions& o) {
   for (const auto& c : cases)
     if (selected(c, o.cases, gpu)) run.push_back(c);
   if (run.empty())
-    throw ValueError(fmt::format("--cases: '{}' matches no case (--cases list shows them)",
-                                 o.cases));
+    throw ValueError(
+        fmt::format("--cases: '{}' matches no case (--cases list shows them)", o.cases));
   BackendPolicy policy(o.backend, rd.device);
   const int64_t reps = o.reps > 0 ? o.reps : (gpu ? 10 : 1);
 
@@ -328,10 +335,11 @@ int run_bench(const BenchOptions& o) {
     peak = measure_cpu_flops();
     peak_src = fmt::format("measured: FP32 multiply-add loop on {} threads", omp_get_max_threads());
   }
-  std::printf("sparse-attn bench on %s; ceilings: %.3g TB/s (%s), %.3g TFLOP/s (%s); median of "
-              "%lld runs after %lld warm-up\n",
-              rd.why.c_str(), bw / 1e12, bw_src.c_str(), peak / 1e12, peak_src.c_str(),
-              static_cast<long long>(reps), static_cast<long long>(o.warmup));
+  std::printf(
+      "sparse-attn bench on %s; ceilings: %.3g TB/s (%s), %.3g TFLOP/s (%s); median of "
+      "%lld runs after %lld warm-up\n",
+      rd.why.c_str(), bw / 1e12, bw_src.c_str(), peak / 1e12, peak_src.c_str(),
+      static_cast<long long>(reps), static_cast<long long>(o.warmup));
   std::printf("%-36s %-10s %12s %10s %10s %12s %10s\n", "case", "backend", "time", "TFLOP/s",
               "TB/s", "floor", "floor/time");
 
@@ -368,17 +376,24 @@ int run_bench(const BenchOptions& o) {
     const double t = times[times.size() / 2];
     const BenchWork work = bench_work(c, p.kept_fraction);
     const double floor = std::max(work.flops / peak, work.bytes / bw);
-    std::printf("%-36s %-10s %12s %10.4g %10.4g %12s %9.1f%%\n", c.name.c_str(),
-                backend_name(used), format_seconds(t).c_str(), work.flops / t / 1e12,
-                work.bytes / t / 1e12, format_seconds(floor).c_str(), 100 * floor / t);
+    std::printf("%-36s %-10s %12s %10.4g %10.4g %12s %9.1f%%\n", c.name.c_str(), backend_name(used),
+                format_seconds(t).c_str(), work.flops / t / 1e12, work.bytes / t / 1e12,
+                format_seconds(floor).c_str(), 100 * floor / t);
     if (json) {
-      nlohmann::json j = {{"case", c.name},           {"op", bench_op_name(c.op)},
-                          {"device", rd.device.str()}, {"backend", backend_name(used)},
-                          {"time_s", t},              {"times_s", times},
-                          {"flops", work.flops},      {"bytes", work.bytes},
-                          {"tflops", work.flops / t / 1e12}, {"tbs", work.bytes / t / 1e12},
-                          {"floor_s", floor},         {"floor_over_time", floor / t},
-                          {"peak_tflops", peak / 1e12}, {"peak_tbs", bw / 1e12},
+      nlohmann::json j = {{"case", c.name},
+                          {"op", bench_op_name(c.op)},
+                          {"device", rd.device.str()},
+                          {"backend", backend_name(used)},
+                          {"time_s", t},
+                          {"times_s", times},
+                          {"flops", work.flops},
+                          {"bytes", work.bytes},
+                          {"tflops", work.flops / t / 1e12},
+                          {"tbs", work.bytes / t / 1e12},
+                          {"floor_s", floor},
+                          {"floor_over_time", floor / t},
+                          {"peak_tflops", peak / 1e12},
+                          {"peak_tbs", bw / 1e12},
                           {"kept_fraction", p.kept_fraction}};
       json << j.dump() << '\n';
     }

@@ -2,7 +2,6 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
-
 #include <string>
 
 #include "sparse_attn/workload.h"
@@ -22,9 +21,9 @@ CLI::App* add_verify_command(CLI::App& app, VerifyOptions& options);
 int run_verify(const VerifyOptions& options);
 
 struct BenchOptions {
-  std::string cases = "default";  // comma-separated names or prefixes; "list" lists them
-  std::string json = "";          // JSON lines output file
-  int64_t warmup = 1, reps = 0;   // reps 0: 10 on a GPU, 1 on the CPU
+  std::string cases = "default";         // comma-separated names or prefixes; "list" lists them
+  std::string json = "";                 // JSON lines output file
+  int64_t warmup = 1, reps = 0;          // reps 0: 10 on a GPU, 1 on the CPU
   double peak_tflops = 0, peak_tbs = 0;  // 0: measure (bandwidth) / measure or spec (compute)
   std::string device = "auto", backend = "auto";
 };

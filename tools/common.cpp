@@ -70,9 +70,10 @@ RunDevice choose_device(const std::string& spec) {
     throw ValueError(fmt::format("--device: expected auto, cpu, cuda or cuda:N, got '{}'", spec));
   }
   if (!cuda_usable(index))
-    throw ValueError(fmt::format("--device {}: no usable GPU (a CPU-only build, or no such "
-                                 "device); use --device cpu or auto",
-                                 spec));
+    throw ValueError(
+        fmt::format("--device {}: no usable GPU (a CPU-only build, or no such "
+                    "device); use --device cpu or auto",
+                    spec));
   return {Device::cuda(index), fmt::format("cuda:{} (--device {})", index, spec)};
 }
 
@@ -96,8 +97,8 @@ Backend BackendPolicy::run(const std::string& op_name, const std::function<void(
     op(Backend::kNative);
     return Backend::kNative;
   } catch (const NotSupportedError& e) {
-    const std::string note = fmt::format("{}: native unavailable ({}); used the reference", op_name,
-                                         e.what());
+    const std::string note =
+        fmt::format("{}: native unavailable ({}); used the reference", op_name, e.what());
     if (std::find(notes_.begin(), notes_.end(), note) == notes_.end()) notes_.push_back(note);
     op(Backend::kReference);
     return Backend::kReference;
@@ -136,10 +137,9 @@ void Progress::update(int64_t done) {
   last_print_ = t;
   shown_ = true;
   const double left = t / double(done) * double(total_ - done);
-  std::fprintf(stderr, "%s%s: %lld/%lld %s, %s, about %s left%s", tty ? "\r" : "",
-               what_.c_str(), static_cast<long long>(done), static_cast<long long>(total_),
-               unit_.c_str(), format_seconds(t).c_str(), format_seconds(left).c_str(),
-               tty ? "   " : "\n");
+  std::fprintf(stderr, "%s%s: %lld/%lld %s, %s, about %s left%s", tty ? "\r" : "", what_.c_str(),
+               static_cast<long long>(done), static_cast<long long>(total_), unit_.c_str(),
+               format_seconds(t).c_str(), format_seconds(left).c_str(), tty ? "   " : "\n");
   std::fflush(stderr);
 }
 

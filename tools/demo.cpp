@@ -62,8 +62,10 @@ int run_demo(const DemoOptions& opt) {
   BackendPolicy policy(opt.backend, rd.device);
   const bool from_files = !opt.files.query.empty();
   std::vector<std::string> methods;
-  if (opt.method == "all") methods = {"qsa", "xattn"};
-  else methods = {opt.method};
+  if (opt.method == "all")
+    methods = {"qsa", "xattn"};
+  else
+    methods = {opt.method};
   if (from_files && opt.method == "all")
     methods = opt.files.index_query.empty() ? std::vector<std::string>{"xattn"}
                                             : std::vector<std::string>{"qsa", "xattn"};
@@ -81,14 +83,14 @@ int run_demo(const DemoOptions& opt) {
     } else {
       w = make_workload(geometry(opt, m, rd.device));
       const auto& o = w.options;
-      std::printf("\n[%s] %s workload, seed %llu: batch %lld, %s keys, %s query rows, %s, "
-                  "%lld sinks, %lld needles (generated in %s)\n",
-                  m.c_str(), workload_mode_name(o.mode),
-                  static_cast<unsigned long long>(o.seed), static_cast<long long>(o.batch),
-                  format_size(o.seq_len).c_str(), format_size(o.query_len).c_str(),
-                  dtype_name(o.dtype),
-                  static_cast<long long>(o.mode == WorkloadMode::kStructured ? o.num_sinks : 0),
-                  static_cast<long long>(w.needles.size()), format_seconds(sw.seconds()).c_str());
+      std::printf(
+          "\n[%s] %s workload, seed %llu: batch %lld, %s keys, %s query rows, %s, "
+          "%lld sinks, %lld needles (generated in %s)\n",
+          m.c_str(), workload_mode_name(o.mode), static_cast<unsigned long long>(o.seed),
+          static_cast<long long>(o.batch), format_size(o.seq_len).c_str(),
+          format_size(o.query_len).c_str(), dtype_name(o.dtype),
+          static_cast<long long>(o.mode == WorkloadMode::kStructured ? o.num_sinks : 0),
+          static_cast<long long>(w.needles.size()), format_seconds(sw.seconds()).c_str());
     }
     DemoOptions mo = opt;
     if (!opt.plot.empty() && methods.size() > 1) mo.plot = plot_path_for(opt.plot, m);
@@ -105,8 +107,8 @@ int run_demo(const DemoOptions& opt) {
       std::printf("saved the workload's tensors to %s (%s:q, :k, :v%s)\n", path.c_str(),
                   path.c_str(), w.options.indexer_heads > 0 ? ", :index_q, :index_k" : "");
     }
-    const MethodResult r = m == "qsa" ? run_qsa_demo(mo, w, rd, policy)
-                                      : run_xattn_demo(mo, w, rd, policy);
+    const MethodResult r =
+        m == "qsa" ? run_qsa_demo(mo, w, rd, policy) : run_xattn_demo(mo, w, rd, policy);
     print_result(r);
   }
   for (const auto& n : policy.notes()) std::printf("note: %s\n", n.c_str());

@@ -19,14 +19,14 @@ struct DemoOptions {
   int64_t seq_len = 0;         // 0: 32k on a GPU, 8k on the CPU
   int64_t rows = -1;           // query rows evaluated: -1 auto (all on a GPU, 64 on the CPU)
   std::string device = "auto", backend = "auto";
-  int64_t topk = 512;          // QSA blocks per row
-  double threshold = 0.9;      // XAttention
-  int64_t stride = 8;          // XAttention
-  int64_t xattn_blocks = -1;   // XAttention query blocks evaluated on the CPU: -1 auto
-  std::string plot;            // PNG path, "" for none
-  std::string save_workload;   // safetensors path for the generated tensors, "" for none
-  bool keep_sink = false;      // XAttention: always keep key block 0
-  WorkloadFiles files;         // users' tensors instead of a generated workload
+  int64_t topk = 512;         // QSA blocks per row
+  double threshold = 0.9;     // XAttention
+  int64_t stride = 8;         // XAttention
+  int64_t xattn_blocks = -1;  // XAttention query blocks evaluated on the CPU: -1 auto
+  std::string plot;           // PNG path, "" for none
+  std::string save_workload;  // safetensors path for the generated tensors, "" for none
+  bool keep_sink = false;     // XAttention: always keep key block 0
+  WorkloadFiles files;        // users' tensors instead of a generated workload
 };
 
 // What one method measured.
@@ -36,9 +36,9 @@ struct MethodResult {
   std::string scope;           // which rows the times cover
   int64_t rows_evaluated = 0;  // rows the metrics cover
   int64_t rows_total = 0;
-  double density = 0;          // selected / visible tokens
-  double recall = 0;           // dense softmax mass on the selected tokens, mean over row-heads
-  double rel_error = 0;        // ||out - dense|| / ||dense|| over the evaluated rows
+  double density = 0;    // selected / visible tokens
+  double recall = 0;     // dense softmax mass on the selected tokens, mean over row-heads
+  double rel_error = 0;  // ||out - dense|| / ||dense|| over the evaluated rows
   int64_t needle_hits = 0, needle_total = 0;
   std::vector<std::pair<std::string, double>> stages;  // seconds, with the backend in the name
   double dense_seconds = 0;

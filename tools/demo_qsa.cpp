@@ -18,8 +18,10 @@ namespace {
 // Heatmap accumulators: kept and visible token counts per (row bin, key bin).
 struct SelectionMap {
   SelectionMap(int64_t rows, int64_t keys)
-      : row_bins(std::min<int64_t>(rows, 200)), key_bins(std::min<int64_t>(keys, 400)),
-        rows_(rows), keys_(keys),
+      : row_bins(std::min<int64_t>(rows, 200)),
+        key_bins(std::min<int64_t>(keys, 400)),
+        rows_(rows),
+        keys_(keys),
         kept(static_cast<size_t>(row_bins * key_bins), 0.0),
         visible(static_cast<size_t>(row_bins * key_bins), 0.0) {}
   int64_t row_bin(int64_t i) const { return i * row_bins / rows_; }
@@ -85,9 +87,8 @@ MethodResult run_qsa_demo(const DemoOptions& opt, const Workload& w, const RunDe
 
   MethodResult res;
   res.method = "QSA";
-  res.geometry = fmt::format("{}/{}/{}, indexer {}x{}, top-{} blocks, {} keys", Hq,
-                             o.num_kv_heads, D, o.indexer_heads, o.indexer_dim, k,
-                             format_size(Lk));
+  res.geometry = fmt::format("{}/{}/{}, indexer {}x{}, top-{} blocks, {} keys", Hq, o.num_kv_heads,
+                             D, o.indexer_heads, o.indexer_dim, k, format_size(Lk));
   res.rows_total = Lq * o.batch;
   res.scope = all_rows ? fmt::format("all {} query rows", format_size(Lq * o.batch))
                        : fmt::format("the {} evaluated query rows only", R * o.batch);
@@ -226,11 +227,10 @@ MethodResult run_qsa_demo(const DemoOptions& opt, const Workload& w, const RunDe
         hm.marks.push_back({map.row_bin(r), map.key_bin(nd.key_pos), map.kept[cell] > 0});
       }
     }
-    hm.header = {
-        "QSA: tokens kept per query row",
-        res.geometry + (all_rows ? ", all rows" : fmt::format(", {} sampled rows", R)),
-        "blue: fraction of the key bin kept   grey: visible, dropped   white: future",
-        "rings: needles (green kept, red missed); ticks: needle keys"};
+    hm.header = {"QSA: tokens kept per query row",
+                 res.geometry + (all_rows ? ", all rows" : fmt::format(", {} sampled rows", R)),
+                 "blue: fraction of the key bin kept   grey: visible, dropped   white: future",
+                 "rings: needles (green kept, red missed); ticks: needle keys"};
     hm.x_label = "key position";
     hm.y_label = "query";
     hm.x_first = "0";

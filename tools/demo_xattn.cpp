@@ -44,8 +44,7 @@ Tensor pages_of(const TensorView& host, int64_t b) {
 // Whether estimation and block-sparse attention run natively for this geometry (probed on
 // the first query block): only then do whole-prompt calls run; the reference at GPU sizes
 // would take hours.
-bool native_pipeline(const Workload& w, Device dev, const DemoOptions& opt,
-                     BackendPolicy& policy) {
+bool native_pipeline(const Workload& w, Device dev, const DemoOptions& opt, BackendPolicy& policy) {
   const WorkloadOptions& o = w.options;
   const int64_t m = std::min(kBlock, o.query_len), Hq = o.num_q_heads, Hkv = o.num_kv_heads,
                 D = o.head_dim;
@@ -74,8 +73,8 @@ bool native_pipeline(const Workload& w, Device dev, const DemoOptions& opt,
     block_sparse_attention(q.view().as_strided({m, Hq, D}, {Hq * D, D, 1}),
                            k.view().as_strided({end, Hkv, D}, {Hkv * D, D, 1}),
                            v.view().as_strided({end, Hkv, D}, {Hkv * D, D, 1}),
-                           cu_q.view().select(0, 0), cu_k.view().select(0, 0), ones.view(), m,
-                           end, out, std::nullopt, ao);
+                           cu_q.view().select(0, 0), cu_k.view().select(0, 0), ones.view(), m, end,
+                           out, std::nullopt, ao);
   });
   return estimate && attention;
 }
@@ -107,7 +106,8 @@ MethodResult run_xattn_demo(const DemoOptions& opt, const Workload& w, const Run
     const int64_t even = std::min(qb, opt.rows > 0 ? std::max<int64_t>(1, opt.rows / 8) : 6);
     std::set<int64_t> chosen;
     for (int64_t i = 0; i < even; ++i) chosen.insert(qb - 1 - i * qb / even);
-    for (const Needle& n : w.needles) chosen.insert(((n.query_begin + n.query_end) / 2 - qoff) / kBlock);
+    for (const Needle& n : w.needles)
+      chosen.insert(((n.query_begin + n.query_end) / 2 - qoff) / kBlock);
     for (int64_t blk : chosen) {
       const int64_t first = blk * kBlock, last = std::min(Lq, first + kBlock) - 1;
       int64_t lo = std::max(first, last - 7), hi = last;
@@ -134,9 +134,9 @@ MethodResult run_xattn_demo(const DemoOptions& opt, const Workload& w, const Run
 
   MethodResult res;
   res.method = "XAttention";
-  res.geometry = fmt::format("{}/{}/{}, block {}, stride {}, threshold {}{}, {} keys", Hq, Hkv,
-                             D, kBlock, opt.stride, opt.threshold,
-                             opt.keep_sink ? ", keep_sink" : "", format_size(Lk));
+  res.geometry =
+      fmt::format("{}/{}/{}, block {}, stride {}, threshold {}{}, {} keys", Hq, Hkv, D, kBlock,
+                  opt.stride, opt.threshold, opt.keep_sink ? ", keep_sink" : "", format_size(Lk));
   res.rows_total = Lq * B;
   double t_est = 0, t_attn = 0;
   std::string b_est, b_attn;
@@ -200,23 +200,23 @@ MethodResult run_xattn_demo(const DemoOptions& opt, const Workload& w, const Run
       out_rows = gather_rows(
           Tensor::to_host(out).view().as_strided({1, Lq, Hq, D}, {0, Hq * D, D, 1}), 0, rows);
     } else {
-      res.scope = fmt::format("estimate: {} sampled query blocks of {}; attention: their {} "
-                              "evaluated rows",
-                              qblocks.size() * B, qb * B, R * B);
+      res.scope = fmt::format(
+          "estimate: {} sampled query blocks of {}; attention: their {} "
+          "evaluated rows",
+          qblocks.size() * B, qb * B, R * B);
       Progress progress("XAttention estimate", static_cast<int64_t>(qblocks.size()), "blocks");
       for (size_t i = 0; i < qblocks.size(); ++i) {
         const int64_t r0 = qblocks[i] * kBlock, m = std::min(kBlock, Lq - r0);
         const int64_t end = qoff + r0 + m, kbi = (end + kBlock - 1) / kBlock;
-        const Tensor q_d =
-            to_device(Tensor::to_host(request(w.query, b).narrow(1, r0, m)), dev);
+        const Tensor q_d = to_device(Tensor::to_host(request(w.query, b).narrow(1, r0, m)), dev);
         const Tensor sums = Tensor::empty({1, Hq, 1, kbi}, DType::kF32, dev);
         const Tensor mask = Tensor::empty({1, Hq, 1, kbi}, DType::kBool, dev);
         Stopwatch sw;
         b_est = backend_name(policy.run("xattn_estimate", [&](Backend be) {
           XAttnEstimateOptions e = eo;
           e.backend = be;
-          xattn_estimate(heads_first(q_d), heads_first(key_d.view().narrow(1, 0, end)), sums,
-                         mask, e);
+          xattn_estimate(heads_first(q_d), heads_first(key_d.view().narrow(1, 0, end)), sums, mask,
+                         e);
         }));
         synchronize(mask);
         t_est += sw.seconds();
@@ -289,8 +289,7 @@ MethodResult run_xattn_demo(const DemoOptions& opt, const Workload& w, const Run
         ++recall_n;
         const float* ref = dense.out(r, h);
         for (int64_t d = 0; d < D; ++d) {
-          const double got =
-              load_as_float(out_rows.data(), out_rows.dtype(), (r * Hq + h) * D + d);
+          const double got = load_as_float(out_rows.data(), out_rows.dtype(), (r * Hq + h) * D + d);
           err2 += (got - ref[d]) * (got - ref[d]);
           ref2 += double(ref[d]) * ref[d];
         }

@@ -1,8 +1,8 @@
 #include "dense.h"
 
-#include <algorithm>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "common.h"
@@ -20,8 +20,13 @@ float at(const TensorView& t, int64_t l, int64_t h, int64_t d) {
 
 DenseRows::DenseRows(const TensorView& q_rows, const TensorView& key, const TensorView& value,
                      const std::vector<int64_t>& positions, const char* progress_label)
-    : rows_(q_rows.size(1)), hq_(q_rows.size(2)), hkv_(key.size(2)), d_(q_rows.size(3)),
-      lk_(key.size(1)), scale_(1.0 / std::sqrt(double(q_rows.size(3)))), pos_(positions) {
+    : rows_(q_rows.size(1)),
+      hq_(q_rows.size(2)),
+      hkv_(key.size(2)),
+      d_(q_rows.size(3)),
+      lk_(key.size(1)),
+      scale_(1.0 / std::sqrt(double(q_rows.size(3)))),
+      pos_(positions) {
   Stopwatch clock;
   q_.resize(static_cast<size_t>(rows_ * hq_ * d_));
   k_.resize(static_cast<size_t>(hkv_ * lk_ * d_));

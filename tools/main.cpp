@@ -1,7 +1,7 @@
 // sparse-attn: the demo, verify and bench subcommands (docs/cli.md).
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <CLI/CLI.hpp>
 #include <cstdio>
 #include <map>
 
@@ -48,38 +48,64 @@ void add_workload_options(CLI::App* app, sa::WorkloadOptions& w, std::string& mo
       ->group(g);
   app->add_option("--seed", w.seed, "random seed")->capture_default_str()->group(g);
   app->add_option("--batch", w.batch, "requests")
-      ->check(CLI::PositiveNumber)->capture_default_str()->group(g);
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str()
+      ->group(g);
   app->add_option("--dtype", dtype, "bf16, fp16 or fp32")
       ->check(CLI::IsMember({"bf16", "fp16", "fp32"}))
       ->capture_default_str()
       ->group(g);
   app->add_option("--sinks", w.num_sinks, "attention-sink tokens at the start")
-      ->check(CLI::NonNegativeNumber)->capture_default_str()->group(g);
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str()
+      ->group(g);
   app->add_option("--sink-logit", w.sink_logit, "logit (nats) every query gives the sinks")
-      ->check(CLI::NonNegativeNumber)->capture_default_str()->group(g);
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str()
+      ->group(g);
   app->add_option("--heavy-fraction", w.heavy_fraction,
                   "share of the other keys that are heavy hitters (attended a little by every "
                   "query)")
-      ->check(CLI::Range(0.0, 1.0))->capture_default_str()->group(g);
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str()
+      ->group(g);
   app->add_option("--heavy-logit", w.heavy_logit, "logit every query gives the heavy hitters")
-      ->check(CLI::NonNegativeNumber)->capture_default_str()->group(g);
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str()
+      ->group(g);
   app->add_option("--needles", w.num_needles, "retrieval needles (far keys matched by later rows)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str()->group(g);
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str()
+      ->group(g);
   app->add_option("--needle-logit", w.needle_logit, "logit of a needle for its query rows")
-      ->check(CLI::NonNegativeNumber)->capture_default_str()->group(g);
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str()
+      ->group(g);
   app->add_option("--needle-queries", w.needle_queries, "query rows that retrieve each needle")
-      ->check(CLI::PositiveNumber)->capture_default_str()->group(g);
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str()
+      ->group(g);
   app->add_option("--local-logit", w.local_logit,
                   "RoPE locality: logit of same-content tokens at distance 0")
-      ->check(CLI::NonNegativeNumber)->capture_default_str()->group(g);
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str()
+      ->group(g);
   app->add_option("--topic-logit", w.topic_logit, "logit of the query's segment at any distance")
-      ->check(CLI::NonNegativeNumber)->capture_default_str()->group(g);
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str()
+      ->group(g);
   app->add_option("--segment-len", w.segment_len, "mean length of a content segment")
-      ->transform(cli::size_validator())->default_str("512")->group(g);
+      ->transform(cli::size_validator())
+      ->default_str("512")
+      ->group(g);
   app->add_option("--content-rank", w.content_rank, "rank of the content vectors")
-      ->check(CLI::PositiveNumber)->capture_default_str()->group(g);
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str()
+      ->group(g);
   app->add_option("--noise", w.noise, "i.i.d. noise relative to the structure's RMS")
-      ->check(CLI::NonNegativeNumber)->capture_default_str()->group(g);
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str()
+      ->group(g);
   app->add_option("--rope-theta", w.rope_theta, "RoPE base")->capture_default_str()->group(g);
 }
 
@@ -99,8 +125,9 @@ void add_file_options(CLI::App* app, sa::WorkloadFiles& f) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"sparse-attn: QSA and XAttention sparse attention, shown, checked and timed.\n"
-               "Sizes accept k and m suffixes (32k = 32768). Each subcommand has --help."};
+  CLI::App app{
+      "sparse-attn: QSA and XAttention sparse attention, shown, checked and timed.\n"
+      "Sizes accept k and m suffixes (32k = 32768). Each subcommand has --help."};
   app.require_subcommand(1);
   app.set_version_flag("--version", "sparse-attn 0.1.0");
 
@@ -115,8 +142,9 @@ int main(int argc, char** argv) {
   d->add_option("--method", demo.method, "qsa, xattn or all")
       ->check(CLI::IsMember({"qsa", "xattn", "all"}))
       ->capture_default_str();
-  d->add_option("--seq-len", demo.seq_len, "keys per request (default: 32k with a GPU, 8k on "
-                                           "the CPU)")
+  d->add_option("--seq-len", demo.seq_len,
+                "keys per request (default: 32k with a GPU, 8k on "
+                "the CPU)")
       ->transform(cli::size_validator());
   d->add_option("--rows", demo_rows,
                 "query rows the metrics are evaluated on (dense attention runs on the host): "
@@ -124,16 +152,20 @@ int main(int argc, char** argv) {
                 "pipeline runs every row; on the CPU only these")
       ->capture_default_str();
   d->add_option("--topk", demo.topk, "QSA: blocks of 4 tokens kept per query row")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   d->add_option("--threshold", demo.threshold, "XAttention: attention mass the kept blocks cover")
-      ->check(CLI::Range(0.0, 1.0))->capture_default_str();
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
   d->add_option("--stride", demo.stride, "XAttention: antidiagonal stride")
-      ->check(CLI::PositiveNumber)->capture_default_str();
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   d->add_option("--plot", demo.plot,
                 "write a heatmap PNG of the selection (FILE-qsa.png and FILE-xattn.png with "
                 "--method all)");
-  d->add_flag("--keep-sink", demo.keep_sink, "XAttention: always keep key block 0 (upstream's "
-                                              "keep_sink; off by default there too)");
+  d->add_flag("--keep-sink", demo.keep_sink,
+              "XAttention: always keep key block 0 (upstream's "
+              "keep_sink; off by default there too)");
   d->add_option("--save-workload", demo.save_workload,
                 "save the generated tensors as safetensors (q, k, v, index_q, index_k; "
                 "FILE-qsa/-xattn with --method all) to rerun them with --q/--k/--v");
@@ -176,8 +208,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "\nsparse-attn: error: %s\n", e.what());
     return 2;
   } catch (const std::bad_alloc&) {
-    std::fprintf(stderr, "\nsparse-attn: error: out of memory; try a smaller --seq-len or "
-                         "--batch\n");
+    std::fprintf(stderr,
+                 "\nsparse-attn: error: out of memory; try a smaller --seq-len or "
+                 "--batch\n");
     return 2;
   }
   return 0;

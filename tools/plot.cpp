@@ -42,8 +42,8 @@ class Canvas {
   void text(int x, int y, const std::string& s, int scale, Rgb c) {
     std::vector<char> buf(s.size() * 300 + 64);
     std::string copy = s;
-    const int quads = stb_easy_font_print(0, 0, copy.data(), nullptr, buf.data(),
-                                          static_cast<int>(buf.size()));
+    const int quads =
+        stb_easy_font_print(0, 0, copy.data(), nullptr, buf.data(), static_cast<int>(buf.size()));
     const float* v = reinterpret_cast<const float*>(buf.data());
     for (int q = 0; q < quads; ++q) {
       // 4 vertices of 16 bytes (x, y, z, rgba); axis-aligned rectangles.
@@ -115,19 +115,18 @@ void write_heatmap_png(const std::string& path, const Heatmap& map) {
   for (size_t i = 0; i < map.header.size(); ++i)
     c.text(kLeft, 16 + kLine * static_cast<int>(i), map.header[i], kText, ink);
   c.text(kLeft, kTop + mh + 8, map.x_first, kText, ink);
-  c.text(kLeft + mw - Canvas::text_width(map.x_last, kText), kTop + mh + 8, map.x_last, kText,
-         ink);
+  c.text(kLeft + mw - Canvas::text_width(map.x_last, kText), kTop + mh + 8, map.x_last, kText, ink);
   c.text(kLeft + (mw - Canvas::text_width(map.x_label, kText)) / 2, kTop + mh + 32, map.x_label,
          kText, ink);
   c.text(kLeft - 8 - Canvas::text_width(map.y_first, kText), kTop, map.y_first, kText, ink);
-  c.text(kLeft - 8 - Canvas::text_width(map.y_last, kText), kTop + mh - 16, map.y_last, kText,
-         ink);
+  c.text(kLeft - 8 - Canvas::text_width(map.y_last, kText), kTop + mh - 16, map.y_last, kText, ink);
   c.text(6, kTop + mh / 2, map.y_label, kText, ink);
 
   if (!stbi_write_png(path.c_str(), c.width(), c.height(), 3, c.data(), c.width() * 3))
-    throw ValueError(fmt::format("--plot {}: cannot write the PNG (check the directory and "
-                                 "permissions)",
-                                 path));
+    throw ValueError(
+        fmt::format("--plot {}: cannot write the PNG (check the directory and "
+                    "permissions)",
+                    path));
 }
 
 std::string plot_path_for(const std::string& path, const std::string& method) {

@@ -17,7 +17,7 @@ struct Heatmap {
     int64_t row, col;
     bool kept;
   };
-  std::vector<Mark> marks;   // needles
+  std::vector<Mark> marks;          // needles
   std::vector<std::string> header;  // lines above the map: title, sizes, legend
   std::string x_label, y_label;
   std::string x_first, x_last;  // labels of the first and last column

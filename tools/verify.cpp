@@ -31,10 +31,14 @@ std::string index_str(int64_t flat, const Shape& shape) {
 
 double value_at(const Tensor& t, int64_t i) {
   switch (t.dtype()) {
-    case DType::kI32: return t.data_as<int32_t>()[i];
-    case DType::kI64: return double(t.data_as<int64_t>()[i]);
-    case DType::kBool: return t.data_as<uint8_t>()[i];
-    default: return load_as_float(t.data(), t.dtype(), i);
+    case DType::kI32:
+      return t.data_as<int32_t>()[i];
+    case DType::kI64:
+      return double(t.data_as<int64_t>()[i]);
+    case DType::kBool:
+      return t.data_as<uint8_t>()[i];
+    default:
+      return load_as_float(t.data(), t.dtype(), i);
   }
 }
 
@@ -67,11 +71,12 @@ bool compare(const std::string& name, const TensorView& got_v, const TensorView&
   const size_t k = std::min<size_t>(static_cast<size_t>(std::max<int64_t>(show, 0)), worst.size());
   std::partial_sort(worst.begin(), worst.begin() + k, worst.end(),
                     [](const auto& x, const auto& y) { return x.first > y.first; });
-  std::printf("  %-8s %s %s: max |diff| %.3g; %lld of %lld outside atol %.0e + rtol %.0e; "
-              "%lld inf/NaN position mismatches -> %s\n",
-              name.c_str(), shape_str(got.shape()).c_str(), dtype_name(got.dtype()), max_abs,
-              static_cast<long long>(bad), static_cast<long long>(n), atol, rtol,
-              static_cast<long long>(nonfinite_mismatch), bad == 0 ? "OK" : "MISMATCH");
+  std::printf(
+      "  %-8s %s %s: max |diff| %.3g; %lld of %lld outside atol %.0e + rtol %.0e; "
+      "%lld inf/NaN position mismatches -> %s\n",
+      name.c_str(), shape_str(got.shape()).c_str(), dtype_name(got.dtype()), max_abs,
+      static_cast<long long>(bad), static_cast<long long>(n), atol, rtol,
+      static_cast<long long>(nonfinite_mismatch), bad == 0 ? "OK" : "MISMATCH");
   for (size_t j = 0; j < k && worst[j].first > 0; ++j) {
     const int64_t i = worst[j].second;
     std::printf("      at %-22s %s %-12.6g reference %-12.6g (|diff| / tolerance %.3g)\n",
@@ -93,7 +98,8 @@ struct Setup {
 
 // Runs op(backend, outputs) for the backend under test and the reference into fresh outputs
 // (poisoned with NaN first), then compares them.
-bool check(const Setup& s, const std::string& op, const std::vector<std::pair<std::string, Shape>>& shapes,
+bool check(const Setup& s, const std::string& op,
+           const std::vector<std::pair<std::string, Shape>>& shapes,
            const std::vector<DType>& dtypes,
            const std::function<void(Backend, const std::vector<Tensor>&)>& run,
            const std::vector<double>& atol, const std::vector<double>& rtol) {
@@ -141,46 +147,56 @@ CLI::App* add_verify_command(CLI::App& app, VerifyOptions& o) {
       "the given shapes; prints the worst differences and where they are; exit code 1 on a "
       "mismatch, 3 when the backend is unavailable");
   v->add_option("--op", o.op, "qsa-indexer, qsa-attention, xattn-estimate, block-sparse or all")
-      ->check(CLI::IsMember({"qsa-indexer", "qsa-attention", "xattn-estimate", "block-sparse",
-                             "all"}))
+      ->check(
+          CLI::IsMember({"qsa-indexer", "qsa-attention", "xattn-estimate", "block-sparse", "all"}))
       ->capture_default_str();
   v->add_option("--seq-len", o.seq_len, "keys per request")
-      ->transform(size_validator())->default_str("4k");
+      ->transform(size_validator())
+      ->default_str("4k");
   v->add_option("--q-len", o.query_len, "query rows per request (the last tokens)")
-      ->transform(size_validator())->default_str("256");
+      ->transform(size_validator())
+      ->default_str("256");
   v->add_option("--batch", o.batch, "requests")->check(CLI::PositiveNumber)->capture_default_str();
-  v->add_option("--topk", o.topk, "QSA blocks per row")->check(CLI::PositiveNumber)
+  v->add_option("--topk", o.topk, "QSA blocks per row")
+      ->check(CLI::PositiveNumber)
       ->capture_default_str();
   v->add_option("--threshold", o.threshold, "XAttention threshold")
-      ->check(CLI::Range(0.0, 1.0))->capture_default_str();
-  v->add_option("--stride", o.stride, "XAttention stride")->check(CLI::PositiveNumber)
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  v->add_option("--stride", o.stride, "XAttention stride")
+      ->check(CLI::PositiveNumber)
       ->capture_default_str();
   v->add_option("--dtype", o.dtype, "bf16, fp16 or fp32")
-      ->check(CLI::IsMember({"bf16", "fp16", "fp32"}))->capture_default_str();
+      ->check(CLI::IsMember({"bf16", "fp16", "fp32"}))
+      ->capture_default_str();
   v->add_option("--mode", o.mode, "structured or random workload")
-      ->check(CLI::IsMember({"structured", "random"}))->capture_default_str();
+      ->check(CLI::IsMember({"structured", "random"}))
+      ->capture_default_str();
   v->add_option("--seed", o.seed, "random seed")->capture_default_str();
   v->add_option("--show", o.show, "worst elements printed per output")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   v->add_option("--device", o.device, "auto, cpu, cuda or cuda:N")->capture_default_str();
   v->add_option("--backend", o.backend, "the backend under test: native or reference")
-      ->check(CLI::IsMember({"native", "reference", "tilelang"}))->capture_default_str();
+      ->check(CLI::IsMember({"native", "reference", "tilelang"}))
+      ->capture_default_str();
   return v;
 }
 
 int run_verify(const VerifyOptions& o) {
   if (o.query_len < 1 || o.query_len > o.seq_len)
-    throw ValueError(fmt::format("--q-len: expected 1 to --seq-len ({}), got {}", o.seq_len,
-                                 o.query_len));
+    throw ValueError(
+        fmt::format("--q-len: expected 1 to --seq-len ({}), got {}", o.seq_len, o.query_len));
   const RunDevice rd = choose_device(o.device);
   const std::map<std::string, DType> dts = {
       {"bf16", DType::kBF16}, {"fp16", DType::kF16}, {"fp32", DType::kF32}};
   const Setup s{o, rd.device, parse_backend(o.backend), dts.at(o.dtype)};
-  std::printf("sparse-attn verify: %s against reference on %s; batch %lld, %s keys, %s query "
-              "rows, %s, %s workload, seed %llu\n",
-              backend_name(s.under_test), rd.why.c_str(), static_cast<long long>(o.batch),
-              format_size(o.seq_len).c_str(), format_size(o.query_len).c_str(), o.dtype.c_str(),
-              o.mode.c_str(), static_cast<unsigned long long>(o.seed));
+  std::printf(
+      "sparse-attn verify: %s against reference on %s; batch %lld, %s keys, %s query "
+      "rows, %s, %s workload, seed %llu\n",
+      backend_name(s.under_test), rd.why.c_str(), static_cast<long long>(o.batch),
+      format_size(o.seq_len).c_str(), format_size(o.query_len).c_str(), o.dtype.c_str(),
+      o.mode.c_str(), static_cast<unsigned long long>(o.seed));
   const bool all = o.op == "all";
   bool ok = true, unavailable = false;
   auto record = [&](bool r, bool ran) {
@@ -207,22 +223,22 @@ int run_verify(const VerifyOptions& o) {
     const int64_t NB = ki.shape()[1];
     if (all || o.op == "qsa-indexer") {
       bool ran = true;
-      const bool r = check(
-          s, fmt::format("qsa_indexer_mqa_score  q_idx {}  block_keys {}", shape_str(qi.shape()),
-                         shape_str(ki.shape())),
-          {{"scores", {B, Lq, NB}}}, {DType::kF32},
-          [&](Backend be, const std::vector<Tensor>& out) {
-            IndexerScoreOptions io;
-            io.query_positions = pos.view();
-            io.backend = be;
-            try {
-              qsa_indexer_mqa_score(qi, ki, out[0], io);
-            } catch (const NotSupportedError&) {
-              ran = false;
-              throw;
-            }
-          },
-          {1e-3}, {1e-3});
+      const bool r = check(s,
+                           fmt::format("qsa_indexer_mqa_score  q_idx {}  block_keys {}",
+                                       shape_str(qi.shape()), shape_str(ki.shape())),
+                           {{"scores", {B, Lq, NB}}}, {DType::kF32},
+                           [&](Backend be, const std::vector<Tensor>& out) {
+                             IndexerScoreOptions io;
+                             io.query_positions = pos.view();
+                             io.backend = be;
+                             try {
+                               qsa_indexer_mqa_score(qi, ki, out[0], io);
+                             } catch (const NotSupportedError&) {
+                               ran = false;
+                               throw;
+                             }
+                           },
+                           {1e-3}, {1e-3});
       record(r, ran);
     }
     if (all || o.op == "qsa-attention") {
@@ -241,8 +257,9 @@ int run_verify(const VerifyOptions& o) {
                    v = to_device(w.value, dev), tok = to_device(tokens, dev);
       bool ran = true;
       const bool r = check(
-          s, fmt::format("qsa_sparse_attention  query {}  key {}  token_indices {}",
-                         shape_str(q.shape()), shape_str(k.shape()), shape_str(tok.shape())),
+          s,
+          fmt::format("qsa_sparse_attention  query {}  key {}  token_indices {}",
+                      shape_str(q.shape()), shape_str(k.shape()), shape_str(tok.shape())),
           {{"out", q.shape()}, {"lse", {B, Lq, w.options.num_q_heads}}}, {s.dtype, DType::kF32},
           [&](Backend be, const std::vector<Tensor>& out) {
             SparseAttentionOptions so;
@@ -265,28 +282,29 @@ int run_verify(const VerifyOptions& o) {
     xo.num_q_heads = 32, xo.num_kv_heads = 8, xo.head_dim = 128, xo.indexer_heads = 0;
     const Workload w = make_workload(xo);
     const Device dev = rd.device;
-    const Tensor q = to_device(w.query, dev), k = to_device(w.key, dev), v = to_device(w.value, dev);
+    const Tensor q = to_device(w.query, dev), k = to_device(w.key, dev),
+                 v = to_device(w.value, dev);
     XAttnEstimateOptions eo;
     eo.threshold = o.threshold;
     eo.stride = o.stride;
     const Shape ms = xattn_estimate_shape(heads_first(q), heads_first(k), eo);
     if (all || o.op == "xattn-estimate") {
       bool ran = true;
-      const bool r = check(
-          s, fmt::format("xattn_estimate  query {}  key {} (as [B, H, L, D])",
-                         shape_str(q.shape()), shape_str(k.shape())),
-          {{"sums", ms}, {"mask", ms}}, {DType::kF32, DType::kBool},
-          [&](Backend be, const std::vector<Tensor>& out) {
-            XAttnEstimateOptions e = eo;
-            e.backend = be;
-            try {
-              xattn_estimate(heads_first(q), heads_first(k), out[0], out[1], e);
-            } catch (const NotSupportedError&) {
-              ran = false;
-              throw;
-            }
-          },
-          {1e-4, 0}, {1e-3, 0});
+      const bool r = check(s,
+                           fmt::format("xattn_estimate  query {}  key {} (as [B, H, L, D])",
+                                       shape_str(q.shape()), shape_str(k.shape())),
+                           {{"sums", ms}, {"mask", ms}}, {DType::kF32, DType::kBool},
+                           [&](Backend be, const std::vector<Tensor>& out) {
+                             XAttnEstimateOptions e = eo;
+                             e.backend = be;
+                             try {
+                               xattn_estimate(heads_first(q), heads_first(k), out[0], out[1], e);
+                             } catch (const NotSupportedError&) {
+                               ran = false;
+                               throw;
+                             }
+                           },
+                           {1e-4, 0}, {1e-3, 0});
       record(r, ran);
     }
     if (all || o.op == "block-sparse") {
@@ -300,25 +318,26 @@ int run_verify(const VerifyOptions& o) {
       const Tensor cu_q = to_device(int32_row(cq), dev), cu_k = to_device(int32_row(ck), dev);
       const Tensor mask_d = to_device(mask, dev);
       bool ran = true;
-      const bool r = check(
-          s, fmt::format("block_sparse_attention  q [{}, {}, {}]  k [{}, {}, {}]  mask {}",
-                         B * Lq, Hq, D, B * Lk, Hkv, D, shape_str(ms)),
-          {{"out", {B * Lq, Hq, D}}, {"lse", {B * Lq, Hq}}}, {s.dtype, DType::kF32},
-          [&](Backend be, const std::vector<Tensor>& out) {
-            BlockSparseAttentionOptions ao;
-            ao.backend = be;
-            try {
-              block_sparse_attention(q.view().as_strided({B * Lq, Hq, D}, {Hq * D, D, 1}),
-                                     k.view().as_strided({B * Lk, Hkv, D}, {Hkv * D, D, 1}),
-                                     v.view().as_strided({B * Lk, Hkv, D}, {Hkv * D, D, 1}),
-                                     cu_q.view().select(0, 0), cu_k.view().select(0, 0),
-                                     mask_d.view(), Lq, Lk, out[0], out[1].view(), ao);
-            } catch (const NotSupportedError&) {
-              ran = false;
-              throw;
-            }
-          },
-          {atol_for(s.dtype), 1e-3}, {rtol_for(s.dtype), 1e-3});
+      const bool r =
+          check(s,
+                fmt::format("block_sparse_attention  q [{}, {}, {}]  k [{}, {}, {}]  mask {}",
+                            B * Lq, Hq, D, B * Lk, Hkv, D, shape_str(ms)),
+                {{"out", {B * Lq, Hq, D}}, {"lse", {B * Lq, Hq}}}, {s.dtype, DType::kF32},
+                [&](Backend be, const std::vector<Tensor>& out) {
+                  BlockSparseAttentionOptions ao;
+                  ao.backend = be;
+                  try {
+                    block_sparse_attention(q.view().as_strided({B * Lq, Hq, D}, {Hq * D, D, 1}),
+                                           k.view().as_strided({B * Lk, Hkv, D}, {Hkv * D, D, 1}),
+                                           v.view().as_strided({B * Lk, Hkv, D}, {Hkv * D, D, 1}),
+                                           cu_q.view().select(0, 0), cu_k.view().select(0, 0),
+                                           mask_d.view(), Lq, Lk, out[0], out[1].view(), ao);
+                  } catch (const NotSupportedError&) {
+                    ran = false;
+                    throw;
+                  }
+                },
+                {atol_for(s.dtype), 1e-3}, {rtol_for(s.dtype), 1e-3});
       record(r, ran);
     }
   }

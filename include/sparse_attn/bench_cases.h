@@ -23,7 +23,7 @@ enum class BenchOp : uint8_t {
 const char* bench_op_name(BenchOp op);
 
 struct BenchCase {
-  std::string name;   // e.g. "sparse-decode/b32/ctx64k"
+  std::string name;  // e.g. "sparse-decode/b32/ctx64k"
   BenchOp op;
   WorkloadOptions workload;  // batch, seq_len (context per request), query_len, geometry
   int64_t topk = 512;        // QSA blocks per row

@@ -88,13 +88,13 @@ struct Needle {
 };
 
 struct Workload {
-  WorkloadOptions options;       // as given, with defaults resolved (query_len, rotary_dims)
-  Tensor query;                  // [B, Lq, Hq, D]
-  Tensor key;                    // [B, Lk, Hkv, D]
-  Tensor value;                  // [B, Lk, Hkv, D]
-  Tensor index_query;            // [B, Lq, Hi, Di]; empty when indexer_heads == 0
-  Tensor index_key;              // [B, Lk / indexer_block, Di] compressed keys; likewise
-  std::vector<Needle> needles;   // empty in random mode
+  WorkloadOptions options;      // as given, with defaults resolved (query_len, rotary_dims)
+  Tensor query;                 // [B, Lq, Hq, D]
+  Tensor key;                   // [B, Lk, Hkv, D]
+  Tensor value;                 // [B, Lk, Hkv, D]
+  Tensor index_query;           // [B, Lq, Hi, Di]; empty when indexer_heads == 0
+  Tensor index_key;             // [B, Lk / indexer_block, Di] compressed keys; likewise
+  std::vector<Needle> needles;  // empty in random mode
   std::vector<std::vector<int64_t>> heavy_hitters;  // [batch]: key positions; empty if random
 
   // Request-local position of query row i.

@@ -10,7 +10,9 @@
 namespace sparse_attn {
 namespace {
 
-std::string k_str(int64_t n) { return n % 1024 == 0 ? fmt::format("{}k", n / 1024) : std::to_string(n); }
+std::string k_str(int64_t n) {
+  return n % 1024 == 0 ? fmt::format("{}k", n / 1024) : std::to_string(n);
+}
 
 BenchCase qsa_case(std::string name, BenchOp op, int64_t batch, int64_t ctx, int64_t rows,
                    int64_t page_size, bool gpu) {
@@ -36,12 +38,18 @@ BenchCase xattn_case(std::string name, BenchOp op, int64_t tokens, bool gpu) {
 
 const char* bench_op_name(BenchOp op) {
   switch (op) {
-    case BenchOp::kIndexerPrefill: return "qsa_indexer_mqa_score";
-    case BenchOp::kIndexerDecode: return "qsa_mqa_decode";
-    case BenchOp::kSparseDecode: return "qsa_sparse_attention (decode)";
-    case BenchOp::kSparsePrefill: return "qsa_sparse_attention (prefill)";
-    case BenchOp::kXAttnEstimate: return "xattn_estimate";
-    case BenchOp::kBlockSparse: return "block_sparse_attention";
+    case BenchOp::kIndexerPrefill:
+      return "qsa_indexer_mqa_score";
+    case BenchOp::kIndexerDecode:
+      return "qsa_mqa_decode";
+    case BenchOp::kSparseDecode:
+      return "qsa_sparse_attention (decode)";
+    case BenchOp::kSparsePrefill:
+      return "qsa_sparse_attention (prefill)";
+    case BenchOp::kXAttnEstimate:
+      return "xattn_estimate";
+    case BenchOp::kBlockSparse:
+      return "block_sparse_attention";
   }
   return "?";
 }
@@ -49,31 +57,31 @@ const char* bench_op_name(BenchOp op) {
 std::vector<BenchCase> standard_bench_cases() {
   std::vector<BenchCase> cases;
   for (int64_t t : {4096, 16384, 65536})
-    cases.push_back(qsa_case("indexer-prefill/" + k_str(t), BenchOp::kIndexerPrefill, 1, t, t, 0,
-                             true));
-  for (auto [b, ctx, page] : {std::tuple{1, 131072, 64}, {32, 32768, 16}, {32, 32768, 64},
-                              {128, 8192, 64}})
+    cases.push_back(
+        qsa_case("indexer-prefill/" + k_str(t), BenchOp::kIndexerPrefill, 1, t, t, 0, true));
+  for (auto [b, ctx, page] :
+       {std::tuple{1, 131072, 64}, {32, 32768, 16}, {32, 32768, 64}, {128, 8192, 64}})
     cases.push_back(qsa_case(fmt::format("indexer-decode/b{}/ctx{}/page{}", b, k_str(ctx), page),
                              BenchOp::kIndexerDecode, b, ctx, 1, page, true));
   for (auto [b, ctx] : {std::pair{1, 131072}, {8, 32768}, {32, 32768}, {128, 8192}})
     cases.push_back(qsa_case(fmt::format("sparse-decode/b{}/ctx{}", b, k_str(ctx)),
                              BenchOp::kSparseDecode, b, ctx, 1, 64, true));
   for (int64_t t : {16384, 65536})
-    cases.push_back(qsa_case("sparse-prefill/" + k_str(t), BenchOp::kSparsePrefill, 1, t, t, 0,
-                             true));
+    cases.push_back(
+        qsa_case("sparse-prefill/" + k_str(t), BenchOp::kSparsePrefill, 1, t, t, 0, true));
   for (int64_t t : {16384, 65536}) {
     cases.push_back(xattn_case("xattn-estimate/" + k_str(t), BenchOp::kXAttnEstimate, t, true));
     cases.push_back(xattn_case("block-sparse/" + k_str(t), BenchOp::kBlockSparse, t, true));
   }
   // The CPU set: seconds with the reference backend on two cores.
-  cases.push_back(qsa_case("cpu/indexer-prefill/2k", BenchOp::kIndexerPrefill, 1, 2048, 2048, 0,
-                           false));
+  cases.push_back(
+      qsa_case("cpu/indexer-prefill/2k", BenchOp::kIndexerPrefill, 1, 2048, 2048, 0, false));
   cases.push_back(qsa_case("cpu/indexer-decode/b4/ctx8k/page64", BenchOp::kIndexerDecode, 4, 8192,
                            1, 64, false));
-  cases.push_back(qsa_case("cpu/sparse-decode/b4/ctx8k", BenchOp::kSparseDecode, 4, 8192, 1, 64,
-                           false));
-  cases.push_back(qsa_case("cpu/sparse-prefill/512", BenchOp::kSparsePrefill, 1, 4096, 512, 0,
-                           false));
+  cases.push_back(
+      qsa_case("cpu/sparse-decode/b4/ctx8k", BenchOp::kSparseDecode, 4, 8192, 1, 64, false));
+  cases.push_back(
+      qsa_case("cpu/sparse-prefill/512", BenchOp::kSparsePrefill, 1, 4096, 512, 0, false));
   cases.push_back(xattn_case("cpu/xattn-estimate/2k", BenchOp::kXAttnEstimate, 2048, false));
   cases.push_back(xattn_case("cpu/block-sparse/1k", BenchOp::kBlockSparse, 1024, false));
   return cases;

@@ -100,9 +100,9 @@ class Latent {
           float* z = at(b, t);
           double norm2 = 0;
           for (int64_t i = 0; i < rank; ++i) {
-            const double v = std::sqrt(1 - kTokenVariation * kTokenVariation) *
-                                 rng.normal(kTopic, b, seg, i) +
-                             kTokenVariation * rng.normal(kTokenContent, b, t, i);
+            const double v =
+                std::sqrt(1 - kTokenVariation * kTokenVariation) * rng.normal(kTopic, b, seg, i) +
+                kTokenVariation * rng.normal(kTokenContent, b, t, i);
             z[i] = static_cast<float>(v);
             norm2 += v * v;
           }
@@ -131,8 +131,11 @@ class Space {
   Space(const Rng& rng, uint64_t space_id, int64_t dim, int64_t rotary_dims, int64_t rank,
         int64_t key_heads, int64_t query_heads, int64_t num_needles, double softmax_scale,
         const WorkloadOptions& o)
-      : dim_(dim), rot_(rotary_dims), rank_(rank), query_heads_(query_heads),
-        group_(query_heads / key_heads), num_needles_(num_needles) {
+      : dim_(dim),
+        rot_(rotary_dims),
+        rank_(rank),
+        group_(query_heads / key_heads),
+        num_needles_(num_needles) {
     const int64_t un = dim - rotary_dims;
     topic_cols_ = std::min(rank, un);
     // Strengths: scale * (a v).(a v) = logit for unit-norm v.
@@ -178,10 +181,10 @@ class Space {
     for (int64_t h = 0; h < query_heads; ++h)
       for (int64_t i = 0; i < rank; ++i)
         for (int64_t j = 0; j < rank; ++j)
-          mix_[(h * rank + i) * rank + j] = static_cast<float>(
-              (i == j ? 1.0 : 0.0) +
-              kHeadVariation * rng.normal(kHeadMix, space_id, h, i * rank + j) /
-                  std::sqrt(double(rank)));
+          mix_[(h * rank + i) * rank + j] =
+              static_cast<float>((i == j ? 1.0 : 0.0) +
+                                 kHeadVariation * rng.normal(kHeadMix, space_id, h, i * rank + j) /
+                                     std::sqrt(double(rank)));
 
     inv_freq_.resize(static_cast<size_t>(rotary_dims / 2));
     for (int64_t i = 0; i < rotary_dims / 2; ++i)
@@ -260,7 +263,7 @@ class Space {
     return &basis_[(g * (topic_cols_ + 2 + num_needles_) + j) * (dim_ - rot_)];
   }
 
-  int64_t dim_, rot_, rank_, query_heads_, group_, num_needles_, topic_cols_ = 0;
+  int64_t dim_, rot_, rank_, group_, num_needles_, topic_cols_ = 0;
   float a_rot_ = 0, a_topic_ = 0, a_sink_ = 0, a_heavy_ = 0, a_needle_ = 0, noise_std_ = 0;
   float key_needle_gain_ = 1;
   std::vector<float> rotary_, basis_, mix_;
@@ -268,7 +271,8 @@ class Space {
 };
 
 void check_option(bool ok, std::string_view name, std::string_view expected, double got) {
-  if (!ok) detail::throw_value_error("workload option {}: expected {}, got {}", name, expected, got);
+  if (!ok)
+    detail::throw_value_error("workload option {}: expected {}, got {}", name, expected, got);
 }
 
 void validate(const WorkloadOptions& o) {
@@ -290,9 +294,10 @@ void validate(const WorkloadOptions& o) {
     check_option(o.indexer_block >= 1, "indexer_block", ">= 1", double(o.indexer_block));
   }
   if (o.dtype != DType::kBF16 && o.dtype != DType::kF16 && o.dtype != DType::kF32)
-    throw TypeError(fmt::format("workload option dtype: expected bfloat16, float16 or float32, "
-                                "got {}",
-                                dtype_name(o.dtype)));
+    throw TypeError(
+        fmt::format("workload option dtype: expected bfloat16, float16 or float32, "
+                    "got {}",
+                    dtype_name(o.dtype)));
   check_option(o.num_sinks >= 0 && o.num_sinks <= o.seq_len, "num_sinks", "0 to seq_len",
                double(o.num_sinks));
   check_option(o.content_rank >= 1, "content_rank", ">= 1", double(o.content_rank));
@@ -308,8 +313,7 @@ void validate(const WorkloadOptions& o) {
   logit(o.topic_logit, "topic_logit");
   logit(o.needle_logit, "needle_logit");
   check_option(std::isfinite(o.noise) && o.noise >= 0, "noise", "a finite value >= 0", o.noise);
-  check_option(std::isfinite(o.rope_theta) && o.rope_theta > 1, "rope_theta", "> 1",
-               o.rope_theta);
+  check_option(std::isfinite(o.rope_theta) && o.rope_theta > 1, "rope_theta", "> 1", o.rope_theta);
   check_option(o.num_needles >= 0, "num_needles", ">= 0", double(o.num_needles));
   check_option(o.needle_queries >= 1, "needle_queries", ">= 1", double(o.needle_queries));
   if (o.mode == WorkloadMode::kStructured && o.num_needles > 0)
@@ -359,7 +363,8 @@ void compress_index_keys(const TensorView& raw, const TensorView& out, int64_t b
   detail::check_dtype(out, "out", {DType::kBF16, DType::kF16, DType::kF32});
   if (block < 1) detail::throw_value_error("block: expected >= 1, got {}", block);
   const int64_t B = raw.size(0), L = raw.size(1), Di = raw.size(2), nb = L / block;
-  detail::check_shape(out, "out", {B, nb, Di}, "[raw.shape[0], raw.shape[1] / block, raw.shape[2]]");
+  detail::check_shape(out, "out", {B, nb, Di},
+                      "[raw.shape[0], raw.shape[1] / block, raw.shape[2]]");
   if (raw.device().is_cuda() || out.device().is_cuda())
     detail::throw_not_supported("compress_index_keys: host tensors only, got {} and {}",
                                 raw.device().str(), out.device().str());
@@ -396,8 +401,8 @@ Workload make_workload(const WorkloadOptions& options) {
                 Hkv = o.num_kv_heads, D = o.head_dim, qoff = Lk - Lq;
   const int64_t rot = o.rotary_dims > 0 ? o.rotary_dims : (D / 4) & ~int64_t{1};
   const int64_t Hi = o.indexer_heads, Di = o.indexer_dim, blk = o.indexer_block;
-  const int64_t rot_i = std::min<int64_t>(o.rotary_dims > 0 ? o.rotary_dims : Di / 2, Di) &
-                        ~int64_t{1};
+  const int64_t rot_i =
+      std::min<int64_t>(o.rotary_dims > 0 ? o.rotary_dims : Di / 2, Di) & ~int64_t{1};
   const int64_t nblocks = indexer ? Lk / blk : 0;
   o.rotary_dims = rot;
 
@@ -451,8 +456,7 @@ Workload make_workload(const WorkloadOptions& options) {
     latent.emplace(rng, B, Lk, rank, o.segment_len);
     attn.emplace(rng, 0, D, rot, rank, Hkv, Hq, o.num_needles, 1.0 / std::sqrt(double(D)), o);
     if (indexer) {
-      index.emplace(rng, 1, Di, rot_i, rank, 1, Hi, o.num_needles, 1.0 / std::sqrt(double(Di)),
-                    o);
+      index.emplace(rng, 1, Di, rot_i, rank, 1, Hi, o.num_needles, 1.0 / std::sqrt(double(Di)), o);
       index->set_key_needle_gain(static_cast<float>(blk));
     }
   }
@@ -494,18 +498,18 @@ Workload make_workload(const WorkloadOptions& options) {
           for (int64_t g = 0; g < Hkv; ++g) {
             attn->build(vec.data(), z, t, -1, g, sink, heavy, kn, scratch);
             for (int64_t d = 0; d < D; ++d)
-              store_from_float(k, dt, ((b * Lk + t) * Hkv + g) * D + d,
-                               vec[d] + attn->noise_std() *
-                                            float(rng.normal(kKeyNoise, b, t, g * D + d)));
+              store_from_float(
+                  k, dt, ((b * Lk + t) * Hkv + g) * D + d,
+                  vec[d] + attn->noise_std() * float(rng.normal(kKeyNoise, b, t, g * D + d)));
           }
           if (t < qoff) continue;
           const auto qn = query_needles(b, t);
           for (int64_t h = 0; h < Hq; ++h) {
             attn->build(vec.data(), z, t, h, h / attn->group(), true, true, qn, scratch);
             for (int64_t d = 0; d < D; ++d)
-              store_from_float(q, dt, ((b * Lq + t - qoff) * Hq + h) * D + d,
-                               vec[d] + attn->noise_std() *
-                                            float(rng.normal(kQueryNoise, b, t, h * D + d)));
+              store_from_float(
+                  q, dt, ((b * Lq + t - qoff) * Hq + h) * D + d,
+                  vec[d] + attn->noise_std() * float(rng.normal(kQueryNoise, b, t, h * D + d)));
           }
           if (!indexer) continue;
           for (int64_t h = 0; h < Hi; ++h) {
@@ -534,9 +538,9 @@ Workload make_workload(const WorkloadOptions& options) {
             index->build(out, latent->at(b, t), t, -1, 0, t < o.num_sinks, is_heavy(b, t),
                          key_needles(b, t), scratch);
           for (int64_t d = 0; d < Di; ++d)
-            out[d] = (structured ? out[d] + index->noise_std() * float(rng.normal(
-                                                 kIndexKeyNoise, b, t, d))
-                                 : float(rng.normal(kIndexKeyNoise, b, t, d)));
+            out[d] = (structured
+                          ? out[d] + index->noise_std() * float(rng.normal(kIndexKeyNoise, b, t, d))
+                          : float(rng.normal(kIndexKeyNoise, b, t, d)));
         }
     }
     compress_index_keys(raw.view(), w.index_key.view(), blk);

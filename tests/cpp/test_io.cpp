@@ -104,7 +104,8 @@ TEST(TensorFiles, SafetensorsBf16AndF32LoadByName) {
   const std::string json =
       R"({"__metadata__":{"format":"pt"},"k":{"dtype":"BF16","shape":[2,2],"data_offsets":[0,8]},)"
       R"("v":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})";
-  const auto path = write_file("m.safetensors", safetensors_bytes(json, raw_bytes(bf) + raw_bytes(f)));
+  const auto path =
+      write_file("m.safetensors", safetensors_bytes(json, raw_bytes(bf) + raw_bytes(f)));
   const auto infos = list_safetensors(path);
   ASSERT_EQ(infos.size(), 2u);
   EXPECT_EQ(infos[0].name, "k");
@@ -164,13 +165,13 @@ TEST(TensorFiles, MalformedNpyFiles) {
       {"version", bad_version, "version 9"},
       {"truncated_data", npy_bytes(good_dict, raw_bytes(std::vector<float>(5, 1.f))),
        "20 data bytes, but shape [2, 3] of <f4 needs 24"},
-      {"fortran", npy_bytes("{'descr': '<f4', 'fortran_order': True, 'shape': (2, 3), }",
-                            raw_bytes(six)),
+      {"fortran",
+       npy_bytes("{'descr': '<f4', 'fortran_order': True, 'shape': (2, 3), }", raw_bytes(six)),
        "Fortran-order"},
       {"no_shape", npy_bytes("{'descr': '<f4', 'fortran_order': False, }", raw_bytes(six)),
        "needs descr, fortran_order and shape"},
-      {"shape_text", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (2, x), }",
-                               raw_bytes(six)),
+      {"shape_text",
+       npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (2, x), }", raw_bytes(six)),
        "non-integer entry"},
       {"header_past_end", std::string("\x93NUMPY\x01\x00\xff\x7f", 10) + "{'descr'",
        "truncated: the header"},
@@ -205,14 +206,14 @@ TEST(TensorFiles, MalformedSafetensorsFiles) {
       {"negative_dim",
        safetensors_bytes(R"({"x":{"dtype":"F32","shape":[-4],"data_offsets":[0,16]}})", data),
        "not a non-negative integer"},
-      {"outside", safetensors_bytes(R"({"x":{"dtype":"F32","shape":[8],"data_offsets":[0,32]}})",
-                                    data),
+      {"outside",
+       safetensors_bytes(R"({"x":{"dtype":"F32","shape":[8],"data_offsets":[0,32]}})", data),
        "outside the 16 data bytes"},
       {"byte_count",
        safetensors_bytes(R"({"x":{"dtype":"F32","shape":[3],"data_offsets":[0,16]}})", data),
        "has 16 data bytes but its shape [3] and dtype F32 need 12"},
-      {"offsets", safetensors_bytes(R"({"x":{"dtype":"F32","shape":[4],"data_offsets":[16]}})",
-                                    data),
+      {"offsets",
+       safetensors_bytes(R"({"x":{"dtype":"F32","shape":[4],"data_offsets":[16]}})", data),
        "needs data_offsets [begin, end]"},
   };
   for (const Case& c : cases) {
@@ -228,16 +229,15 @@ TEST(TensorFiles, MalformedSafetensorsFiles) {
 
 TEST(TensorFiles, SpecsNameTheProblem) {
   const std::string data = raw_bytes(std::vector<float>(4, 1.f));
-  const auto two = write_file(
-      "two.safetensors",
-      safetensors_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-                        R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
-                        data));
+  const auto two =
+      write_file("two.safetensors",
+                 safetensors_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                                   R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
+                                   data));
   expect_file_error<ValueError>([&] { load_tensor(two); }, two, "holds 2 tensors; name one");
   expect_file_error<ValueError>([&] { load_tensor(two + ":c"); }, two,
                                 "no tensor named \"c\" (the file has: a, b)");
-  expect_file_error<ValueError>([&] { load_tensor("x.pt"); }, "x.pt",
-                                "unknown tensor file format");
+  expect_file_error<ValueError>([&] { load_tensor("x.pt"); }, "x.pt", "unknown tensor file format");
 }
 
 class WorkloadFilesTest : public ::testing::Test {
@@ -276,7 +276,8 @@ TEST_F(WorkloadFilesTest, LoadsAndCompressesRawIndexerKeys) {
   for (double m : mean) ms += m * m / 6;
   const auto got = to_vector(w.index_key);
   for (int d = 0; d < 6; ++d)
-    EXPECT_NEAR(got[6 + d], mean[d] / std::sqrt(ms), 1e-2 * std::abs(mean[d] / std::sqrt(ms)) + 1e-3);
+    EXPECT_NEAR(got[6 + d], mean[d] / std::sqrt(ms),
+                1e-2 * std::abs(mean[d] / std::sqrt(ms)) + 1e-3);
 }
 
 TEST_F(WorkloadFilesTest, AcceptsCompressedKeysAndUnbatchedTensors) {

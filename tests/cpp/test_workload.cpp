@@ -21,8 +21,7 @@ using testing::to_vector;
 
 // Host copies of a workload's tensors as doubles, with softmax helpers.
 struct Dense {
-  explicit Dense(const Workload& w)
-      : o(w.options), q(to_vector(w.query)), k(to_vector(w.key)) {
+  explicit Dense(const Workload& w) : o(w.options), q(to_vector(w.query)), k(to_vector(w.key)) {
     if (o.indexer_heads > 0) {
       qi = to_vector(w.index_query);
       ki = to_vector(w.index_key);
@@ -76,9 +75,8 @@ std::vector<int64_t> top_k(const std::vector<double>& s, size_t k) {
   std::vector<int64_t> ids(s.size());
   std::iota(ids.begin(), ids.end(), 0);
   k = std::min(k, ids.size());
-  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int64_t a, int64_t b) {
-    return s[a] > s[b] || (s[a] == s[b] && a < b);
-  });
+  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
+                    [&](int64_t a, int64_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
   ids.resize(k);
   return ids;
 }
@@ -136,8 +134,11 @@ TEST(Workload, SameSeedGivesBitwiseSameTensorsAndOtherSeedsDiffer) {
   WorkloadOptions o = small_qsa(7);
   o.seq_len = 256;
   const Workload a = make_workload(o), b = make_workload(o);
-  for (auto [x, y] : {std::pair{&a.query, &b.query}, {&a.key, &b.key}, {&a.value, &b.value},
-                      {&a.index_query, &b.index_query}, {&a.index_key, &b.index_key}}) {
+  for (auto [x, y] : {std::pair{&a.query, &b.query},
+                      {&a.key, &b.key},
+                      {&a.value, &b.value},
+                      {&a.index_query, &b.index_query},
+                      {&a.index_key, &b.index_key}}) {
     const size_t bytes = x->numel() * dtype_size(x->dtype());
     EXPECT_EQ(std::memcmp(x->data(), y->data(), bytes), 0);
   }
@@ -299,30 +300,29 @@ TEST_P(WorkloadValidation, RaisesValueErrorNamingTheOption) {
 
 INSTANTIATE_TEST_SUITE_P(
     Options, WorkloadValidation,
-    ::testing::Values(
-        BadOption{"batch", [](auto& o) { o.batch = 0; }},
-        BadOption{"seq_len", [](auto& o) { o.seq_len = 0; }},
-        BadOption{"query_len", [](auto& o) { o.query_len = 65; }},
-        BadOption{"num_kv_heads", [](auto& o) { o.num_kv_heads = 0; }},
-        BadOption{"num_q_heads", [](auto& o) { o.num_q_heads = 3; }},
-        BadOption{"head_dim", [](auto& o) { o.head_dim = 0; }},
-        BadOption{"rotary_dims", [](auto& o) { o.rotary_dims = 3; }},
-        BadOption{"indexer_heads", [](auto& o) { o.indexer_heads = -1; }},
-        BadOption{"indexer_dim", [](auto& o) { o.indexer_dim = 1; }},
-        BadOption{"indexer_block", [](auto& o) { o.indexer_block = 0; }},
-        BadOption{"num_sinks", [](auto& o) { o.num_sinks = 65; }},
-        BadOption{"content_rank", [](auto& o) { o.content_rank = 0; }},
-        BadOption{"segment_len", [](auto& o) { o.segment_len = 0; }},
-        BadOption{"sink_logit", [](auto& o) { o.sink_logit = -1; }},
-        BadOption{"heavy_logit", [](auto& o) { o.heavy_logit = -1; }},
-        BadOption{"heavy_fraction", [](auto& o) { o.heavy_fraction = 1.5; }},
-        BadOption{"local_logit", [](auto& o) { o.local_logit = NAN; }},
-        BadOption{"topic_logit", [](auto& o) { o.topic_logit = INFINITY; }},
-        BadOption{"needle_logit", [](auto& o) { o.needle_logit = -2; }},
-        BadOption{"noise", [](auto& o) { o.noise = -0.5; }},
-        BadOption{"rope_theta", [](auto& o) { o.rope_theta = 0; }},
-        BadOption{"num_needles", [](auto& o) { o.num_needles = -1; }},
-        BadOption{"needle_queries", [](auto& o) { o.needle_queries = 0; }}),
+    ::testing::Values(BadOption{"batch", [](auto& o) { o.batch = 0; }},
+                      BadOption{"seq_len", [](auto& o) { o.seq_len = 0; }},
+                      BadOption{"query_len", [](auto& o) { o.query_len = 65; }},
+                      BadOption{"num_kv_heads", [](auto& o) { o.num_kv_heads = 0; }},
+                      BadOption{"num_q_heads", [](auto& o) { o.num_q_heads = 3; }},
+                      BadOption{"head_dim", [](auto& o) { o.head_dim = 0; }},
+                      BadOption{"rotary_dims", [](auto& o) { o.rotary_dims = 3; }},
+                      BadOption{"indexer_heads", [](auto& o) { o.indexer_heads = -1; }},
+                      BadOption{"indexer_dim", [](auto& o) { o.indexer_dim = 1; }},
+                      BadOption{"indexer_block", [](auto& o) { o.indexer_block = 0; }},
+                      BadOption{"num_sinks", [](auto& o) { o.num_sinks = 65; }},
+                      BadOption{"content_rank", [](auto& o) { o.content_rank = 0; }},
+                      BadOption{"segment_len", [](auto& o) { o.segment_len = 0; }},
+                      BadOption{"sink_logit", [](auto& o) { o.sink_logit = -1; }},
+                      BadOption{"heavy_logit", [](auto& o) { o.heavy_logit = -1; }},
+                      BadOption{"heavy_fraction", [](auto& o) { o.heavy_fraction = 1.5; }},
+                      BadOption{"local_logit", [](auto& o) { o.local_logit = NAN; }},
+                      BadOption{"topic_logit", [](auto& o) { o.topic_logit = INFINITY; }},
+                      BadOption{"needle_logit", [](auto& o) { o.needle_logit = -2; }},
+                      BadOption{"noise", [](auto& o) { o.noise = -0.5; }},
+                      BadOption{"rope_theta", [](auto& o) { o.rope_theta = 0; }},
+                      BadOption{"num_needles", [](auto& o) { o.num_needles = -1; }},
+                      BadOption{"needle_queries", [](auto& o) { o.needle_queries = 0; }}),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(WorkloadValidation, NonFloatingDtypeIsATypeError) {
