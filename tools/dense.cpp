@@ -76,7 +76,12 @@ DenseRows::DenseRows(const TensorView& q_rows, const TensorView& key, const Tens
       for (int64_t d = 0; d < d_ && n > 0; ++d) out_[rh * d_ + d] = float(acc[d] / sum);
 #pragma omp atomic
       ++done;
-      if (omp_get_thread_num() == 0) progress.update(done);
+      if (omp_get_thread_num() == 0) {  // one thread prints
+        int64_t now;
+#pragma omp atomic read
+        now = done;
+        progress.update(now);
+      }
     }
   }
   progress.finish();
