@@ -62,6 +62,11 @@ is_png "$TMP/sel-xattn.png" || fail "demo: $TMP/sel-xattn.png is not a PNG"
 expect xattn-exact 0 "density \(selected / visible\) +100.00 %" "attention-mass recall +100.00 %" \
   "output relative error vs dense +[0-9.]+e-0[3-9]" -- \
   demo --method xattn --seq-len 512 --rows all --threshold 1
+# A prefill chunk (the last 256 of 1k tokens) for two requests; a chunk longer than the context.
+expect chunk 0 "batch 2, 1k keys, 256 query rows" "metrics on [0-9]+ of 512 query rows" -- \
+  demo --seq-len 1k --q-len 256 --batch 2 --rows 8 --needles 2
+expect chunk-too-long 2 "--q-len: expected at most --seq-len \(1024\), got 2048" -- \
+  demo --seq-len 1k --q-len 2k
 # The random mode has no needles.
 expect random 0 "random workload" "needle hit rate +n/a" -- \
   demo --method qsa --mode random --seq-len 1k --rows 8

@@ -14,6 +14,10 @@ namespace {
 WorkloadOptions geometry(const DemoOptions& opt, const std::string& method, Device dev) {
   WorkloadOptions o = opt.workload;
   o.seq_len = opt.seq_len > 0 ? opt.seq_len : (dev.is_cuda() ? 32768 : 8192);
+  if (opt.query_len > o.seq_len)
+    throw ValueError(fmt::format("--q-len: expected at most --seq-len ({}), got {}", o.seq_len,
+                                 opt.query_len));
+  o.query_len = opt.query_len;
   o.device = Device::cpu();  // generated on the host; each pipeline copies what it needs
   if (method == "qsa") {
     o.num_q_heads = 24, o.num_kv_heads = 2, o.head_dim = 256;

@@ -17,6 +17,7 @@ struct DemoOptions {
   std::string method = "all";  // qsa, xattn or all
   WorkloadOptions workload;    // structure knobs; geometry is set per method
   int64_t seq_len = 0;         // 0: 32k on a GPU, 8k on the CPU
+  int64_t query_len = 0;       // query rows per request (the last tokens); 0: all
   int64_t rows = -1;           // query rows evaluated: -1 auto (all on a GPU, 64 on the CPU)
   std::string device = "auto", backend = "auto";
   int64_t topk = 512;         // QSA blocks per row

@@ -146,6 +146,11 @@ int main(int argc, char** argv) {
                 "keys per request (default: 32k with a GPU, 8k on "
                 "the CPU)")
       ->transform(cli::size_validator());
+  d->add_option("--q-len", demo.query_len,
+                "query rows per request, the last tokens (a prefill chunk or decode against the "
+                "earlier keys); 0: every token")
+      ->transform(cli::size_validator())
+      ->default_str("0");
   d->add_option("--rows", demo_rows,
                 "query rows the metrics are evaluated on (dense attention runs on the host): "
                 "auto (64 evenly spaced plus each needle's row), all, or a count. On a GPU the "
