@@ -227,6 +227,40 @@ TEST(TensorFiles, MalformedSafetensorsFiles) {
   expect_file_error<TypeError>([&] { list_safetensors(u8); }, u8, "dtype U8");
 }
 
+// Truncations and random byte flips of good files: each load either succeeds or raises one of
+// the library's errors; never a crash, a hang or an unbounded allocation.
+TEST(TensorFiles, MutatedFilesRaiseErrorsNeverCrash) {
+  auto rng = testing::make_rng();
+  const std::vector<float> data(12, 0.5f);
+  const std::string npy =
+      npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (3, 4), }", raw_bytes(data));
+  const std::string st = safetensors_bytes(
+      R"({"a":{"dtype":"F32","shape":[3,4],"data_offsets":[0,48]}})", raw_bytes(data));
+  int errors = 0, loads = 0;
+  for (const auto& [good, ext] : {std::pair{npy, std::string(".npy")}, {st, ".safetensors"}}) {
+    for (int trial = 0; trial < 300; ++trial) {
+      std::string bytes = good;
+      if (trial % 3 == 0) {
+        bytes.resize(rng() % bytes.size());
+      } else {
+        for (int flips = 1 + int(rng() % 3); flips > 0; --flips)
+          bytes[rng() % bytes.size()] = static_cast<char>(rng());
+      }
+      const auto path = write_file("mutant" + ext, bytes);
+      try {
+        const Tensor t = load_tensor(path);
+        ++loads;
+        EXPECT_LE(t.numel() * dtype_size(t.dtype()), bytes.size());
+      } catch (const Error& e) {
+        ++errors;
+        EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+      }
+    }
+  }
+  EXPECT_GT(errors, 100);
+  EXPECT_GT(loads, 10);  // flips inside the data leave valid files
+}
+
 TEST(TensorFiles, SpecsNameTheProblem) {
   const std::string data = raw_bytes(std::vector<float>(4, 1.f));
   const auto two =

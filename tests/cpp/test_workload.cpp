@@ -351,3 +351,41 @@ TEST(WorkloadValidation, CudaDeviceWithoutCudaBuildRaisesNotCrashes) {
 
 }  // namespace
 }  // namespace sparse_attn
+
+namespace sparse_attn {
+namespace {
+
+TEST(CompressIndexKeys, MeanOfEachBlockDividedByItsRms) {
+  auto rng = testing::make_rng();
+  const Tensor raw = testing::random_tensor({2, 9, 5}, DType::kF32, rng);
+  const Tensor out = Tensor::empty({2, 3, 5}, DType::kF32);
+  testing::poison(out);
+  compress_index_keys(raw, out, 3);
+  std::vector<double> want;
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t c = 0; c < 3; ++c) {
+      std::vector<double> m(5, 0.0);
+      for (int64_t t = 3 * c; t < 3 * c + 3; ++t)
+        for (int64_t d = 0; d < 5; ++d) m[d] += testing::get(raw, {b, t, d}) / 3;
+      double ms = 0;
+      for (double x : m) ms += x * x / 5;
+      for (double x : m) want.push_back(x / std::sqrt(ms));
+    }
+  EXPECT_TRUE(testing::all_close(out, want, 1e-5, 1e-5));
+}
+
+TEST(CompressIndexKeys, WrongOutputShapeNamesOut) {
+  const Tensor raw = Tensor::empty({1, 8, 4}, DType::kF32);
+  const Tensor out = Tensor::empty({1, 3, 4}, DType::kF32);
+  try {
+    compress_index_keys(raw, out, 4);
+    FAIL() << "no error";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("out"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(compress_index_keys(raw, Tensor::empty({1, 2, 4}, DType::kI32), 4), TypeError);
+  EXPECT_THROW(compress_index_keys(raw, Tensor::empty({1, 2, 4}, DType::kF32), 0), ValueError);
+}
+
+}  // namespace
+}  // namespace sparse_attn
