@@ -67,6 +67,10 @@ expect chunk 0 "batch 2, 1k keys, 256 query rows" "metrics on [0-9]+ of 512 quer
   demo --seq-len 1k --q-len 256 --batch 2 --rows 8 --needles 2
 expect chunk-too-long 2 "--q-len: expected at most --seq-len \(1024\), got 2048" -- \
   demo --seq-len 1k --q-len 2k
+# Metrics as JSON lines.
+expect demo-json 0 "QSA" -- demo --method qsa --seq-len 1k --rows 8 --json "$TMP/d.jsonl"
+grep -q '"method":"QSA"' "$TMP/d.jsonl" && grep -q '"recall":' "$TMP/d.jsonl" ||
+  fail "demo --json: JSON line missing or incomplete: $(cat "$TMP/d.jsonl" 2>/dev/null)"
 # The random mode has no needles.
 expect random 0 "random workload" "needle hit rate +n/a" -- \
   demo --method qsa --mode random --seq-len 1k --rows 8

@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "sparse_attn/errors.h"
 
@@ -15,8 +17,8 @@ WorkloadOptions geometry(const DemoOptions& opt, const std::string& method, Devi
   WorkloadOptions o = opt.workload;
   o.seq_len = opt.seq_len > 0 ? opt.seq_len : (dev.is_cuda() ? 32768 : 8192);
   if (opt.query_len > o.seq_len)
-    throw ValueError(fmt::format("--q-len: expected at most --seq-len ({}), got {}", o.seq_len,
-                                 opt.query_len));
+    throw ValueError(
+        fmt::format("--q-len: expected at most --seq-len ({}), got {}", o.seq_len, opt.query_len));
   o.query_len = opt.query_len;
   o.device = Device::cpu();  // generated on the host; each pipeline copies what it needs
   if (method == "qsa") {
@@ -114,6 +116,30 @@ int run_demo(const DemoOptions& opt) {
     const MethodResult r =
         m == "qsa" ? run_qsa_demo(mo, w, rd, policy) : run_xattn_demo(mo, w, rd, policy);
     print_result(r);
+    if (!opt.json.empty()) {
+      std::ofstream out(opt.json, std::ios::app);
+      if (!out) throw ValueError(fmt::format("--json {}: cannot open for appending", opt.json));
+      nlohmann::json stages = nlohmann::json::object();
+      for (const auto& [name, sec] : r.stages) stages[name] = sec;
+      const nlohmann::json j = {{"method", r.method},
+                                {"geometry", r.geometry},
+                                {"device", rd.device.str()},
+                                {"seq_len", w.options.seq_len},
+                                {"query_len", w.options.query_len},
+                                {"batch", w.options.batch},
+                                {"rows_evaluated", r.rows_evaluated},
+                                {"rows_total", r.rows_total},
+                                {"density", r.density},
+                                {"recall", r.recall},
+                                {"rel_error", r.rel_error},
+                                {"needle_hits", r.needle_hits},
+                                {"needle_total", r.needle_total},
+                                {"stages_s", stages},
+                                {"times_cover", r.scope},
+                                {"dense_s", r.dense_seconds},
+                                {"notes", r.notes}};
+      out << j.dump() << '\n';
+    }
   }
   for (const auto& n : policy.notes()) std::printf("note: %s\n", n.c_str());
   return 0;

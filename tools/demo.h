@@ -26,6 +26,7 @@ struct DemoOptions {
   int64_t xattn_blocks = -1;  // XAttention query blocks evaluated on the CPU: -1 auto
   std::string plot;           // PNG path, "" for none
   std::string save_workload;  // safetensors path for the generated tensors, "" for none
+  std::string json;           // append one JSON object per method to this file, "" for none
   bool keep_sink = false;     // XAttention: always keep key block 0
   WorkloadFiles files;        // users' tensors instead of a generated workload
 };

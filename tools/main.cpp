@@ -168,6 +168,7 @@ int main(int argc, char** argv) {
   d->add_option("--plot", demo.plot,
                 "write a heatmap PNG of the selection (FILE-qsa.png and FILE-xattn.png with "
                 "--method all)");
+  d->add_option("--json", demo.json, "append one JSON object of metrics and times per method");
   d->add_flag("--keep-sink", demo.keep_sink,
               "XAttention: always keep key block 0 (upstream's "
               "keep_sink; off by default there too)");
