@@ -83,8 +83,7 @@ Ceilings measure_ceilings(Timer& timer) {
     const Timing t = timer.time([&](cudaStream_t) {
       const cublasStatus_t st = cublasGemmEx(
           h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a.data(), CUDA_R_16BF, n, b.data(),
-          CUDA_R_16BF, n, &zero, d.data(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
-          CUBLAS_GEMM_DEFAULT);
+          CUDA_R_16BF, n, &zero, d.data(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
       if (st != CUBLAS_STATUS_SUCCESS) {
         fmt::print(stderr, "cublasGemmEx failed: {}\n", int(st));
         std::exit(2);

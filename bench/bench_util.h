@@ -40,8 +40,8 @@ class Timer {
 };
 
 struct Ceilings {
-  double copy_tbps;   // device-to-device copy, (read + write) bytes per second / 1e12
-  double gemm_tflops; // cuBLAS bf16 GEMM 8192^3, FP32 accumulate, random inputs
+  double copy_tbps;    // device-to-device copy, (read + write) bytes per second / 1e12
+  double gemm_tflops;  // cuBLAS bf16 GEMM 8192^3, FP32 accumulate, random inputs
 };
 Ceilings measure_ceilings(Timer& timer);
 

@@ -55,10 +55,10 @@ def median_us_per_call(fn, calls, repeats, sync):
 def decode_inputs(args, device):
     """A decode step: one query row per request, canonical QSA geometry, paged caches."""
     B = args.batch
-    g = torch.Generator(device="cpu").manual_seed(0)
+    torch.manual_seed(0)
 
     def rand(shape, dtype=torch.bfloat16):
-        return torch.randn(shape, generator=g).to(dtype).to(device)
+        return torch.randn(shape, dtype=dtype, device=device)
 
     ctx_tokens = args.context
     page = args.page_size
@@ -77,7 +77,7 @@ def decode_inputs(args, device):
         max_model_len=idx_pages_per_req * idx_page,
     )
     width = 4 * 512 + 3
-    ids = torch.randint(0, ctx_tokens, (B, width), generator=g).to(torch.int32).to(device)
+    ids = torch.randint(0, ctx_tokens, (B, width), dtype=torch.int32, device=device)
     attn = dict(
         query=rand((B, 24, 256)),
         key=rand((kv_pages, page, 2, 256)),

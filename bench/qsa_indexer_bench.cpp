@@ -70,10 +70,15 @@ Result bench_prefill(Timer& timer, const Ceilings& c, int64_t tokens) {
   const double compute_ms = kFlopPerScore * tile_scores / (c.gemm_tflops * 1e12) * 1e3;
   const double memory_ms = bytes / (c.copy_tbps * 1e12) * 1e3;
   const double s = t.median_ms * 1e-3;
-  return {fmt::format("prefill_{}k", tokens / 1024), t.median_ms,
-          kFlopPerScore * visible / s / 1e12, bytes / s / 1e12,
-          std::max(compute_ms, memory_ms), compute_ms > memory_ms ? "compute" : "write",
-          0.8, compute_ms, memory_ms};
+  return {fmt::format("prefill_{}k", tokens / 1024),
+          t.median_ms,
+          kFlopPerScore * visible / s / 1e12,
+          bytes / s / 1e12,
+          std::max(compute_ms, memory_ms),
+          compute_ms > memory_ms ? "compute" : "write",
+          0.8,
+          compute_ms,
+          memory_ms};
 }
 
 Result bench_decode(Timer& timer, const Ceilings& c, int64_t batch, int64_t page_size) {
@@ -105,13 +110,18 @@ Result bench_decode(Timer& timer, const Ceilings& c, int64_t batch, int64_t page
     qsa_mqa_decode(q, cache, dt, dl, max_model_len, out, o);
   });
   const double keys = std::accumulate(lens.begin(), lens.end(), 0.0);
-  const double bytes = 256.0 * keys + 4.0 * batch * max_model_len + 1024.0 * batch +
-                       4.0 * keys / page_size;
+  const double bytes =
+      256.0 * keys + 4.0 * batch * max_model_len + 1024.0 * batch + 4.0 * keys / page_size;
   const double s = t.median_ms * 1e-3;
   const double memory_ms = bytes / (c.copy_tbps * 1e12) * 1e3;
-  return {fmt::format("decode_b{}_page{}", batch, page_size), t.median_ms,
-          kFlopPerScore * keys / s / 1e12, bytes / s / 1e12, memory_ms, "hbm",
-          batch >= 32 ? 0.8 : 0.0, kFlopPerScore * keys / (c.gemm_tflops * 1e12) * 1e3,
+  return {fmt::format("decode_b{}_page{}", batch, page_size),
+          t.median_ms,
+          kFlopPerScore * keys / s / 1e12,
+          bytes / s / 1e12,
+          memory_ms,
+          "hbm",
+          batch >= 32 ? 0.8 : 0.0,
+          kFlopPerScore * keys / (c.gemm_tflops * 1e12) * 1e3,
           memory_ms};
 }
 
@@ -152,8 +162,9 @@ int main(int argc, char** argv) {
       fmt::print(stderr, "cannot write {}\n", csv_path);
       return 2;
     }
-    fmt::print(f, "name,ms,tflops,tbps,floor_ms,floor_kind,compute_floor_ms,memory_floor_ms,"
-                  "ratio,goal,copy_tbps,gemm_tflops\n");
+    fmt::print(f,
+               "name,ms,tflops,tbps,floor_ms,floor_kind,compute_floor_ms,memory_floor_ms,"
+               "ratio,goal,copy_tbps,gemm_tflops\n");
     for (const Result& r : results)
       fmt::print(f, "{},{:.5f},{:.2f},{:.3f},{:.5f},{},{:.5f},{:.5f},{:.3f},{},{:.3f},{:.1f}\n",
                  r.name, r.ms, r.tflops, r.tbps, r.floor_ms, r.floor_kind, r.compute_ms,

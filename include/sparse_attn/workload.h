@@ -11,11 +11,14 @@
 //   - topic: the same content, unrotated, in the other dimensions: keys of the query's segment
 //     score `topic_logit` whatever their distance;
 //   - sinks: the first `num_sinks` keys share a direction with every query (`sink_logit`);
+//   - heavy hitters: a `heavy_fraction` of the other keys, spread through the context, share
+//     another such direction (`heavy_logit`): tokens most queries attend a little, which keeps
+//     consecutive rows' selections alike, as on real models;
 //   - needles: `num_needles` far keys each share a private direction with a span of
 //     `needle_queries` later query rows (`needle_logit`), the retrieval pattern;
 //   - noise: i.i.d. Gaussian noise, `noise` times the RMS of the structured part.
-// Sink and needle directions are orthogonal to the topic subspace and to each other (as far as
-// the unrotated dimensions allow), so they add exactly their logit.
+// Sink, heavy-hitter and needle directions are orthogonal to the topic subspace and to each
+// other (as far as the unrotated dimensions allow), so they add exactly their logit.
 // The plain random mode draws every element i.i.d. N(0, 1) instead, for contrast.
 //
 // The QSA indexer inputs come from the same latent structure (same segments, sinks and
@@ -60,7 +63,9 @@ struct WorkloadOptions {
 
   // Structure (structured mode only). Logits are in nats of scale * q.k, scale 1/sqrt(D).
   int64_t num_sinks = 4;
-  double sink_logit = 10.0;
+  double sink_logit = 10.5;
+  double heavy_fraction = 0.02;
+  double heavy_logit = 4.0;
   int64_t content_rank = 16;
   int64_t segment_len = 512;
   double local_logit = 10.0;
@@ -83,13 +88,14 @@ struct Needle {
 };
 
 struct Workload {
-  WorkloadOptions options;       // as given, with defaults resolved (query_len, rotary_dims)
-  Tensor query;                  // [B, Lq, Hq, D]
-  Tensor key;                    // [B, Lk, Hkv, D]
-  Tensor value;                  // [B, Lk, Hkv, D]
-  Tensor index_query;            // [B, Lq, Hi, Di]; empty when indexer_heads == 0
-  Tensor index_key;              // [B, Lk / indexer_block, Di] compressed keys; likewise
-  std::vector<Needle> needles;   // empty in random mode
+  WorkloadOptions options;      // as given, with defaults resolved (query_len, rotary_dims)
+  Tensor query;                 // [B, Lq, Hq, D]
+  Tensor key;                   // [B, Lk, Hkv, D]
+  Tensor value;                 // [B, Lk, Hkv, D]
+  Tensor index_query;           // [B, Lq, Hi, Di]; empty when indexer_heads == 0
+  Tensor index_key;             // [B, Lk / indexer_block, Di] compressed keys; likewise
+  std::vector<Needle> needles;  // empty in random mode
+  std::vector<std::vector<int64_t>> heavy_hitters;  // [batch]: key positions; empty if random
 
   // Request-local position of query row i.
   int64_t query_position(int64_t i) const { return options.seq_len - options.query_len + i; }

@@ -11,8 +11,6 @@ try:
 except ImportError:
     numpy = None
 
-from . import _C
-
 if torch is not None:
     _Tensor = torch.Tensor
     _TORCH_DTYPES = {"float32": torch.float32, "int32": torch.int32, "bool": torch.bool}
@@ -46,13 +44,22 @@ def require_tensor(obj, name):
     )
 
 
+def require_bool(value, name):
+    """TypeError unless value is a bool: flags that only Python reads (they choose what is
+    returned) get the check the binding gives the others."""
+    if value is not True and value is not False:
+        raise TypeError(f"{name}: expected a bool, got {describe(value)}")
+
+
 def empty(shape, like, name, dtype=None):
-    """An uninitialised output of `shape` in the framework and on the device of `like`;
-    dtype None means like's dtype, otherwise a name ("float32", "int32", "bool")."""
+    """An uninitialised contiguous output of `shape` in the framework and on the device of
+    `like`; dtype None means like's dtype, otherwise a name ("float32", "int32", "bool")."""
     if isinstance(like, _Tensor):
-        return torch.empty(
-            shape, dtype=like.dtype if dtype is None else _TORCH_DTYPES[dtype], device=like.device
-        )
+        # new_empty / empty_like skip torch.empty's device argument parsing (~0.4 us per
+        # call on the development machine); the outputs stay contiguous either way.
+        if dtype is None and shape == like.shape:
+            return torch.empty_like(like, memory_format=torch.contiguous_format)
+        return like.new_empty(shape, dtype=None if dtype is None else _TORCH_DTYPES[dtype])
     if numpy is not None and isinstance(like, numpy.ndarray):
         return numpy.empty(shape, dtype=like.dtype if dtype is None else dtype)
     namespace = getattr(like, "__array_namespace__", None)

@@ -153,6 +153,7 @@ def qsa_sparse_attention(
     Returns the query-shaped output (exactly `out` when given), or (out, lse) when
     return_lse; lse is FP32 query.shape[:-1], natural log, -inf for rows with no valid
     token, and is written whenever given."""
+    rt.require_bool(return_lse, "return_lse")
     if out is None:
         shape = tuple(query.shape) if _rank(query) in (3, 4) else \
             _C.qsa_sparse_attention_out_shape(query)

@@ -30,6 +30,7 @@ def qsa_expand_blocks(block_ids, query_positions, *, return_block_indices=False,
     k = 512). Returns token_indices, or (token_indices, block_indices) when
     return_block_indices (the kept ids in input order, then -1: the block hint). Outputs
     given as token_indices= / block_indices= are written and returned."""
+    rt.require_bool(return_block_indices, "return_block_indices")
     rank = len(getattr(block_ids, "shape", ()))
     if token_indices is None:
         shape = (*block_ids.shape[:-1], 4 * block_ids.shape[-1] + 3) if rank in (2, 3) else \

@@ -14,10 +14,10 @@ namespace {
 using nb::handle;
 
 IndexerScoreOptions indexer_options(Borrowed& b, handle block_table, handle page_size,
-                                    handle cu_seqlens_q, handle token_to_req,
-                                    handle num_requests, handle query_positions,
-                                    handle seq_lens_q, handle block_size, handle scale,
-                                    handle score_scale, handle backend, handle stream) {
+                                    handle cu_seqlens_q, handle token_to_req, handle num_requests,
+                                    handle query_positions, handle seq_lens_q, handle block_size,
+                                    handle scale, handle score_scale, handle backend,
+                                    handle stream) {
   IndexerScoreOptions o;
   o.block_table = b.optional_tensor(block_table, "block_table");
   o.page_size = optional_int(page_size, "page_size");
@@ -44,17 +44,16 @@ MqaScoreOptions mqa_options(handle score_scale, handle scale, handle backend, ha
 }
 
 void indexer_score(handle q_idx, handle block_keys, handle out, handle block_table,
-                   handle page_size, handle cu_seqlens_q, handle token_to_req,
-                   handle num_requests, handle query_positions, handle seq_lens_q,
-                   handle block_size, handle scale, handle score_scale, handle backend,
-                   handle stream) {
+                   handle page_size, handle cu_seqlens_q, handle token_to_req, handle num_requests,
+                   handle query_positions, handle seq_lens_q, handle block_size, handle scale,
+                   handle score_scale, handle backend, handle stream) {
   Borrowed b;
   const TensorView q = b.tensor(q_idx, "q_idx");
   const TensorView k = b.tensor(block_keys, "block_keys");
   const TensorView o = b.tensor(out, "out", true);
-  const IndexerScoreOptions opts = indexer_options(
-      b, block_table, page_size, cu_seqlens_q, token_to_req, num_requests, query_positions,
-      seq_lens_q, block_size, scale, score_scale, backend, stream);
+  const IndexerScoreOptions opts =
+      indexer_options(b, block_table, page_size, cu_seqlens_q, token_to_req, num_requests,
+                      query_positions, seq_lens_q, block_size, scale, score_scale, backend, stream);
   nb::gil_scoped_release release;
   qsa_indexer_mqa_score(q, k, o, opts);
 }
@@ -91,8 +90,8 @@ Shape mqa_prefill_shape(handle q, handle k) {
 }
 
 void mqa_decode(handle q, handle k_cache, handle page_table, handle context_lens,
-                handle max_model_len, handle out, handle score_scale, handle scale,
-                handle backend, handle stream) {
+                handle max_model_len, handle out, handle score_scale, handle scale, handle backend,
+                handle stream) {
   Borrowed b;
   const TensorView qv = b.tensor(q, "q");
   const TensorView kv = b.tensor(k_cache, "k_cache");
@@ -111,14 +110,13 @@ Shape mqa_decode_shape(handle q, handle max_model_len) {
 }
 
 void sparse_attention(handle query, handle key, handle value, handle token_indices, handle out,
-                      handle lse, handle block_indices, handle cu_seqlens_q,
-                      handle token_to_req, handle num_requests, handle cu_seqlens_k,
-                      handle seq_lens_q, handle seq_lens_k, handle query_positions,
-                      handle block_table, handle page_size, handle scale, handle gate,
-                      handle num_splits, handle backend, handle warp_specialized,
-                      handle assume_compact_blocks, handle selected_kv_indices,
-                      handle softmax_scale, handle k_scale, handle v_scale,
-                      handle compute_dtype, handle stream) {
+                      handle lse, handle block_indices, handle cu_seqlens_q, handle token_to_req,
+                      handle num_requests, handle cu_seqlens_k, handle seq_lens_q,
+                      handle seq_lens_k, handle query_positions, handle block_table,
+                      handle page_size, handle scale, handle gate, handle num_splits,
+                      handle backend, handle warp_specialized, handle assume_compact_blocks,
+                      handle selected_kv_indices, handle softmax_scale, handle k_scale,
+                      handle v_scale, handle compute_dtype, handle stream) {
   Borrowed b;
   const TensorView q = b.tensor(query, "query");
   const TensorView k = b.tensor(key, "key");
@@ -167,23 +165,22 @@ Shape sparse_attention_lse_shape(handle query) {
 
 void bind_qsa(nb::module_& m) {
   def(m, "qsa_indexer_mqa_score", &indexer_score, "q_idx", "block_keys", "out", "block_table",
-      "page_size", "cu_seqlens_q", "token_to_req", "num_requests", "query_positions",
-      "seq_lens_q", "block_size", "scale", "score_scale", "backend", "stream");
-  def(m, "qsa_indexer_mqa_score_shape", &indexer_score_shape, "q_idx", "block_keys",
-      "block_table", "page_size", "cu_seqlens_q", "token_to_req", "num_requests",
-      "query_positions", "seq_lens_q", "block_size", "scale", "score_scale", "backend");
-  def(m, "qsa_mqa_prefill", &mqa_prefill, "q", "k", "row_starts", "row_ends", "out",
-      "score_scale", "scale", "backend", "stream");
+      "page_size", "cu_seqlens_q", "token_to_req", "num_requests", "query_positions", "seq_lens_q",
+      "block_size", "scale", "score_scale", "backend", "stream");
+  def(m, "qsa_indexer_mqa_score_shape", &indexer_score_shape, "q_idx", "block_keys", "block_table",
+      "page_size", "cu_seqlens_q", "token_to_req", "num_requests", "query_positions", "seq_lens_q",
+      "block_size", "scale", "score_scale", "backend");
+  def(m, "qsa_mqa_prefill", &mqa_prefill, "q", "k", "row_starts", "row_ends", "out", "score_scale",
+      "scale", "backend", "stream");
   def(m, "qsa_mqa_prefill_shape", &mqa_prefill_shape, "q", "k");
   def(m, "qsa_mqa_decode", &mqa_decode, "q", "k_cache", "page_table", "context_lens",
       "max_model_len", "out", "score_scale", "scale", "backend", "stream");
   def(m, "qsa_mqa_decode_shape", &mqa_decode_shape, "q", "max_model_len");
-  def(m, "qsa_sparse_attention", &sparse_attention, "query", "key", "value", "token_indices",
-      "out", "lse", "block_indices", "cu_seqlens_q", "token_to_req", "num_requests",
-      "cu_seqlens_k", "seq_lens_q", "seq_lens_k", "query_positions", "block_table",
-      "page_size", "scale", "gate", "num_splits", "backend", "warp_specialized",
-      "assume_compact_blocks", "selected_kv_indices", "softmax_scale", "k_scale", "v_scale",
-      "compute_dtype", "stream");
+  def(m, "qsa_sparse_attention", &sparse_attention, "query", "key", "value", "token_indices", "out",
+      "lse", "block_indices", "cu_seqlens_q", "token_to_req", "num_requests", "cu_seqlens_k",
+      "seq_lens_q", "seq_lens_k", "query_positions", "block_table", "page_size", "scale", "gate",
+      "num_splits", "backend", "warp_specialized", "assume_compact_blocks", "selected_kv_indices",
+      "softmax_scale", "k_scale", "v_scale", "compute_dtype", "stream");
   def(m, "qsa_sparse_attention_out_shape", &sparse_attention_out_shape, "query");
   def(m, "qsa_sparse_attention_lse_shape", &sparse_attention_lse_shape, "query");
 }

@@ -63,8 +63,8 @@ XAttnEstimateOptions estimate_options(handle threshold, handle head_thresholds, 
 
 void estimate(handle query, handle key, handle attn_sums, handle block_mask, handle threshold,
               handle head_thresholds, handle causal, handle keep_sink, handle keep_recent,
-              handle block_size, handle stride, handle norm, handle chunk_size,
-              handle select_mode, handle backend, handle stream) {
+              handle block_size, handle stride, handle norm, handle chunk_size, handle select_mode,
+              handle backend, handle stream) {
   Borrowed b;
   const TensorView q = b.tensor(query, "query_states");
   const TensorView k = b.tensor(key, "key_states");
@@ -119,11 +119,11 @@ void attention(handle q, handle k, handle v, handle cu_seqlens_q, handle cu_seql
   block_sparse_attention(qv, kv, vv, cu_q, cu_k, mask, max_q, max_k, o, l, opts);
 }
 
-void attention_paged(handle q, handle k_cache, handle v_cache, handle block_table,
-                     handle seqlens_k, handle cu_seqlens_q, handle base_blockmask,
-                     handle max_seqlen_q, handle max_seqlen_k, handle out, handle lse,
-                     handle head_mask_type, handle streaming_info, handle softmax_scale,
-                     handle is_causal, handle p_dropout, handle backend, handle stream) {
+void attention_paged(handle q, handle k_cache, handle v_cache, handle block_table, handle seqlens_k,
+                     handle cu_seqlens_q, handle base_blockmask, handle max_seqlen_q,
+                     handle max_seqlen_k, handle out, handle lse, handle head_mask_type,
+                     handle streaming_info, handle softmax_scale, handle is_causal,
+                     handle p_dropout, handle backend, handle stream) {
   Borrowed b;
   const TensorView qv = b.tensor(q, "q");
   const TensorView kc = b.tensor(k_cache, "k_cache");
@@ -177,14 +177,13 @@ void bind_xattn(nb::module_& m) {
   def(m, "block_sparse_attention", &attention, "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k",
       "base_blockmask", "max_seqlen_q", "max_seqlen_k", "out", "lse", "head_mask_type",
       "streaming_info", "softmax_scale", "is_causal", "p_dropout", "backend", "stream");
-  def(m, "block_sparse_attention_paged", &attention_paged, "q", "k_cache", "v_cache",
-      "block_table", "seqlens_k", "cu_seqlens_q", "base_blockmask", "max_seqlen_q",
-      "max_seqlen_k", "out", "lse", "head_mask_type", "streaming_info", "softmax_scale",
-      "is_causal", "p_dropout", "backend", "stream");
-  def(m, "xattention_prefill", &prefill, "query", "key", "value", "attn_sums", "block_mask",
-      "out", "lse", "threshold", "head_thresholds", "causal", "keep_sink", "keep_recent",
-      "block_size", "stride", "norm", "chunk_size", "select_mode", "softmax_scale", "backend",
+  def(m, "block_sparse_attention_paged", &attention_paged, "q", "k_cache", "v_cache", "block_table",
+      "seqlens_k", "cu_seqlens_q", "base_blockmask", "max_seqlen_q", "max_seqlen_k", "out", "lse",
+      "head_mask_type", "streaming_info", "softmax_scale", "is_causal", "p_dropout", "backend",
       "stream");
+  def(m, "xattention_prefill", &prefill, "query", "key", "value", "attn_sums", "block_mask", "out",
+      "lse", "threshold", "head_thresholds", "causal", "keep_sink", "keep_recent", "block_size",
+      "stride", "norm", "chunk_size", "select_mode", "softmax_scale", "backend", "stream");
   m.attr("BLOCK_SPARSE_BLOCK_SIZE") = kBlockSparseBlockSize;
 }
 

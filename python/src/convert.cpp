@@ -17,13 +17,25 @@ namespace dl = nb::dlpack;
 std::string dlpack_dtype_name(dl::dtype dt) {
   const char* kind = "unknown";
   switch (static_cast<dl::dtype_code>(dt.code)) {
-    case dl::dtype_code::Int: kind = "int"; break;
-    case dl::dtype_code::UInt: kind = "uint"; break;
-    case dl::dtype_code::Float: kind = "float"; break;
-    case dl::dtype_code::Bfloat: kind = "bfloat"; break;
-    case dl::dtype_code::Complex: kind = "complex"; break;
-    case dl::dtype_code::Bool: return "bool";
-    default: return fmt::format("DLPack dtype code {} ({} bits)", dt.code, dt.bits);
+    case dl::dtype_code::Int:
+      kind = "int";
+      break;
+    case dl::dtype_code::UInt:
+      kind = "uint";
+      break;
+    case dl::dtype_code::Float:
+      kind = "float";
+      break;
+    case dl::dtype_code::Bfloat:
+      kind = "bfloat";
+      break;
+    case dl::dtype_code::Complex:
+      kind = "complex";
+      break;
+    case dl::dtype_code::Bool:
+      return "bool";
+    default:
+      return fmt::format("DLPack dtype code {} ({} bits)", dt.code, dt.bits);
   }
   return fmt::format("{}{}", kind, dt.bits);
 }
@@ -82,9 +94,9 @@ TensorView view_of(const Array& a, const char* name) {
     shape[d] = a.shape_ptr()[d];
     strides[d] = a.stride_ptr()[d];
     if (strides[d] < 0 && shape[d] > 1) {
-      throw ValueError(fmt::format(
-          "{}: negative strides are not supported (stride[{}] is {}); pass a copy", name, d,
-          strides[d]));
+      throw ValueError(
+          fmt::format("{}: negative strides are not supported (stride[{}] is {}); pass a copy",
+                      name, d, strides[d]));
     }
   }
   const Device device = device_of(a.device_type(), a.device_id(), name);
@@ -107,13 +119,12 @@ bool has_attr(nb::handle obj, const char* attr) { return PyObject_HasAttrString(
   if (writable) {
     nb::ndarray<nb::ro> read_only;
     if (nb::try_cast(obj, read_only, false)) {
-      throw ValueError(
-          fmt::format("{}: the {} is read-only, but this argument is written", name,
-                      py_type_name(obj)));
+      throw ValueError(fmt::format("{}: the {} is read-only, but this argument is written", name,
+                                   py_type_name(obj)));
     }
   }
-  // Ask the producer directly to recover its reason (torch refuses tensors that require
-  // grad, numpy refuses byte strides that are not a multiple of the item size, ...).
+  // Ask the producer directly to recover its reason (torch refuses sparse layouts, numpy
+  // refuses byte strides that are not a multiple of the item size, ...).
   std::string reason = "the producer refused the export";
   if (has_attr(obj, "__dlpack__")) {
     try {
@@ -122,8 +133,8 @@ bool has_attr(nb::handle obj, const char* attr) { return PyObject_HasAttrString(
       reason = e.what();
     }
   }
-  throw TypeError(
-      fmt::format("{}: could not import the {} through DLPack: {}", name, py_type_name(obj), reason));
+  throw TypeError(fmt::format("{}: could not import the {} through DLPack: {}", name,
+                              py_type_name(obj), reason));
 }
 
 bool is_tensor_like(nb::handle obj) { return has_attr(obj, "__dlpack__"); }
@@ -148,7 +159,8 @@ const TorchExport& torch_export() {
       nb::handle t(torch);
       if (has_attr(t, "Tensor") && has_attr(t, "_C") && has_attr(t.attr("_C"), "_to_dlpack")) {
         e.to_dlpack = nb::object(t.attr("_C").attr("_to_dlpack")).release().ptr();
-        e.tensor_type = reinterpret_cast<PyTypeObject*>(nb::object(t.attr("Tensor")).release().ptr());
+        e.tensor_type =
+            reinterpret_cast<PyTypeObject*>(nb::object(t.attr("Tensor")).release().ptr());
       }
     }
   }
@@ -223,16 +235,15 @@ std::optional<int64_t> optional_int(nb::handle obj, const char* name) {
 int64_t to_int(nb::handle obj, const char* name) {
   PyObject* o = obj.ptr();
   const bool integral =
-      (PyLong_Check(o) || (!is_tensor_like(obj) && has_attr(obj, "__index__"))) &&
-      !PyBool_Check(o);
-  if (!integral) throw TypeError(fmt::format("{}: expected an int, got {}", name, py_type_name(obj)));
+      (PyLong_Check(o) || (!is_tensor_like(obj) && has_attr(obj, "__index__"))) && !PyBool_Check(o);
+  if (!integral)
+    throw TypeError(fmt::format("{}: expected an int, got {}", name, py_type_name(obj)));
   nb::object index = nb::steal(PyNumber_Index(o));
   if (!index.is_valid()) throw nb::python_error();
   int overflow = 0;
   const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
   if (overflow != 0) {
-    throw ValueError(fmt::format("{}: {} does not fit in 64 bits", name,
-                                 nb::str(obj).c_str()));
+    throw ValueError(fmt::format("{}: {} does not fit in 64 bits", name, nb::str(obj).c_str()));
   }
   return static_cast<int64_t>(v);
 }
@@ -308,7 +319,8 @@ DType to_dtype(nb::handle obj, const char* name) {
   } else if (PyType_Check(obj.ptr()) && has_attr(obj, "__name__")) {
     s = nb::str(obj.attr("__name__")).c_str();  // numpy.float16 (the scalar type)
   } else if (has_attr(obj, "itemsize") || std::string_view(py_type_name(obj)) == "torch.dtype") {
-    s = nb::str(obj).c_str();  // numpy.dtype('float16') -> "float16", torch.bfloat16 -> "torch.bfloat16"
+    s = nb::str(obj)
+            .c_str();  // numpy.dtype('float16') -> "float16", torch.bfloat16 -> "torch.bfloat16"
   } else {
     throw TypeError(fmt::format("{}: expected a dtype (torch.dtype, numpy dtype or name), got {}",
                                 name, py_type_name(obj)));
@@ -330,8 +342,8 @@ DType to_dtype(nb::handle obj, const char* name) {
 StreamHandle to_stream(nb::handle obj) {
   if (obj.is_none()) return nullptr;
   if (!PyLong_Check(obj.ptr())) {
-    throw TypeError(fmt::format("stream: expected an int (a cudaStream_t), got {}",
-                                py_type_name(obj)));
+    throw TypeError(
+        fmt::format("stream: expected an int (a cudaStream_t), got {}", py_type_name(obj)));
   }
   const unsigned long long v = PyLong_AsUnsignedLongLong(obj.ptr());
   if (PyErr_Occurred()) throw nb::python_error();

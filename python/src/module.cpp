@@ -3,7 +3,6 @@
 // seed's signatures, allocates outputs and finds the caller's stream.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
-#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include "bind.h"

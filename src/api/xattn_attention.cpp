@@ -41,7 +41,8 @@ void check_metadata(const TensorView& t, std::string_view name, const Shape& sha
   check_data(t, name);
 }
 
-// Head types, streaming info and mask presence; returns the resolved head types.
+// Checks head types and streaming info; returns the resolved head types (empty: all 1), counts
+// the block-sparse heads and says whether any head streams.
 std::vector<int32_t> check_heads(const BlockSparseAttentionOptions& o, int64_t hq,
                                  int64_t* sparse_heads, bool* any_streaming) {
   std::vector<int32_t> types = o.head_mask_type;

@@ -70,8 +70,8 @@ struct FileDType {
   bool is_f64 = false;
 };
 
-Tensor read_tensor(InputFile& file, const std::string& path, const std::string& what,
-                   FileDType fd, const Shape& shape, uint64_t offset) {
+Tensor read_tensor(InputFile& file, const std::string& path, const std::string& what, FileDType fd,
+                   const Shape& shape, uint64_t offset) {
   if (shape.size() > size_t(TensorView::kMaxDims))
     file_error(path, "{} has {} dimensions; at most {} are supported", what, shape.size(),
                TensorView::kMaxDims);
@@ -101,12 +101,18 @@ std::optional<FileDType> safetensors_dtype(std::string_view s) {
 
 const char* safetensors_name(DType d) {
   switch (d) {
-    case DType::kBF16: return "BF16";
-    case DType::kF16: return "F16";
-    case DType::kF32: return "F32";
-    case DType::kI32: return "I32";
-    case DType::kI64: return "I64";
-    case DType::kBool: return "BOOL";
+    case DType::kBF16:
+      return "BF16";
+    case DType::kF16:
+      return "F16";
+    case DType::kF32:
+      return "F32";
+    case DType::kI32:
+      return "I32";
+    case DType::kI64:
+      return "I64";
+    case DType::kBool:
+      return "BOOL";
   }
   return "?";
 }
@@ -128,8 +134,10 @@ std::vector<SafetensorsEntry> read_safetensors_header(InputFile& file, const std
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];
   if (header_len > file.size() - 8)
-    file_error(path, "not a safetensors file or truncated: header length {} exceeds the {} bytes "
-               "after it", header_len, file.size() - 8);
+    file_error(path,
+               "not a safetensors file or truncated: header length {} exceeds the {} bytes "
+               "after it",
+               header_len, file.size() - 8);
   std::string header(header_len, '\0');
   file.read(8, header.data(), header_len, "the header");
   const uint64_t data_start = 8 + header_len, data_len = file.size() - data_start;
@@ -154,9 +162,10 @@ std::vector<SafetensorsEntry> read_safetensors_header(InputFile& file, const std
     if (!e["dtype"].is_string()) bad("has a dtype that is not a string");
     const auto fd = safetensors_dtype(e["dtype"].get<std::string>());
     if (!fd)
-      throw TypeError(fmt::format("{}: tensor \"{}\" has dtype {}; supported: BF16, F16, F32, "
-                                  "F64, I32, I64, BOOL",
-                                  path, name, e["dtype"].get<std::string>()));
+      throw TypeError(
+          fmt::format("{}: tensor \"{}\" has dtype {}; supported: BF16, F16, F32, "
+                      "F64, I32, I64, BOOL",
+                      path, name, e["dtype"].get<std::string>()));
     Shape shape;
     if (!e["shape"].is_array()) bad("has a shape that is not a list");
     for (const auto& d : e["shape"]) {
@@ -171,8 +180,7 @@ std::vector<SafetensorsEntry> read_safetensors_header(InputFile& file, const std
       bad("needs data_offsets [begin, end] of non-negative integers");
     const uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
     if (begin > end || end > data_len)
-      bad(fmt::format("has data_offsets [{}, {}] outside the {} data bytes", begin, end,
-                      data_len));
+      bad(fmt::format("has data_offsets [{}, {}] outside the {} data bytes", begin, end, data_len));
     const auto n = checked_numel(shape);
     if (!n) bad("has a shape whose element count overflows");
     if (end - begin != *n * fd->file_bytes)
@@ -274,7 +282,8 @@ Tensor load_npy(const std::string& path) {
   if (!descr || !fortran || !shape_text)
     file_error(path, "malformed .npy header (needs descr, fortran_order and shape): {}", header);
   if (*fortran != "False")
-    file_error(path, "Fortran-order arrays are not supported; save a C-contiguous array "
+    file_error(path,
+               "Fortran-order arrays are not supported; save a C-contiguous array "
                "(np.ascontiguousarray)");
   std::string d(*descr);
   if (d.size() < 3 || (d.front() != '\'' && d.front() != '"') || d.back() != d.front())
@@ -282,9 +291,10 @@ Tensor load_npy(const std::string& path) {
   d = d.substr(1, d.size() - 2);
   const auto fd = npy_dtype(d);
   if (!fd)
-    throw TypeError(fmt::format("{}: .npy dtype '{}' is not supported (little-endian <f2, <f4, "
-                                "<f8, <i4, <i8 or |b1; bfloat16 needs safetensors)",
-                                path, d));
+    throw TypeError(
+        fmt::format("{}: .npy dtype '{}' is not supported (little-endian <f2, <f4, "
+                    "<f8, <i4, <i8 or |b1; bfloat16 needs safetensors)",
+                    path, d));
 
   std::string_view st = *shape_text;
   if (st.size() < 2 || st.front() != '(' || st.back() != ')')
@@ -301,8 +311,8 @@ Tensor load_npy(const std::string& path) {
         file_error(path, "malformed .npy header: shape entry too large");
       v = v * 10 + (st[i] - '0');
     }
-    if (i == 0) file_error(path, "malformed .npy header: shape {} has a non-integer entry",
-                           *shape_text);
+    if (i == 0)
+      file_error(path, "malformed .npy header: shape {} has a non-integer entry", *shape_text);
     shape.push_back(v);
     st.remove_prefix(i);
   }
@@ -310,8 +320,8 @@ Tensor load_npy(const std::string& path) {
   if (!n) file_error(path, "malformed .npy header: shape {} overflows", *shape_text);
   const uint64_t data = header_start + header_len, need = *n * fd->file_bytes;
   if (file.size() - data != need)
-    file_error(path, "{} data bytes, but shape {} of {} needs {}",
-               file.size() - data, shape_str(shape), d, need);
+    file_error(path, "{} data bytes, but shape {} of {} needs {}", file.size() - data,
+               shape_str(shape), d, need);
   return read_tensor(file, path, "the array", *fd, shape, data);
 }
 
@@ -329,26 +339,39 @@ Tensor load_tensor(const std::string& spec) {
   const auto colon = spec.rfind(':');
   if (colon != std::string::npos && ends_with(spec.substr(0, colon), ".safetensors"))
     return load_safetensors(spec.substr(0, colon), spec.substr(colon + 1));
-  file_error(spec, "unknown tensor file format: expected FILE.npy, FILE.safetensors or "
+  file_error(spec,
+             "unknown tensor file format: expected FILE.npy, FILE.safetensors or "
              "FILE.safetensors:NAME");
 }
 
 void save_npy(const std::string& path, const TensorView& tensor) {
   const char* descr = nullptr;
   switch (tensor.dtype()) {
-    case DType::kF16: descr = "<f2"; break;
-    case DType::kF32: descr = "<f4"; break;
-    case DType::kI32: descr = "<i4"; break;
-    case DType::kI64: descr = "<i8"; break;
-    case DType::kBool: descr = "|b1"; break;
+    case DType::kF16:
+      descr = "<f2";
+      break;
+    case DType::kF32:
+      descr = "<f4";
+      break;
+    case DType::kI32:
+      descr = "<i4";
+      break;
+    case DType::kI64:
+      descr = "<i8";
+      break;
+    case DType::kBool:
+      descr = "|b1";
+      break;
     case DType::kBF16:
       throw TypeError(fmt::format("{}: numpy has no bfloat16; save it as safetensors", path));
   }
   const Tensor host = copy_contiguous_host(tensor, path);
   std::string shape = "(";
   for (int64_t d : tensor.shape()) shape += fmt::format("{}, ", d);
-  if (tensor.dim() > 1) shape.resize(shape.size() - 2);
-  else if (tensor.dim() == 1) shape.resize(shape.size() - 1);
+  if (tensor.dim() > 1)
+    shape.resize(shape.size() - 2);
+  else if (tensor.dim() == 1)
+    shape.resize(shape.size() - 1);
   shape += ")";
   std::string header =
       fmt::format("{{'descr': '{}', 'fortran_order': False, 'shape': {}, }}", descr, shape);
@@ -357,7 +380,14 @@ void save_npy(const std::string& path, const TensorView& tensor) {
   header += '\n';
   std::ofstream out(path, std::ios::binary);
   if (!out) file_error(path, "cannot open for writing ({})", std::strerror(errno));
-  const unsigned char pre[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0,
+  const unsigned char pre[10] = {0x93,
+                                 'N',
+                                 'U',
+                                 'M',
+                                 'P',
+                                 'Y',
+                                 1,
+                                 0,
                                  static_cast<unsigned char>(header.size() & 0xff),
                                  static_cast<unsigned char>(header.size() >> 8)};
   out.write(reinterpret_cast<const char*>(pre), 10);

@@ -13,8 +13,10 @@ namespace {
 Tensor load_batched(const std::string& spec, int rank, std::string_view layout) {
   Tensor t = load_tensor(spec);
   if (t.dtype() != DType::kBF16 && t.dtype() != DType::kF16 && t.dtype() != DType::kF32)
-    throw TypeError(fmt::format("{}: expected a floating tensor (bfloat16, float16, float32), got "
-                                "{}", spec, dtype_name(t.dtype())));
+    throw TypeError(
+        fmt::format("{}: expected a floating tensor (bfloat16, float16, float32), got "
+                    "{}",
+                    spec, dtype_name(t.dtype())));
   if (int(t.shape().size()) == rank - 1) {
     Shape s = t.shape();
     s.insert(s.begin(), 1);
@@ -29,8 +31,7 @@ Tensor load_batched(const std::string& spec, int rank, std::string_view layout) 
 }
 
 void expect(bool ok, const std::string& spec, std::string_view what, int64_t want, int64_t got) {
-  if (!ok)
-    throw ValueError(fmt::format("{}: {} must be {}, got {}", spec, what, want, got));
+  if (!ok) throw ValueError(fmt::format("{}: {} must be {}, got {}", spec, what, want, got));
 }
 
 Tensor to_device(Tensor host, Device device) {
@@ -46,8 +47,9 @@ Workload load_workload(const WorkloadFiles& files, Device device) {
   if (files.query.empty() || files.key.empty() || files.value.empty())
     throw ValueError("load_workload: query, key and value files are all required");
   if (files.index_query.empty() != files.index_key.empty())
-    throw ValueError("load_workload: give both indexer files (index_query and index_key) or "
-                     "neither");
+    throw ValueError(
+        "load_workload: give both indexer files (index_query and index_key) or "
+        "neither");
   Workload w;
   w.query = load_batched(files.query, 4, "[B, Lq, Hq, D]");
   w.key = load_batched(files.key, 4, "[B, Lk, Hkv, D]");
@@ -98,10 +100,10 @@ Workload load_workload(const WorkloadFiles& files, Device device) {
     } else if (ks[1] == k[1] / o.indexer_block) {
       w.index_key = ik;
     } else {
-      throw ValueError(fmt::format("{}: shape[1] must be the key length {} (raw keys) or {} "
-                                   "(compressed, one per {} tokens), got {}",
-                                   files.index_key, k[1], k[1] / o.indexer_block,
-                                   o.indexer_block, ks[1]));
+      throw ValueError(
+          fmt::format("{}: shape[1] must be the key length {} (raw keys) or {} "
+                      "(compressed, one per {} tokens), got {}",
+                      files.index_key, k[1], k[1] / o.indexer_block, o.indexer_block, ks[1]));
     }
     w.index_query = to_device(w.index_query, device);
     w.index_key = to_device(w.index_key, device);

@@ -41,6 +41,7 @@ enum Stream : uint64_t {
   kUnrotatedBasis,
   kHeadMix,
   kNeedlePlacement,
+  kHeavyHitters,
 };
 
 uint64_t mix64(uint64_t x) {
@@ -79,7 +80,7 @@ struct Rng {
 // How much a token's content differs from its segment's topic (0: identical tokens within a
 // segment, 1: unrelated tokens). 0.3 keeps neighbours alike, as consecutive rows of a real
 // model select nearly the same blocks, without making them copies.
-constexpr double kTokenVariation = 0.3;
+constexpr double kTokenVariation = 0.15;
 // How much query heads of one group differ from each other (perturbation of the latent).
 constexpr double kHeadVariation = 0.3;
 
@@ -99,9 +100,9 @@ class Latent {
           float* z = at(b, t);
           double norm2 = 0;
           for (int64_t i = 0; i < rank; ++i) {
-            const double v = std::sqrt(1 - kTokenVariation * kTokenVariation) *
-                                 rng.normal(kTopic, b, seg, i) +
-                             kTokenVariation * rng.normal(kTokenContent, b, t, i);
+            const double v =
+                std::sqrt(1 - kTokenVariation * kTokenVariation) * rng.normal(kTopic, b, seg, i) +
+                kTokenVariation * rng.normal(kTokenContent, b, t, i);
             z[i] = static_cast<float>(v);
             norm2 += v * v;
           }
@@ -122,15 +123,19 @@ class Latent {
 };
 
 // The projections of one vector space (the attention heads or the indexer): per key head the
-// rotary content projection, the unrotated orthonormal basis (topic columns, then the sink
+// rotary content projection, the unrotated orthonormal basis (topic columns, then the sink,
+// heavy-hitter
 // direction, then one direction per needle) and, per query head, the latent perturbation.
 class Space {
  public:
   Space(const Rng& rng, uint64_t space_id, int64_t dim, int64_t rotary_dims, int64_t rank,
         int64_t key_heads, int64_t query_heads, int64_t num_needles, double softmax_scale,
         const WorkloadOptions& o)
-      : dim_(dim), rot_(rotary_dims), rank_(rank), query_heads_(query_heads),
-        group_(query_heads / key_heads), num_needles_(num_needles) {
+      : dim_(dim),
+        rot_(rotary_dims),
+        rank_(rank),
+        group_(query_heads / key_heads),
+        num_needles_(num_needles) {
     const int64_t un = dim - rotary_dims;
     topic_cols_ = std::min(rank, un);
     // Strengths: scale * (a v).(a v) = logit for unit-norm v.
@@ -138,6 +143,7 @@ class Space {
     a_rot_ = rotary_dims > 0 ? amp(o.local_logit) : 0.f;
     a_topic_ = un > 0 ? amp(o.topic_logit) : 0.f;
     a_sink_ = amp(o.sink_logit);
+    a_heavy_ = amp(o.heavy_logit);
     a_needle_ = amp(o.needle_logit);
     noise_std_ = static_cast<float>(
         o.noise * std::sqrt((a_rot_ * a_rot_ + a_topic_ * a_topic_) / static_cast<double>(dim)));
@@ -149,7 +155,7 @@ class Space {
             rng.normal(kRotaryProjection, space_id, g, i) / std::sqrt(double(rotary_dims)));
 
     // Gram-Schmidt while the unrotated space has room; random unit vectors after that.
-    const int64_t nvec = topic_cols_ + 1 + num_needles;
+    const int64_t nvec = topic_cols_ + 2 + num_needles;
     basis_.assign(static_cast<size_t>(key_heads * nvec * un), 0.f);
     for (int64_t g = 0; g < key_heads && un > 0; ++g) {
       for (int64_t j = 0; j < nvec; ++j) {
@@ -175,10 +181,10 @@ class Space {
     for (int64_t h = 0; h < query_heads; ++h)
       for (int64_t i = 0; i < rank; ++i)
         for (int64_t j = 0; j < rank; ++j)
-          mix_[(h * rank + i) * rank + j] = static_cast<float>(
-              (i == j ? 1.0 : 0.0) +
-              kHeadVariation * rng.normal(kHeadMix, space_id, h, i * rank + j) /
-                  std::sqrt(double(rank)));
+          mix_[(h * rank + i) * rank + j] =
+              static_cast<float>((i == j ? 1.0 : 0.0) +
+                                 kHeadVariation * rng.normal(kHeadMix, space_id, h, i * rank + j) /
+                                     std::sqrt(double(rank)));
 
     inv_freq_.resize(static_cast<size_t>(rotary_dims / 2));
     for (int64_t i = 0; i < rotary_dims / 2; ++i)
@@ -186,9 +192,10 @@ class Space {
   }
 
   // Writes the structured vector (before noise) of one token into out[dim].
-  // query_head < 0 builds a key of key head `g`; sink/needle flags select the extra parts.
+  // query_head < 0 builds a key of key head `g`; the sink, heavy and needle flags select the
+  // extra parts (queries carry the sink and heavy-hitter directions always).
   void build(float* out, const float* z, int64_t pos, int64_t query_head, int64_t g, bool sink,
-             const std::vector<int64_t>& needles, std::vector<float>& scratch) const {
+             bool heavy, const std::vector<int64_t>& needles, std::vector<float>& scratch) const {
     const int64_t r = rank_, un = dim_ - rot_;
     scratch.resize(static_cast<size_t>(r + rot_));
     float* zz = scratch.data();
@@ -217,7 +224,7 @@ class Space {
       out[i] = static_cast<float>(c[i] * cs - c[i + half] * sn);
       out[i + half] = static_cast<float>(c[i] * sn + c[i + half] * cs);
     }
-    // Unrotated part: topic, sink, needles.
+    // Unrotated part: topic, sink, heavy hitters, needles.
     float* u = out + rot_;
     std::fill(u, u + un, 0.f);
     for (int64_t k = 0; k < topic_cols_; ++k) {
@@ -230,8 +237,12 @@ class Space {
       const float* e = basis(g, topic_cols_);
       for (int64_t i = 0; i < un; ++i) u[i] += a_sink_ * e[i];
     }
+    if (heavy) {
+      const float* e = basis(g, topic_cols_ + 1);
+      for (int64_t i = 0; i < un; ++i) u[i] += a_heavy_ * e[i];
+    }
     for (int64_t j : needles) {
-      const float* e = basis(g, topic_cols_ + 1 + j);
+      const float* e = basis(g, topic_cols_ + 2 + j);
       const float a = query_head >= 0 ? a_needle_ : a_needle_ * key_needle_gain_;
       for (int64_t i = 0; i < un; ++i) u[i] += a * e[i];
     }
@@ -246,21 +257,22 @@ class Space {
 
  private:
   const float* basis(int64_t g, int64_t j) const {
-    return &basis_[(g * (topic_cols_ + 1 + num_needles_) + j) * (dim_ - rot_)];
+    return &basis_[(g * (topic_cols_ + 2 + num_needles_) + j) * (dim_ - rot_)];
   }
   float* basis(int64_t g, int64_t j) {
-    return &basis_[(g * (topic_cols_ + 1 + num_needles_) + j) * (dim_ - rot_)];
+    return &basis_[(g * (topic_cols_ + 2 + num_needles_) + j) * (dim_ - rot_)];
   }
 
-  int64_t dim_, rot_, rank_, query_heads_, group_, num_needles_, topic_cols_ = 0;
-  float a_rot_ = 0, a_topic_ = 0, a_sink_ = 0, a_needle_ = 0, noise_std_ = 0;
+  int64_t dim_, rot_, rank_, group_, num_needles_, topic_cols_ = 0;
+  float a_rot_ = 0, a_topic_ = 0, a_sink_ = 0, a_heavy_ = 0, a_needle_ = 0, noise_std_ = 0;
   float key_needle_gain_ = 1;
   std::vector<float> rotary_, basis_, mix_;
   std::vector<double> inv_freq_;
 };
 
 void check_option(bool ok, std::string_view name, std::string_view expected, double got) {
-  if (!ok) detail::throw_value_error("workload option {}: expected {}, got {}", name, expected, got);
+  if (!ok)
+    detail::throw_value_error("workload option {}: expected {}, got {}", name, expected, got);
 }
 
 void validate(const WorkloadOptions& o) {
@@ -282,9 +294,10 @@ void validate(const WorkloadOptions& o) {
     check_option(o.indexer_block >= 1, "indexer_block", ">= 1", double(o.indexer_block));
   }
   if (o.dtype != DType::kBF16 && o.dtype != DType::kF16 && o.dtype != DType::kF32)
-    throw TypeError(fmt::format("workload option dtype: expected bfloat16, float16 or float32, "
-                                "got {}",
-                                dtype_name(o.dtype)));
+    throw TypeError(
+        fmt::format("workload option dtype: expected bfloat16, float16 or float32, "
+                    "got {}",
+                    dtype_name(o.dtype)));
   check_option(o.num_sinks >= 0 && o.num_sinks <= o.seq_len, "num_sinks", "0 to seq_len",
                double(o.num_sinks));
   check_option(o.content_rank >= 1, "content_rank", ">= 1", double(o.content_rank));
@@ -293,12 +306,14 @@ void validate(const WorkloadOptions& o) {
     check_option(std::isfinite(v) && v >= 0, name, "a finite logit >= 0", v);
   };
   logit(o.sink_logit, "sink_logit");
+  logit(o.heavy_logit, "heavy_logit");
+  check_option(o.heavy_fraction >= 0 && o.heavy_fraction <= 1, "heavy_fraction", "0 to 1",
+               o.heavy_fraction);
   logit(o.local_logit, "local_logit");
   logit(o.topic_logit, "topic_logit");
   logit(o.needle_logit, "needle_logit");
   check_option(std::isfinite(o.noise) && o.noise >= 0, "noise", "a finite value >= 0", o.noise);
-  check_option(std::isfinite(o.rope_theta) && o.rope_theta > 1, "rope_theta", "> 1",
-               o.rope_theta);
+  check_option(std::isfinite(o.rope_theta) && o.rope_theta > 1, "rope_theta", "> 1", o.rope_theta);
   check_option(o.num_needles >= 0, "num_needles", ">= 0", double(o.num_needles));
   check_option(o.needle_queries >= 1, "needle_queries", ">= 1", double(o.needle_queries));
   if (o.mode == WorkloadMode::kStructured && o.num_needles > 0)
@@ -348,7 +363,8 @@ void compress_index_keys(const TensorView& raw, const TensorView& out, int64_t b
   detail::check_dtype(out, "out", {DType::kBF16, DType::kF16, DType::kF32});
   if (block < 1) detail::throw_value_error("block: expected >= 1, got {}", block);
   const int64_t B = raw.size(0), L = raw.size(1), Di = raw.size(2), nb = L / block;
-  detail::check_shape(out, "out", {B, nb, Di}, "[raw.shape[0], raw.shape[1] / block, raw.shape[2]]");
+  detail::check_shape(out, "out", {B, nb, Di},
+                      "[raw.shape[0], raw.shape[1] / block, raw.shape[2]]");
   if (raw.device().is_cuda() || out.device().is_cuda())
     detail::throw_not_supported("compress_index_keys: host tensors only, got {} and {}",
                                 raw.device().str(), out.device().str());
@@ -385,8 +401,8 @@ Workload make_workload(const WorkloadOptions& options) {
                 Hkv = o.num_kv_heads, D = o.head_dim, qoff = Lk - Lq;
   const int64_t rot = o.rotary_dims > 0 ? o.rotary_dims : (D / 4) & ~int64_t{1};
   const int64_t Hi = o.indexer_heads, Di = o.indexer_dim, blk = o.indexer_block;
-  const int64_t rot_i = std::min<int64_t>(o.rotary_dims > 0 ? o.rotary_dims : Di / 2, Di) &
-                        ~int64_t{1};
+  const int64_t rot_i =
+      std::min<int64_t>(o.rotary_dims > 0 ? o.rotary_dims : Di / 2, Di) & ~int64_t{1};
   const int64_t nblocks = indexer ? Lk / blk : 0;
   o.rotary_dims = rot;
 
@@ -440,10 +456,19 @@ Workload make_workload(const WorkloadOptions& options) {
     latent.emplace(rng, B, Lk, rank, o.segment_len);
     attn.emplace(rng, 0, D, rot, rank, Hkv, Hq, o.num_needles, 1.0 / std::sqrt(double(D)), o);
     if (indexer) {
-      index.emplace(rng, 1, Di, rot_i, rank, 1, Hi, o.num_needles, 1.0 / std::sqrt(double(Di)),
-                    o);
+      index.emplace(rng, 1, Di, rot_i, rank, 1, Hi, o.num_needles, 1.0 / std::sqrt(double(Di)), o);
       index->set_key_needle_gain(static_cast<float>(blk));
     }
+  }
+  // Heavy hitters: keys after the sinks that every query attends a little (H2O's observation).
+  auto is_heavy = [&](int64_t b, int64_t t) {
+    return t >= o.num_sinks && Rng::uniform(rng.hash(kHeavyHitters, b, t)) < o.heavy_fraction;
+  };
+  if (structured) {
+    w.heavy_hitters.resize(static_cast<size_t>(B));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < Lk; ++t)
+        if (is_heavy(b, t)) w.heavy_hitters[b].push_back(t);
   }
   // Needles each token carries: as a key (at key_pos) and as a query (inside the span).
   auto key_needles = [&](int64_t b, int64_t t) {
@@ -468,27 +493,27 @@ Workload make_workload(const WorkloadOptions& options) {
       for (int64_t b = 0; b < B; ++b)
         for (int64_t t = 0; t < Lk; ++t) {
           const float* z = latent->at(b, t);
-          const bool sink = t < o.num_sinks;
+          const bool sink = t < o.num_sinks, heavy = is_heavy(b, t);
           const auto kn = key_needles(b, t);
           for (int64_t g = 0; g < Hkv; ++g) {
-            attn->build(vec.data(), z, t, -1, g, sink, kn, scratch);
+            attn->build(vec.data(), z, t, -1, g, sink, heavy, kn, scratch);
             for (int64_t d = 0; d < D; ++d)
-              store_from_float(k, dt, ((b * Lk + t) * Hkv + g) * D + d,
-                               vec[d] + attn->noise_std() *
-                                            float(rng.normal(kKeyNoise, b, t, g * D + d)));
+              store_from_float(
+                  k, dt, ((b * Lk + t) * Hkv + g) * D + d,
+                  vec[d] + attn->noise_std() * float(rng.normal(kKeyNoise, b, t, g * D + d)));
           }
           if (t < qoff) continue;
           const auto qn = query_needles(b, t);
           for (int64_t h = 0; h < Hq; ++h) {
-            attn->build(vec.data(), z, t, h, h / attn->group(), true, qn, scratch);
+            attn->build(vec.data(), z, t, h, h / attn->group(), true, true, qn, scratch);
             for (int64_t d = 0; d < D; ++d)
-              store_from_float(q, dt, ((b * Lq + t - qoff) * Hq + h) * D + d,
-                               vec[d] + attn->noise_std() *
-                                            float(rng.normal(kQueryNoise, b, t, h * D + d)));
+              store_from_float(
+                  q, dt, ((b * Lq + t - qoff) * Hq + h) * D + d,
+                  vec[d] + attn->noise_std() * float(rng.normal(kQueryNoise, b, t, h * D + d)));
           }
           if (!indexer) continue;
           for (int64_t h = 0; h < Hi; ++h) {
-            index->build(vec.data(), z, t, h, 0, true, qn, scratch);
+            index->build(vec.data(), z, t, h, 0, true, true, qn, scratch);
             for (int64_t d = 0; d < Di; ++d)
               store_from_float(qi, dt, ((b * Lq + t - qoff) * Hi + h) * Di + d,
                                vec[d] + index->noise_std() *
@@ -510,12 +535,12 @@ Workload make_workload(const WorkloadOptions& options) {
         for (int64_t t = 0; t < Lk; ++t) {
           float* out = rk + (b * Lk + t) * Di;
           if (structured)
-            index->build(out, latent->at(b, t), t, -1, 0, t < o.num_sinks, key_needles(b, t),
-                         scratch);
+            index->build(out, latent->at(b, t), t, -1, 0, t < o.num_sinks, is_heavy(b, t),
+                         key_needles(b, t), scratch);
           for (int64_t d = 0; d < Di; ++d)
-            out[d] = (structured ? out[d] + index->noise_std() * float(rng.normal(
-                                                 kIndexKeyNoise, b, t, d))
-                                 : float(rng.normal(kIndexKeyNoise, b, t, d)));
+            out[d] = (structured
+                          ? out[d] + index->noise_std() * float(rng.normal(kIndexKeyNoise, b, t, d))
+                          : float(rng.normal(kIndexKeyNoise, b, t, d)));
         }
     }
     compress_index_keys(raw.view(), w.index_key.view(), blk);

@@ -20,7 +20,7 @@ Tensor poisoned_device(const Shape& shape, DType dtype);
 }  // namespace sparse_attn::testing
 
 // First statement of every GPU case: a machine without a GPU reports the case as skipped.
-#define SPARSE_ATTN_REQUIRE_GPU()                                        \
-  do {                                                                   \
+#define SPARSE_ATTN_REQUIRE_GPU()                                                   \
+  do {                                                                              \
     if (!::sparse_attn::testing::gpu_available()) GTEST_SKIP() << "no CUDA device"; \
   } while (0)

@@ -95,13 +95,11 @@ void check_prefill(DType dtype, int64_t rows, int64_t keys, const Tensor& starts
   Tensor dq = to_device(q), dk = to_device(k), ds = to_device(starts), de = to_device(ends);
   MqaScoreOptions o;
   o.scale = scale;
-  Tensor native = run_native({rows, keys}, [&](const TensorView& out) {
-    qsa_mqa_prefill(dq, dk, ds, de, out, o);
-  });
+  Tensor native = run_native(
+      {rows, keys}, [&](const TensorView& out) { qsa_mqa_prefill(dq, dk, ds, de, out, o); });
   o.backend = Backend::kReference;
-  Tensor reference = run_native({rows, keys}, [&](const TensorView& out) {
-    qsa_mqa_prefill(dq, dk, ds, de, out, o);
-  });
+  Tensor reference = run_native(
+      {rows, keys}, [&](const TensorView& out) { qsa_mqa_prefill(dq, dk, ds, de, out, o); });
   expect_matches(native,
                  prefill_expected(q, k, starts, ends, scale.value_or(1.0 / std::sqrt(128.0))),
                  reference);
@@ -192,13 +190,11 @@ void check_score(const Tensor& q, const Tensor& keys, IndexerScoreOptions o,
                  const std::vector<double>& expected) {
   Tensor dq = to_device(q), dk = to_device(keys);
   const Shape shape = qsa_indexer_mqa_score_shape(dq, dk, o);
-  Tensor native = run_native(shape, [&](const TensorView& out) {
-    qsa_indexer_mqa_score(dq, dk, out, o);
-  });
+  Tensor native =
+      run_native(shape, [&](const TensorView& out) { qsa_indexer_mqa_score(dq, dk, out, o); });
   o.backend = Backend::kReference;
-  Tensor reference = run_native(shape, [&](const TensorView& out) {
-    qsa_indexer_mqa_score(dq, dk, out, o);
-  });
+  Tensor reference =
+      run_native(shape, [&](const TensorView& out) { qsa_indexer_mqa_score(dq, dk, out, o); });
   expect_matches(native, expected, reference);
 }
 
@@ -217,11 +213,12 @@ TEST_P(GpuIndexer, ScorePaddedPositionsAndSeqLens) {
   std::vector<ScoreRow> rows;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < Q; ++i)
-      rows.push_back({b * Q + i, b, pos.data_as<int32_t>()[b * Q + i],
-                      i < seq.data_as<int32_t>()[b]});
+      rows.push_back(
+          {b * Q + i, b, pos.data_as<int32_t>()[b * Q + i], i < seq.data_as<int32_t>()[b]});
   check_score(q, k, o,
-              score_expected(q, k, rows, NB, [&](int64_t r, int64_t b) { return r * NB + b; },
-                             1.0 / std::sqrt(128.0)));
+              score_expected(
+                  q, k, rows, NB, [&](int64_t r, int64_t b) { return r * NB + b; },
+                  1.0 / std::sqrt(128.0)));
 }
 
 TEST_P(GpuIndexer, ScorePaddedDefaultPositions) {
@@ -236,8 +233,8 @@ TEST_P(GpuIndexer, ScorePaddedDefaultPositions) {
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < Q; ++i) rows.push_back({b * Q + i, b, i, true});
   check_score(q, k, o,
-              score_expected(q, k, rows, NB, [&](int64_t r, int64_t b) { return r * NB + b; },
-                             1.0 / 3.0));
+              score_expected(
+                  q, k, rows, NB, [&](int64_t r, int64_t b) { return r * NB + b; }, 1.0 / 3.0));
 }
 
 TEST_P(GpuIndexer, ScoreVarlenCuSeqlens) {
@@ -254,8 +251,9 @@ TEST_P(GpuIndexer, ScoreVarlenCuSeqlens) {
   for (int64_t r = 0; r < 4; ++r)
     for (int64_t i = cu[r]; i < cu[r + 1]; ++i) rows.push_back({i, r, i - cu[r], true});
   check_score(q, k, o,
-              score_expected(q, k, rows, NB, [&](int64_t r, int64_t b) { return r * NB + b; },
-                             1.0 / std::sqrt(128.0)));
+              score_expected(
+                  q, k, rows, NB, [&](int64_t r, int64_t b) { return r * NB + b; },
+                  1.0 / std::sqrt(128.0)));
 }
 
 TEST_P(GpuIndexer, ScoreVarlenTokenToReqCountsPositions) {
@@ -275,8 +273,33 @@ TEST_P(GpuIndexer, ScoreVarlenTokenToReqCountsPositions) {
     rows.push_back({i, r, seen[r]++, true});
   }
   check_score(q, k, o,
-              score_expected(q, k, rows, NB, [&](int64_t r, int64_t b) { return r * NB + b; },
-                             1.0 / std::sqrt(128.0)));
+              score_expected(
+                  q, k, rows, NB, [&](int64_t r, int64_t b) { return r * NB + b; },
+                  1.0 / std::sqrt(128.0)));
+}
+
+TEST(GpuIndexerScore, TokenToReqIdsSpreadPastOneHistogramPass) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = make_rng();
+  // Request ids spanning more than the kernel's 2048-id histogram, so that counting the
+  // positions of rows before a tile takes several passes.
+  const int64_t total = 300, NB = 6, B = 5000;
+  Tensor q = random_tensor({total, H, D}, DType::kBF16, rng);
+  Tensor k = random_tensor({B, NB, D}, DType::kBF16, rng);
+  const std::vector<int32_t> ids{0, 7, 2047, 2048, 2600, 4999};
+  std::vector<int32_t> t2r(total);
+  std::uniform_int_distribution<size_t> pick(0, ids.size() - 1);
+  for (auto& id : t2r) id = ids[pick(rng)];
+  Tensor dt2r = to_device(int32_tensor({total}, t2r));
+  IndexerScoreOptions o;
+  o.token_to_req = dt2r.view();
+  std::vector<ScoreRow> rows;
+  std::vector<int64_t> seen(B, 0);
+  for (int64_t i = 0; i < total; ++i) rows.push_back({i, t2r[i], seen[t2r[i]]++, true});
+  check_score(q, k, o,
+              score_expected(
+                  q, k, rows, NB, [&](int64_t r, int64_t b) { return r * NB + b; },
+                  1.0 / std::sqrt(128.0)));
 }
 
 class GpuScorePaged : public ::testing::TestWithParam<int64_t> {};
@@ -317,10 +340,10 @@ INSTANTIATE_TEST_SUITE_P(PageSizes, GpuScorePaged, ::testing::Values(8, 16, 64),
 // ---------------------------------------------------------------------------------------
 
 struct DecodeCase {
-  Tensor q;        // host [B, H, D]
-  Tensor cache;    // host [pages, page_size, 1, D]
-  Tensor table;    // host [B, max_pages]
-  Tensor lens;     // host [B]
+  Tensor q;      // host [B, H, D]
+  Tensor cache;  // host [pages, page_size, 1, D]
+  Tensor table;  // host [B, max_pages]
+  Tensor lens;   // host [B]
   int64_t max_model_len;
 };
 
@@ -335,8 +358,7 @@ std::vector<double> decode_expected(const DecodeCase& c, double scale) {
       const int64_t page =
           pi < max_pages ? c.table.data_as<int32_t>()[b * max_pages + pi] : int64_t{-1};
       const bool ok = col < c.lens.data_as<int32_t>()[b] && page >= 0 && page < pages;
-      out.push_back(ok ? score(fq.at(b * H * D), fk.at((page * ps + col % ps) * D), scale)
-                       : -kInf);
+      out.push_back(ok ? score(fq.at(b * H * D), fk.at((page * ps + col % ps) * D), scale) : -kInf);
     }
   }
   return out;
@@ -351,8 +373,9 @@ DecodeCase random_decode(DType dtype, int64_t B, int64_t page_size, int64_t page
   return c;
 }
 
-Tensor run_decode(const DecodeCase& c, const TensorView& dq, Backend backend) {
-  Tensor dk = to_device(c.cache), dt = to_device(c.table), dl = to_device(c.lens);
+Tensor run_decode(const DecodeCase& c, const TensorView& dq, const TensorView& dk,
+                  Backend backend) {
+  Tensor dt = to_device(c.table), dl = to_device(c.lens);
   MqaScoreOptions o;
   o.backend = backend;
   return run_native({c.q.shape()[0], c.max_model_len}, [&](const TensorView& out) {
@@ -369,19 +392,36 @@ TEST_P(GpuDecode, MasksContextMissingAndOutOfRangePages) {
   const int64_t max_pages = 600 / page_size + 1;
   // max_model_len cuts inside the page table; 5 requests, 40 pages.
   DecodeCase c = random_decode(dtype, 5, page_size, 40, max_pages, 557, rng);
-  Tensor dq = to_device(c.q);
-  expect_matches(run_decode(c, dq, Backend::kNative), decode_expected(c, 1.0 / std::sqrt(128.0)),
-                 run_decode(c, dq, Backend::kReference));
+  Tensor dq = to_device(c.q), dk = to_device(c.cache);
+  expect_matches(run_decode(c, dq, dk, Backend::kNative),
+                 decode_expected(c, 1.0 / std::sqrt(128.0)),
+                 run_decode(c, dq, dk, Backend::kReference));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    DtypesAndPageSizes, GpuDecode,
-    ::testing::Combine(::testing::Values(DType::kBF16, DType::kF16),
-                       ::testing::Values(8, 16, 32, 64)),
-    [](const auto& info) {
-      return std::string(std::get<0>(info.param) == DType::kBF16 ? "bf16" : "fp16") + "_page" +
-             std::to_string(std::get<1>(info.param));
-    });
+TEST(GpuIndexerDecode, KeyCacheWithFeatureStrideTwoIsGathered) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = make_rng();
+  const int64_t pages = 10, page_size = 16;
+  DecodeCase c = random_decode(DType::kF16, 3, page_size, pages, 8, 130, rng);
+  // Every other feature of a wider cache: no 16-byte vector loads possible.
+  Tensor wide = random_tensor({pages, page_size, 1, 2 * D}, DType::kF16, rng);
+  const Shape strides{page_size * 2 * D, 2 * D, 2 * D, 2};
+  c.cache = Tensor::to_host(wide.view().as_strided({pages, page_size, 1, D}, strides));
+  Tensor dwide = to_device(wide), dq = to_device(c.q);
+  const TensorView dk = dwide.view().as_strided({pages, page_size, 1, D}, strides);
+  expect_matches(run_decode(c, dq, dk, Backend::kNative),
+                 decode_expected(c, 1.0 / std::sqrt(128.0)),
+                 run_decode(c, dq, dk, Backend::kReference));
+}
+
+INSTANTIATE_TEST_SUITE_P(DtypesAndPageSizes, GpuDecode,
+                         ::testing::Combine(::testing::Values(DType::kBF16, DType::kF16),
+                                            ::testing::Values(8, 16, 32, 64)),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param) == DType::kBF16 ? "bf16"
+                                                                                      : "fp16") +
+                                  "_page" + std::to_string(std::get<1>(info.param));
+                         });
 
 TEST(GpuIndexerDecode, BroadcastQueryAndWidthPastThePageTable) {
   SPARSE_ATTN_REQUIRE_GPU();
@@ -390,13 +430,13 @@ TEST(GpuIndexerDecode, BroadcastQueryAndWidthPastThePageTable) {
   DecodeCase c = random_decode(DType::kBF16, B, page_size, 12, 6, 200, rng);  // 96 < 200
   // One query row broadcast to every request: [B, 1, H, D] with batch stride 0.
   Tensor q1 = random_tensor({1, H, D}, DType::kBF16, rng);
-  for (int64_t b = 0; b < B; ++b)
-    copy_into(c.q.view().select(0, b), q1.view().select(0, 0));
+  for (int64_t b = 0; b < B; ++b) copy_into(c.q.view().select(0, b), q1.view().select(0, 0));
   Tensor dq1 = to_device(q1);
   const TensorView broadcast = dq1.view().as_strided({B, 1, H, D}, {0, 0, D, 1});
-  expect_matches(run_decode(c, broadcast, Backend::kNative),
+  Tensor dk = to_device(c.cache);
+  expect_matches(run_decode(c, broadcast, dk, Backend::kNative),
                  decode_expected(c, 1.0 / std::sqrt(128.0)),
-                 run_decode(c, broadcast, Backend::kReference));
+                 run_decode(c, broadcast, dk, Backend::kReference));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -476,11 +516,12 @@ TEST(GpuIndexerGraph, ScoreReplayReadsCurrentPositions) {
   graph.replay();
   std::vector<ScoreRow> rows;
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t i = 0; i < Q; ++i) rows.push_back({b * Q + i, b, pos2.data_as<int32_t>()[b * Q + i], true});
+    for (int64_t i = 0; i < Q; ++i)
+      rows.push_back({b * Q + i, b, pos2.data_as<int32_t>()[b * Q + i], true});
   EXPECT_TRUE(all_close(
       Tensor::to_host(out.view()).view(),
-      score_expected(q, k, rows, NB, [&](int64_t r, int64_t b) { return r * NB + b; },
-                     1.0 / std::sqrt(128.0)),
+      score_expected(
+          q, k, rows, NB, [&](int64_t r, int64_t b) { return r * NB + b; }, 1.0 / std::sqrt(128.0)),
       kAtol, kRtol));
 }
 

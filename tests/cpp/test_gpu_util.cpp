@@ -1,5 +1,4 @@
 #include "gpu_test_util.h"
-
 #include "test_util.h"
 
 namespace sparse_attn::testing {

@@ -104,7 +104,8 @@ TEST(TensorFiles, SafetensorsBf16AndF32LoadByName) {
   const std::string json =
       R"({"__metadata__":{"format":"pt"},"k":{"dtype":"BF16","shape":[2,2],"data_offsets":[0,8]},)"
       R"("v":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})";
-  const auto path = write_file("m.safetensors", safetensors_bytes(json, raw_bytes(bf) + raw_bytes(f)));
+  const auto path =
+      write_file("m.safetensors", safetensors_bytes(json, raw_bytes(bf) + raw_bytes(f)));
   const auto infos = list_safetensors(path);
   ASSERT_EQ(infos.size(), 2u);
   EXPECT_EQ(infos[0].name, "k");
@@ -164,13 +165,13 @@ TEST(TensorFiles, MalformedNpyFiles) {
       {"version", bad_version, "version 9"},
       {"truncated_data", npy_bytes(good_dict, raw_bytes(std::vector<float>(5, 1.f))),
        "20 data bytes, but shape [2, 3] of <f4 needs 24"},
-      {"fortran", npy_bytes("{'descr': '<f4', 'fortran_order': True, 'shape': (2, 3), }",
-                            raw_bytes(six)),
+      {"fortran",
+       npy_bytes("{'descr': '<f4', 'fortran_order': True, 'shape': (2, 3), }", raw_bytes(six)),
        "Fortran-order"},
       {"no_shape", npy_bytes("{'descr': '<f4', 'fortran_order': False, }", raw_bytes(six)),
        "needs descr, fortran_order and shape"},
-      {"shape_text", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (2, x), }",
-                               raw_bytes(six)),
+      {"shape_text",
+       npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (2, x), }", raw_bytes(six)),
        "non-integer entry"},
       {"header_past_end", std::string("\x93NUMPY\x01\x00\xff\x7f", 10) + "{'descr'",
        "truncated: the header"},
@@ -205,14 +206,14 @@ TEST(TensorFiles, MalformedSafetensorsFiles) {
       {"negative_dim",
        safetensors_bytes(R"({"x":{"dtype":"F32","shape":[-4],"data_offsets":[0,16]}})", data),
        "not a non-negative integer"},
-      {"outside", safetensors_bytes(R"({"x":{"dtype":"F32","shape":[8],"data_offsets":[0,32]}})",
-                                    data),
+      {"outside",
+       safetensors_bytes(R"({"x":{"dtype":"F32","shape":[8],"data_offsets":[0,32]}})", data),
        "outside the 16 data bytes"},
       {"byte_count",
        safetensors_bytes(R"({"x":{"dtype":"F32","shape":[3],"data_offsets":[0,16]}})", data),
        "has 16 data bytes but its shape [3] and dtype F32 need 12"},
-      {"offsets", safetensors_bytes(R"({"x":{"dtype":"F32","shape":[4],"data_offsets":[16]}})",
-                                    data),
+      {"offsets",
+       safetensors_bytes(R"({"x":{"dtype":"F32","shape":[4],"data_offsets":[16]}})", data),
        "needs data_offsets [begin, end]"},
   };
   for (const Case& c : cases) {
@@ -226,18 +227,51 @@ TEST(TensorFiles, MalformedSafetensorsFiles) {
   expect_file_error<TypeError>([&] { list_safetensors(u8); }, u8, "dtype U8");
 }
 
+// Truncations and random byte flips of good files: each load either succeeds or raises one of
+// the library's errors; never a crash, a hang or an unbounded allocation.
+TEST(TensorFiles, MutatedFilesRaiseErrorsNeverCrash) {
+  auto rng = testing::make_rng();
+  const std::vector<float> data(12, 0.5f);
+  const std::string npy =
+      npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (3, 4), }", raw_bytes(data));
+  const std::string st = safetensors_bytes(
+      R"({"a":{"dtype":"F32","shape":[3,4],"data_offsets":[0,48]}})", raw_bytes(data));
+  int errors = 0, loads = 0;
+  for (const auto& [good, ext] : {std::pair{npy, std::string(".npy")}, {st, ".safetensors"}}) {
+    for (int trial = 0; trial < 300; ++trial) {
+      std::string bytes = good;
+      if (trial % 3 == 0) {
+        bytes.resize(rng() % bytes.size());
+      } else {
+        for (int flips = 1 + int(rng() % 3); flips > 0; --flips)
+          bytes[rng() % bytes.size()] = static_cast<char>(rng());
+      }
+      const auto path = write_file("mutant" + ext, bytes);
+      try {
+        const Tensor t = load_tensor(path);
+        ++loads;
+        EXPECT_LE(t.numel() * dtype_size(t.dtype()), bytes.size());
+      } catch (const Error& e) {
+        ++errors;
+        EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+      }
+    }
+  }
+  EXPECT_GT(errors, 100);
+  EXPECT_GT(loads, 10);  // flips inside the data leave valid files
+}
+
 TEST(TensorFiles, SpecsNameTheProblem) {
   const std::string data = raw_bytes(std::vector<float>(4, 1.f));
-  const auto two = write_file(
-      "two.safetensors",
-      safetensors_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-                        R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
-                        data));
+  const auto two =
+      write_file("two.safetensors",
+                 safetensors_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                                   R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
+                                   data));
   expect_file_error<ValueError>([&] { load_tensor(two); }, two, "holds 2 tensors; name one");
   expect_file_error<ValueError>([&] { load_tensor(two + ":c"); }, two,
                                 "no tensor named \"c\" (the file has: a, b)");
-  expect_file_error<ValueError>([&] { load_tensor("x.pt"); }, "x.pt",
-                                "unknown tensor file format");
+  expect_file_error<ValueError>([&] { load_tensor("x.pt"); }, "x.pt", "unknown tensor file format");
 }
 
 class WorkloadFilesTest : public ::testing::Test {
@@ -276,7 +310,8 @@ TEST_F(WorkloadFilesTest, LoadsAndCompressesRawIndexerKeys) {
   for (double m : mean) ms += m * m / 6;
   const auto got = to_vector(w.index_key);
   for (int d = 0; d < 6; ++d)
-    EXPECT_NEAR(got[6 + d], mean[d] / std::sqrt(ms), 1e-2 * std::abs(mean[d] / std::sqrt(ms)) + 1e-3);
+    EXPECT_NEAR(got[6 + d], mean[d] / std::sqrt(ms),
+                1e-2 * std::abs(mean[d] / std::sqrt(ms)) + 1e-3);
 }
 
 TEST_F(WorkloadFilesTest, AcceptsCompressedKeysAndUnbatchedTensors) {

@@ -21,8 +21,7 @@ using testing::to_vector;
 
 // Host copies of a workload's tensors as doubles, with softmax helpers.
 struct Dense {
-  explicit Dense(const Workload& w)
-      : o(w.options), q(to_vector(w.query)), k(to_vector(w.key)) {
+  explicit Dense(const Workload& w) : o(w.options), q(to_vector(w.query)), k(to_vector(w.key)) {
     if (o.indexer_heads > 0) {
       qi = to_vector(w.index_query);
       ki = to_vector(w.index_key);
@@ -76,9 +75,8 @@ std::vector<int64_t> top_k(const std::vector<double>& s, size_t k) {
   std::vector<int64_t> ids(s.size());
   std::iota(ids.begin(), ids.end(), 0);
   k = std::min(k, ids.size());
-  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int64_t a, int64_t b) {
-    return s[a] > s[b] || (s[a] == s[b] && a < b);
-  });
+  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
+                    [&](int64_t a, int64_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
   ids.resize(k);
   return ids;
 }
@@ -136,8 +134,11 @@ TEST(Workload, SameSeedGivesBitwiseSameTensorsAndOtherSeedsDiffer) {
   WorkloadOptions o = small_qsa(7);
   o.seq_len = 256;
   const Workload a = make_workload(o), b = make_workload(o);
-  for (auto [x, y] : {std::pair{&a.query, &b.query}, {&a.key, &b.key}, {&a.value, &b.value},
-                      {&a.index_query, &b.index_query}, {&a.index_key, &b.index_key}}) {
+  for (auto [x, y] : {std::pair{&a.query, &b.query},
+                      {&a.key, &b.key},
+                      {&a.value, &b.value},
+                      {&a.index_query, &b.index_query},
+                      {&a.index_key, &b.index_key}}) {
     const size_t bytes = x->numel() * dtype_size(x->dtype());
     EXPECT_EQ(std::memcmp(x->data(), y->data(), bytes), 0);
   }
@@ -172,7 +173,7 @@ TEST(Workload, SinksDrawAttentionMassThatRandomKeysDoNot) {
   s_mass /= n;
   r_mass /= n;
   RecordProperty("sink_mass", std::to_string(s_mass));
-  EXPECT_GT(s_mass, 0.15) << "mean attention mass on the sinks, structured";
+  EXPECT_GT(s_mass, 0.1) << "mean attention mass on the sinks, structured";
   EXPECT_LT(s_mass, 0.6) << "sinks must not swallow everything";
   EXPECT_LT(r_mass, 0.02) << "mean attention mass on the first tokens, random";
 }
@@ -195,6 +196,31 @@ TEST(Workload, NeedlesDrawTheirQueriesMassAndOnlyTheirs) {
     }
     EXPECT_GT(mass / o.num_q_heads, 0.3) << "mean mass of the needle at " << n.key_pos;
   }
+}
+
+TEST(Workload, HeavyHittersDrawMoreMassThanOtherFarKeys) {
+  const WorkloadOptions o = small_qsa(9);
+  const Workload w = make_workload(o);
+  const Dense dense(w);
+  const auto& heavy = w.heavy_hitters.at(0);
+  ASSERT_GT(heavy.size(), 10u);
+  std::set<int64_t> special(heavy.begin(), heavy.end());
+  for (const Needle& n : w.needles) special.insert(n.key_pos);
+  double heavy_p = 0, other_p = 0;
+  int64_t heavy_n = 0, other_n = 0;
+  for (int64_t row = 1536; row < o.seq_len; row += 61)
+    for (int64_t h = 0; h < o.num_q_heads; ++h) {
+      const auto p = dense.probs(0, row, h);
+      for (int64_t t = o.num_sinks; t < row - 512; ++t) {  // far from the local window
+        if (std::binary_search(heavy.begin(), heavy.end(), t)) {
+          heavy_p += p[t], ++heavy_n;
+        } else if (!special.count(t)) {
+          other_p += p[t], ++other_n;
+        }
+      }
+    }
+  EXPECT_GT(heavy_p / heavy_n, 10 * other_p / other_n)
+      << "mean probability of a far heavy hitter vs another far key";
 }
 
 TEST(Workload, LocalWindowDrawsMoreMassThanInRandomMode) {
@@ -274,28 +300,29 @@ TEST_P(WorkloadValidation, RaisesValueErrorNamingTheOption) {
 
 INSTANTIATE_TEST_SUITE_P(
     Options, WorkloadValidation,
-    ::testing::Values(
-        BadOption{"batch", [](auto& o) { o.batch = 0; }},
-        BadOption{"seq_len", [](auto& o) { o.seq_len = 0; }},
-        BadOption{"query_len", [](auto& o) { o.query_len = 65; }},
-        BadOption{"num_kv_heads", [](auto& o) { o.num_kv_heads = 0; }},
-        BadOption{"num_q_heads", [](auto& o) { o.num_q_heads = 3; }},
-        BadOption{"head_dim", [](auto& o) { o.head_dim = 0; }},
-        BadOption{"rotary_dims", [](auto& o) { o.rotary_dims = 3; }},
-        BadOption{"indexer_heads", [](auto& o) { o.indexer_heads = -1; }},
-        BadOption{"indexer_dim", [](auto& o) { o.indexer_dim = 1; }},
-        BadOption{"indexer_block", [](auto& o) { o.indexer_block = 0; }},
-        BadOption{"num_sinks", [](auto& o) { o.num_sinks = 65; }},
-        BadOption{"content_rank", [](auto& o) { o.content_rank = 0; }},
-        BadOption{"segment_len", [](auto& o) { o.segment_len = 0; }},
-        BadOption{"sink_logit", [](auto& o) { o.sink_logit = -1; }},
-        BadOption{"local_logit", [](auto& o) { o.local_logit = NAN; }},
-        BadOption{"topic_logit", [](auto& o) { o.topic_logit = INFINITY; }},
-        BadOption{"needle_logit", [](auto& o) { o.needle_logit = -2; }},
-        BadOption{"noise", [](auto& o) { o.noise = -0.5; }},
-        BadOption{"rope_theta", [](auto& o) { o.rope_theta = 0; }},
-        BadOption{"num_needles", [](auto& o) { o.num_needles = -1; }},
-        BadOption{"needle_queries", [](auto& o) { o.needle_queries = 0; }}),
+    ::testing::Values(BadOption{"batch", [](auto& o) { o.batch = 0; }},
+                      BadOption{"seq_len", [](auto& o) { o.seq_len = 0; }},
+                      BadOption{"query_len", [](auto& o) { o.query_len = 65; }},
+                      BadOption{"num_kv_heads", [](auto& o) { o.num_kv_heads = 0; }},
+                      BadOption{"num_q_heads", [](auto& o) { o.num_q_heads = 3; }},
+                      BadOption{"head_dim", [](auto& o) { o.head_dim = 0; }},
+                      BadOption{"rotary_dims", [](auto& o) { o.rotary_dims = 3; }},
+                      BadOption{"indexer_heads", [](auto& o) { o.indexer_heads = -1; }},
+                      BadOption{"indexer_dim", [](auto& o) { o.indexer_dim = 1; }},
+                      BadOption{"indexer_block", [](auto& o) { o.indexer_block = 0; }},
+                      BadOption{"num_sinks", [](auto& o) { o.num_sinks = 65; }},
+                      BadOption{"content_rank", [](auto& o) { o.content_rank = 0; }},
+                      BadOption{"segment_len", [](auto& o) { o.segment_len = 0; }},
+                      BadOption{"sink_logit", [](auto& o) { o.sink_logit = -1; }},
+                      BadOption{"heavy_logit", [](auto& o) { o.heavy_logit = -1; }},
+                      BadOption{"heavy_fraction", [](auto& o) { o.heavy_fraction = 1.5; }},
+                      BadOption{"local_logit", [](auto& o) { o.local_logit = NAN; }},
+                      BadOption{"topic_logit", [](auto& o) { o.topic_logit = INFINITY; }},
+                      BadOption{"needle_logit", [](auto& o) { o.needle_logit = -2; }},
+                      BadOption{"noise", [](auto& o) { o.noise = -0.5; }},
+                      BadOption{"rope_theta", [](auto& o) { o.rope_theta = 0; }},
+                      BadOption{"num_needles", [](auto& o) { o.num_needles = -1; }},
+                      BadOption{"needle_queries", [](auto& o) { o.needle_queries = 0; }}),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(WorkloadValidation, NonFloatingDtypeIsATypeError) {
@@ -320,6 +347,44 @@ TEST(WorkloadValidation, CudaDeviceWithoutCudaBuildRaisesNotCrashes) {
   o.device = Device::cuda();
   EXPECT_THROW(make_workload(o), Error);
 #endif
+}
+
+}  // namespace
+}  // namespace sparse_attn
+
+namespace sparse_attn {
+namespace {
+
+TEST(CompressIndexKeys, MeanOfEachBlockDividedByItsRms) {
+  auto rng = testing::make_rng();
+  const Tensor raw = testing::random_tensor({2, 9, 5}, DType::kF32, rng);
+  const Tensor out = Tensor::empty({2, 3, 5}, DType::kF32);
+  testing::poison(out);
+  compress_index_keys(raw, out, 3);
+  std::vector<double> want;
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t c = 0; c < 3; ++c) {
+      std::vector<double> m(5, 0.0);
+      for (int64_t t = 3 * c; t < 3 * c + 3; ++t)
+        for (int64_t d = 0; d < 5; ++d) m[d] += testing::get(raw, {b, t, d}) / 3;
+      double ms = 0;
+      for (double x : m) ms += x * x / 5;
+      for (double x : m) want.push_back(x / std::sqrt(ms));
+    }
+  EXPECT_TRUE(testing::all_close(out, want, 1e-5, 1e-5));
+}
+
+TEST(CompressIndexKeys, WrongOutputShapeNamesOut) {
+  const Tensor raw = Tensor::empty({1, 8, 4}, DType::kF32);
+  const Tensor out = Tensor::empty({1, 3, 4}, DType::kF32);
+  try {
+    compress_index_keys(raw, out, 4);
+    FAIL() << "no error";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("out"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(compress_index_keys(raw, Tensor::empty({1, 2, 4}, DType::kI32), 4), TypeError);
+  EXPECT_THROW(compress_index_keys(raw, Tensor::empty({1, 2, 4}, DType::kF32), 0), ValueError);
 }
 
 }  // namespace

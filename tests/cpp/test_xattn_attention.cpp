@@ -193,6 +193,28 @@ TEST(BlockSparseAttention, EmptyMaskRowsGiveZeroOutputAndMinusInfLse) {
   }
 }
 
+TEST(BlockSparseAttention, EmptySequencesAndRowsOutsideEverySequence) {
+  auto rng = make_rng();
+  // Sequence 1 has no queries, sequence 2 no keys (its rows see nothing), and the last 5 rows
+  // of q belong to no sequence: they are left untouched.
+  Varlen p({60, 0, 20}, {90, 40, 0}, {1, 0}, 1, 16, DType::kF32, rng);
+  Tensor q = random_tensor({85, 2, 16}, DType::kF32, rng);
+  for (int64_t r = 0; r < 80; ++r)
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t d = 0; d < 16; ++d) testing::set(q, {r, h, d}, get(p.q, {r, h, d}));
+  Tensor out = Tensor::empty({85, 2, 16}, DType::kF32);
+  Tensor lse = Tensor::empty({85, 2}, DType::kF32);
+  poison(out);
+  poison(lse);
+  block_sparse_attention(q, p.k, p.v, p.cu_q, p.cu_k, p.mask_arg(), p.max_q, p.max_k, out,
+                         lse.view(), p.options());
+  const auto [eo, el] = p.expected();
+  EXPECT_TRUE(all_close(out.view().narrow(0, 0, 80), eo, 1e-5, 1e-5));
+  EXPECT_TRUE(all_close(lse.view().narrow(0, 0, 80), el, 1e-5, 1e-6));
+  for (int64_t r = 60; r < 80; ++r) EXPECT_EQ(get(lse, {r, 1}), -kInf);
+  for (double x : to_vector(out.view().narrow(0, 80, 5))) EXPECT_TRUE(std::isnan(x));
+}
+
 TEST(BlockSparseAttention, StridedOutputAndTransposedLse) {
   auto rng = make_rng();
   Varlen p({140, 60}, {140, 200}, {1, 0, 1, 1}, 2, 16, DType::kBF16, rng);

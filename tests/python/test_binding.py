@@ -113,3 +113,59 @@ def test_outputs_of_bare_dlpack_producers_need_out():
     assert result is out
     expected = sparse_attn.qsa_mqa_prefill(q, k, starts, ends, backend="reference")
     assert np.array_equal(out, expected)
+
+
+def test_package_works_without_torch():
+    # torch is optional: with it unimportable, numpy inputs still work end to end.
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import numpy as np, sparse_attn\n"
+            "q = np.ones((2, 4, 128), np.float16); k = np.ones((3, 128), np.float16)\n"
+            "out = sparse_attn.qsa_mqa(q, k, np.zeros(2, np.int32), np.full(2, 3, np.int32),\n"
+            "                          backend='reference')\n"
+            "assert isinstance(out, np.ndarray) and out.shape == (2, 3)\n"
+            "assert abs(float(out[0, 0]) - 4 * 128 / 128 ** 0.5) < 1e-3\n")
+    result = subprocess.run([sys.executable, "-c", code], env=dict(os.environ),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_python_output_shapes_agree_with_the_cpp_shape_functions():
+    # The wrappers compute output shapes in Python (so that torch.compile can trace them);
+    # the C++ *_shape functions are the definition.
+    bf = torch.bfloat16
+    q_idx, keys = torch.zeros((2, 5, 4, 128), dtype=bf), torch.zeros((2, 3, 128), dtype=bf)
+    assert sparse_attn.qsa_indexer_mqa_score(q_idx, keys, backend="reference").shape == \
+        tuple(_C.qsa_indexer_mqa_score_shape(q_idx, keys, None, None, None, None, None, None,
+                                             None, 4, None, None, "reference"))
+    cache, table = torch.zeros((4, 8, 1, 128), dtype=bf), torch.zeros((2, 3), dtype=torch.int32)
+    assert sparse_attn.qsa_indexer_mqa_score(q_idx, cache, block_table=table,
+                                             backend="reference").shape == \
+        tuple(_C.qsa_indexer_mqa_score_shape(q_idx, cache, table, None, None, None, None, None,
+                                             None, 4, None, None, "reference"))
+    q, k = torch.zeros((6, 4, 128), dtype=bf), torch.zeros((9, 1, 128), dtype=bf)
+    rows = torch.zeros(6, dtype=torch.int32)
+    assert sparse_attn.qsa_mqa_prefill(q, k, rows, rows, backend="reference").shape == \
+        tuple(_C.qsa_mqa_prefill_shape(q, k))
+    assert sparse_attn.qsa_mqa_decode(q, cache, table[:, :1].repeat(3, 1), rows, 17,
+                                      backend="reference").shape == \
+        tuple(_C.qsa_mqa_decode_shape(q, 17))
+    query = torch.zeros((2, 3, 4, 32), dtype=bf)
+    kv = torch.zeros((2, 8, 2, 32), dtype=bf)
+    ids = torch.zeros((2, 3, 5), dtype=torch.int32)
+    out, lse = sparse_attn.qsa_sparse_attention(query, kv, kv, ids, return_lse=True,
+                                                backend="reference")
+    assert out.shape == tuple(_C.qsa_sparse_attention_out_shape(query))
+    assert lse.shape == tuple(_C.qsa_sparse_attention_lse_shape(query))
+    scores = torch.zeros((2, 3, 40))
+    assert sparse_attn.qsa_topk_blocks(scores, 7).shape == \
+        tuple(_C.qsa_topk_blocks_shape(scores, 7))
+    blocks = torch.zeros((2, 3, 7), dtype=torch.int32)
+    assert sparse_attn.qsa_expand_blocks(blocks, torch.zeros((2, 3), dtype=torch.int32)).shape \
+        == tuple(_C.qsa_expand_blocks_token_shape(blocks))
+    qs, ks = torch.zeros((1, 4, 300, 16)), torch.zeros((1, 2, 700, 16))
+    assert sparse_attn.xattn_estimate(qs, ks, 128, 8, backend="reference")[0].shape == \
+        tuple(_C.xattn_estimate_shape(qs, ks, 128))

@@ -271,6 +271,11 @@ def test_errors_name_the_argument(kwargs, kind, name):
                                          **kwargs)
 
 
+def test_return_lse_must_be_a_bool():
+    with pytest.raises(TypeError, match="^return_lse: expected a bool"):
+        sparse_attn.qsa_sparse_attention(*_args(), return_lse="yes", backend="reference")
+
+
 def test_float32_query_is_a_type_error():
     with pytest.raises(TypeError, match="query"):
         sparse_attn.qsa_sparse_attention(*_args(torch.float32), backend="reference")

@@ -141,7 +141,8 @@ def test_compiled_out_argument_is_written():
 def test_work_on_a_side_stream(backend):
     query, key, value, ids = attention_inputs("cuda")
     expected = call_native_or_skip(
-        lambda: sparse_attn.qsa_sparse_attention(query, key, value, ids, backend=backend),
+        lambda: sparse_attn.qsa_sparse_attention(query, key, value, ids, backend=backend,
+                                                 num_splits=1),
         backend)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -151,7 +152,8 @@ def test_work_on_a_side_stream(backend):
         late_value = torch.full_like(value, math.nan)
         torch.cuda._sleep(50_000_000)
         late_value.copy_(value)
-        out = sparse_attn.qsa_sparse_attention(query, key, late_value, ids, backend=backend)
+        out = sparse_attn.qsa_sparse_attention(query, key, late_value, ids, backend=backend,
+                                                num_splits=1)
     side.synchronize()
     assert torch.equal(out, expected)
 
@@ -160,7 +162,8 @@ def test_work_on_a_side_stream(backend):
 def test_cuda_graph_capture_and_replay():
     query, key, value, ids = attention_inputs("cuda")
     call_native_or_skip(
-        lambda: sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native"),
+        lambda: sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native",
+                                                 num_splits=1),
         "native")
     out = torch.empty_like(query)
     graph = torch.cuda.CUDAGraph()
@@ -168,10 +171,12 @@ def test_cuda_graph_capture_and_replay():
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):  # warm up outside capture
-            sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native", out=out)
+            sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native",
+                                             num_splits=1, out=out)
     torch.cuda.current_stream().wait_stream(side)
     with torch.cuda.graph(graph):
-        sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native", out=out)
+        sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native",
+                                         num_splits=1, out=out)
     # Replay consumes the current contents of the inputs.
     query.copy_(randn(query.shape, query.dtype, "cuda"))
     ids.copy_(torch.randint(-1, 32, ids.shape, dtype=torch.int32, device="cuda"))
@@ -186,11 +191,12 @@ def test_cuda_graph_capture_and_replay():
 def test_compiled_reduce_overhead_uses_cuda_graphs():
     query, key, value, ids = attention_inputs("cuda")
     call_native_or_skip(
-        lambda: sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native"),
+        lambda: sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native",
+                                                 num_splits=1),
         "native")
 
     def fn(q, k, v, i):
-        return sparse_attn.qsa_sparse_attention(q, k, v, i, backend="native") * 2
+        return sparse_attn.qsa_sparse_attention(q, k, v, i, backend="native", num_splits=1) * 2
 
     torch._dynamo.reset()
     compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True)

@@ -16,8 +16,7 @@ inline void check(cudaError_t err, const char* call, const char* file, int line)
 
 }  // namespace sparse_attn::cuda
 
-#define SPARSE_ATTN_CUDA_CHECK(call) \
-  ::sparse_attn::cuda::check((call), #call, __FILE__, __LINE__)
+#define SPARSE_ATTN_CUDA_CHECK(call) ::sparse_attn::cuda::check((call), #call, __FILE__, __LINE__)
 
 // After a kernel launch: launch-configuration errors surface here, not at the next sync.
 #define SPARSE_ATTN_CUDA_CHECK_LAUNCH() \

@@ -74,8 +74,8 @@ void copy_synchronously(const TensorView& dst, const TensorView& src) {
   // keeps the bytes between a strided destination's elements as they were. Both are
   // synchronous, as the reference's staging needs.
   if (dst.is_contiguous() && src.is_contiguous()) {
-    SPARSE_ATTN_CUDA_CHECK(cudaMemcpy(dst.data(), src.data(), dst.numel() * dst.element_size(),
-                                      cudaMemcpyDefault));
+    SPARSE_ATTN_CUDA_CHECK(
+        cudaMemcpy(dst.data(), src.data(), dst.numel() * dst.element_size(), cudaMemcpyDefault));
     return;
   }
   std::optional<HostMirror> src_mirror;

@@ -19,7 +19,8 @@ cudaStream_t to_stream(StreamHandle s) { return static_cast<cudaStream_t>(s); }
 // kernels' own assumptions should a caller reach them another way.
 void require_geometry(const char* op, int heads, int dim) {
   if (heads != ix::kHeads || dim != ix::kDim) {
-    throw NotSupportedError(std::string(op) + ": the native kernels take heads x dim = 4 x 128, got " +
+    throw NotSupportedError(std::string(op) +
+                            ": the native kernels take heads x dim = 4 x 128, got " +
                             std::to_string(heads) + " x " + std::to_string(dim));
   }
 }

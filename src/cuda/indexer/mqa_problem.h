@@ -14,8 +14,8 @@
 
 namespace sparse_attn::cuda::indexer {
 
-inline constexpr int kHeads = 4;   // indexer heads: QSA's only native geometry
-inline constexpr int kDim = 128;   // features per head and per compressed key
+inline constexpr int kHeads = 4;  // indexer heads: QSA's only native geometry
+inline constexpr int kDim = 128;  // features per head and per compressed key
 
 // How a flattened query row finds its request, position and visible key interval.
 enum class RowMode : int {
@@ -58,10 +58,10 @@ struct RowsProblem {
   // Keys: logical k [batch, num_keys, dim] (prefill: batch 1, batch stride 0), or, with a
   // block table, a paged cache [num_pages, page_size, dim]; pages < 0 or >= num_pages give
   // -inf columns.
-  int64_t num_keys;  // output width
-  const void* k;     // 16-byte aligned rows, unit feature stride
-  int64_t k_batch_stride;  // logical: per request; paged: per page
-  int64_t k_row_stride;    // logical: per key; paged: per slot
+  int64_t num_keys;            // output width
+  const void* k;               // 16-byte aligned rows, unit feature stride
+  int64_t k_batch_stride;      // logical: per request; paged: per page
+  int64_t k_row_stride;        // logical: per key; paged: per slot
   const int32_t* block_table;  // nullable: [batch, max_pages]
   int64_t block_table_batch_stride;
   int64_t block_table_page_stride;
@@ -69,7 +69,7 @@ struct RowsProblem {
   int64_t num_pages;
 
   float scale;
-  float* out;  // FP32; element (row, key) at row offset + key * out_col_stride
+  float* out;                // FP32; element (row, key) at row offset + key * out_col_stride
   int64_t out_batch_stride;  // padded only
   int64_t out_row_stride;
   int64_t out_col_stride;

@@ -9,12 +9,14 @@
 // of m16n8k16; the M tile of head h holds the warp's 16 rows for that head, so the sum over
 // heads of ReLU is thread-local in the accumulator layout (no shuffles).
 //
-// Why mma.sync (CuTe's SM80 atom) and not wgmma: wgmma's M = 64 rows per warpgroup would
-// spread a row's 4 heads over 4 warps (head-major) or over 4 lanes (row-major), so the ReLU
-// head sum would need a shared-memory or shuffle reduction per output element, and Q as a
-// register A operand costs the same 128 registers. The output write (4 bytes per score,
-// -inf included) is the floor for the benchmark shapes, which mma.sync's rate keeps up with;
-// docs/perf-notes.md has the measured numbers.
+// Why mma.sync (CuTe's SM80 atom) and not wgmma: with mma.sync the head sum of ReLU is
+// thread-local; wgmma's M = 64 rows per warpgroup spreads a row's 4 heads over 4 warps
+// (head-major M) or 4 lanes (row-major M), so the sum needs shuffles or shared memory per
+// output element, and the first goal was a kernel that is exact on every form. Measured on
+// the H200 (docs/perf-notes.md) this version is latency-bound, not write-bound: the resident
+// Q fragments (128 registers a thread) cap an SM at 8 warps and the tensor pipe is busy a
+// third of the time (64K prefill at 40% of its floor). The next step is wgmma with Q and K
+// in shared memory (no Q registers, MMAs overlapping the previous tile's epilogue).
 //
 // Masking: only tiles that intersect a row interval are loaded and computed; everything else
 // is filled with -inf by plain vector stores. Rows of several requests in one CTA (varlen,
@@ -34,17 +36,17 @@
 
 namespace sparse_attn::cuda::indexer::rows {
 
-// 4 warps of ~250 registers let two CTAs share an SM, so one can stream -inf stores while
-// the other runs MMAs (with one 8-warp CTA per SM the two phases serialised: measured 2.42 ms
-// for the 64K prefill, docs/perf-notes.md).
+// 4-warp CTAs, two per SM: the same 8 warps an SM holds at ~250 registers as one 8-warp CTA,
+// in twice as many CTAs, which small prefills need (4K tokens: 52 -> 33 us measured); the
+// 64K prefill stayed at 2.4 - 2.5 ms (docs/perf-notes.md).
 inline constexpr int kWarps = 4;
 inline constexpr int kCtasPerSm = 2;
 inline constexpr int kThreads = kWarps * 32;
-inline constexpr int kRowsPerWarp = 16;                  // one m16 tile per head
+inline constexpr int kRowsPerWarp = 16;                   // one m16 tile per head
 inline constexpr int kBlockRows = kWarps * kRowsPerWarp;  // 64 query rows per CTA
-inline constexpr int kBlockKeys = 64;                    // keys per pipeline stage
-inline constexpr int kStages = 4;                        // cp.async stages in flight
-inline constexpr int kChunks = kDim * 2 / 16;            // 16-byte chunks per key (16)
+inline constexpr int kBlockKeys = 64;                     // keys per pipeline stage
+inline constexpr int kStages = 4;                         // cp.async stages in flight
+inline constexpr int kChunks = kDim * 2 / 16;             // 16-byte chunks per key (16)
 inline constexpr int kHistBins = 2048;  // request ids counted per pass (positions from ids)
 
 static_assert(kBlockRows <= kThreads, "one thread resolves one row of the tile");
@@ -113,7 +115,8 @@ __device__ inline void resolve_row(const RowsProblem& p, int64_t r, SharedStorag
         const int64_t b = r / p.q_len, i = r % p.q_len;
         q_off = b * p.q_batch_stride + i * p.q_row_stride;
         out_off = b * p.out_batch_stride + i * p.out_row_stride;
-        const bool valid = p.seq_lens_q == nullptr || i < ld_meta(p.seq_lens_q, b, p.seq_lens_q_stride);
+        const bool valid =
+            p.seq_lens_q == nullptr || i < ld_meta(p.seq_lens_q, b, p.seq_lens_q_stride);
         req = valid ? static_cast<int32_t>(b) : -1;
         pos = p.query_positions ? __ldg(p.query_positions + b * p.query_positions_batch_stride +
                                         i * p.query_positions_row_stride)
@@ -129,7 +132,10 @@ __device__ inline void resolve_row(const RowsProblem& p, int64_t r, SharedStorag
         int64_t a = 0, b = p.batch;  // invariant: answer in [a, b)
         while (b - a > 1) {
           const int64_t m = (a + b) / 2;
-          if (ld_meta(p.cu_seqlens_q, m, p.cu_seqlens_q_stride) <= r) a = m; else b = m;
+          if (ld_meta(p.cu_seqlens_q, m, p.cu_seqlens_q_stride) <= r)
+            a = m;
+          else
+            b = m;
         }
         const int64_t start = ld_meta(p.cu_seqlens_q, a, p.cu_seqlens_q_stride);
         const int64_t end = ld_meta(p.cu_seqlens_q, a + 1, p.cu_seqlens_q_stride);
@@ -219,7 +225,8 @@ __device__ inline void load_tile(const RowsProblem& p, SharedStorage& s, int sta
         const int64_t page = __ldg(p.block_table + req * p.block_table_batch_stride +
                                    (n / p.page_size) * p.block_table_page_stride);
         valid = page >= 0 && page < p.num_pages;
-        if (valid) src = k + page * p.k_batch_stride + (n % p.page_size) * p.k_row_stride + chunk * 8;
+        if (valid)
+          src = k + page * p.k_batch_stride + (n % p.page_size) * p.k_row_stride + chunk * 8;
       }
     }
     // Invalid keys are zero-filled (no global read) and marked, so they become -inf.
@@ -232,8 +239,8 @@ __device__ inline void load_tile(const RowsProblem& p, SharedStorage& s, int sta
 // Writes the scores (or -inf) of one thread's two adjacent columns kc, kc + 1 of a tile.
 // `dst` points at column kc; `lim` is the number of the tile's columns inside the CTA's range;
 // `pairs`: unit column stride and an 8-byte aligned row (kc is even), so one float2 store.
-__device__ __forceinline__ void store_pair(float* dst, int64_t stride, bool pairs, int kc,
-                                           int lim, float v0, float v1) {
+__device__ __forceinline__ void store_pair(float* dst, int64_t stride, bool pairs, int kc, int lim,
+                                           float v0, float v1) {
   if (pairs && kc + 1 < lim) {
     *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
     return;
@@ -260,7 +267,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   // --- rows of the tile: request, offsets, visible interval
   if (tid < kBlockRows) resolve_row(p, row0 + tid, s, tid);
   __syncthreads();
-  if (p.mode == RowMode::kVarlenTok && p.query_positions == nullptr) count_positions(p, row0, s, tid);
+  if (p.mode == RowMode::kVarlenTok && p.query_positions == nullptr)
+    count_positions(p, row0, s, tid);
 
   // --- Q fragments of the warp's rows ra = 16 warp + g and rb = ra + 8, all heads
   const int ra = warp * kRowsPerWarp + g, rb = ra + 8;
@@ -325,7 +333,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       atomicMax(&s.union_hi, static_cast<unsigned long long>(whi));
     }
     __syncthreads();
-    const int64_t ulo = std::max<int64_t>(col0, s.union_lo == ULLONG_MAX ? col1 : int64_t(s.union_lo));
+    const int64_t ulo =
+        std::max<int64_t>(col0, s.union_lo == ULLONG_MAX ? col1 : int64_t(s.union_lo));
     const int64_t uhi = std::min<int64_t>(col1, int64_t(s.union_hi));
     // Active tiles (aligned at col0) intersect [ulo, uhi); the rest of the range is -inf.
     const int64_t t0 = ulo < uhi ? (ulo - col0) / kBlockKeys : 0;
@@ -349,7 +358,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       cute::cp_async_wait<kStages - 2>();
       __syncthreads();
       const int64_t pre = t + kStages - 1;
-      if (pre < t1) load_tile(p, s, int((pre - t0) % kStages), col0 + pre * kBlockKeys, col1, cur, tid);
+      if (pre < t1)
+        load_tile(p, s, int((pre - t0) % kStages), col0 + pre * kBlockKeys, col1, cur, tid);
       cute::cp_async_fence();
 
       const int stage = int((t - t0) % kStages);
@@ -378,7 +388,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 #pragma unroll
             for (int jj = 0; jj < 2; ++jj)
 #pragma unroll
-              for (int h = 0; h < kHeads; ++h) mma_pair<T>(acc[jj][h], qa[h][pp], qb[h][pp], kf[jj]);
+              for (int h = 0; h < kHeads; ++h)
+                mma_pair<T>(acc[jj][h], qa[h][pp], qb[h][pp], kf[jj]);
           }
         }
         // score = scale * sum_h ReLU(S_h), -inf outside the row's interval or on a missing page
@@ -397,11 +408,13 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
           const float ninf = -INFINITY;
           if (own_a) {
             const bool in0 = k0 && kc >= la && kc < ha, in1 = k1 && kc + 1 >= la && kc + 1 < ha;
-            store_pair(tile_a + kc * cs, cs, pairs_a, kc, lim, in0 ? v[0] : ninf, in1 ? v[1] : ninf);
+            store_pair(tile_a + kc * cs, cs, pairs_a, kc, lim, in0 ? v[0] : ninf,
+                       in1 ? v[1] : ninf);
           }
           if (own_b) {
             const bool in0 = k0 && kc >= lb && kc < hb, in1 = k1 && kc + 1 >= lb && kc + 1 < hb;
-            store_pair(tile_b + kc * cs, cs, pairs_b, kc, lim, in0 ? v[2] : ninf, in1 ? v[3] : ninf);
+            store_pair(tile_b + kc * cs, cs, pairs_b, kc, lim, in0 ? v[2] : ninf,
+                       in1 ? v[3] : ninf);
           }
         }
       }
