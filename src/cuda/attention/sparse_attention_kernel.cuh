@@ -138,25 +138,38 @@ __device__ inline RowInfo resolve_row(const SparseAttentionParams& p,
   return ri;
 }
 
-// K/V coordinates of token t of a row, or false when the token is masked.
-__device__ inline bool token_location(const SparseAttentionParams& p, const RowInfo& ri,
-                                      int64_t t, int2* loc) {
+// The page-table entry behind an index entry whose first token is `first`: an entry's tokens
+// share one page (one token, or a 4-aligned block with pages of a multiple of 4 tokens). The
+// read is unconditional (entry 0 for a token out of range), so that a pass issues all its
+// reads before it uses any; -1 for unpaged layouts.
+__device__ inline int32_t entry_page(const SparseAttentionParams& p, const RowInfo& ri,
+                                     int64_t first) {
+  if (p.kv_layout != KVLayout::kPaged) return -1;
+  const int page_idx = first >= 0 && first < ri.seq_len_k
+                           ? static_cast<int>(first) / static_cast<int>(p.page_size)
+                           : 0;
+  return p.block_table[ri.b * p.block_table_batch_stride +
+                       page_idx * p.block_table_page_stride];
+}
+
+// Whether token t of a row is read: inside the KV length, not after the position, and (paged)
+// on a page that exists.
+__device__ inline bool token_valid(const SparseAttentionParams& p, const RowInfo& ri, int64_t t,
+                                   int32_t page) {
   if (t < 0 || t >= ri.seq_len_k || t > ri.pos) return false;
+  return p.kv_layout != KVLayout::kPaged || (page >= 0 && page < p.num_pages);
+}
+
+// K/V coordinates of a valid token: (page, slot), (request, token) or (0, physical row).
+__device__ inline int2 token_coords(const SparseAttentionParams& p, const RowInfo& ri, int64_t t,
+                                    int32_t page) {
   switch (p.kv_layout) {
-    case KVLayout::kPaged: {
-      const int64_t page_idx = t / p.page_size;
-      const int32_t page = p.block_table[ri.b * p.block_table_batch_stride +
-                                         page_idx * p.block_table_page_stride];
-      if (page < 0 || page >= p.num_pages) return false;
-      *loc = make_int2(page, static_cast<int>(t - page_idx * p.page_size));
-      return true;
-    }
+    case KVLayout::kPaged:
+      return make_int2(page, static_cast<int>(t) % static_cast<int>(p.page_size));
     case KVLayout::kPadded:
-      *loc = make_int2(ri.b, static_cast<int>(t));
-      return true;
+      return make_int2(ri.b, static_cast<int>(t));
     default:  // kPhysical: seq_len_k is total_kv and pos unbounded
-      *loc = make_int2(0, static_cast<int>(t));
-      return true;
+      return make_int2(0, static_cast<int>(t));
   }
 }
 
@@ -279,28 +292,36 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
     const int64_t c1 = min(col_end, c0 + pass_entries);
     // ----- compact this pass's valid tokens (index order) ---------------------------------
     if (c0 != col_begin) load_ids(c0, c1);
-    // Validity of every token first, so that all page-table reads are in flight together;
-    // coordinates are recomputed for the valid tokens when they are written (their page-table
-    // lines are in L1 by then), which keeps registers for o_acc. Token k of entry j is bit
-    // 4j + k with the block hint (j <= 4), bit j on the token path.
+    // Every entry's page-table read first (unconditional, so they are all in flight together),
+    // then the validity of every token. Token k of entry j is bit 4j + k with the block hint
+    // (j <= 4), bit j on the token path.
     uint64_t bits = 0;
     const int per_entry = x.block_hint ? 4 : 1;
     auto entry_mask = [&](int j) {
       return static_cast<unsigned>((bits >> (per_entry * j)) & ((1ull << per_entry) - 1));
     };
+    // The pages wait for phase 2 in the idle tile ring (each thread its own slots), which
+    // keeps registers for o_acc.
+    int32_t* const page_buf = reinterpret_cast<int32_t*>(&sm.tiles);
+    int32_t pages[kPerThread];
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      int count;
+      pages[j] = entry_page(p, ri,
+                            entry_tokens(p, x, ri, c0 + j * C::kThreads + tid, ids[j], &count));
+    }
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       const int64_t e = c0 + j * C::kThreads + tid;
-      if (e >= c1) continue;
       int count;
       const int64_t first = entry_tokens(p, x, ri, e, ids[j], &count);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        int2 loc;
-        if (k < count && token_location(p, ri, first + k, &loc)) {
+        if (e < c1 && k < count && token_valid(p, ri, first + k, pages[j])) {
           bits |= 1ull << (per_entry * j + k);
         }
       }
+      page_buf[j * C::kThreads + tid] = pages[j];
     }
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
@@ -328,16 +349,14 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
       }
       before_lane -= __popc(mine);
       if (mine) {
-        const int64_t e = c0 + j * C::kThreads + tid;
         int count;
-        const int64_t first = entry_tokens(p, x, ri, e, ids[j], &count);
+        const int64_t first =
+            entry_tokens(p, x, ri, c0 + j * C::kThreads + tid, ids[j], &count);
         int at = n_valid + before_warp + before_lane;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           if ((mine >> k) & 1u) {
-            int2 loc;
-            token_location(p, ri, first + k, &loc);
-            sm.token_loc[at++] = loc;
+            sm.token_loc[at++] = token_coords(p, ri, first + k, page_buf[j * C::kThreads + tid]);
           }
         }
       }

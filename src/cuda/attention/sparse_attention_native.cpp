@@ -1,9 +1,12 @@
 // native_sparse_attention: the CUDA backend of qsa_sparse_attention. Validation (src/api) has
-// passed; this file picks the schedule, allocates the SplitKV workspace stream-ordered (so a
-// captured graph owns its allocation), and turns the runtime dtype into the kernel's T.
+// passed; this file picks the schedule, allocates the SplitKV workspace stream-ordered from
+// the library's pool (so a captured graph owns its allocation), and turns the runtime dtype
+// into the kernel's T.
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdint>
+#include <mutex>
 
 #include "api/qsa_attention_params.h"
 #include "cuda/attention/sparse_attention_heuristics.h"
@@ -28,6 +31,31 @@ int sm_count(int device) {
   SPARSE_ATTN_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
   if (device >= 0 && device < static_cast<int>(cache.size())) cache[device] = n;
   return n;
+}
+
+// The SplitKV workspace pool of a device: the library's own stream-ordered pool, which keeps
+// freed memory (release threshold: never) so that a decode step reuses the last step's
+// workspace instead of mapping new memory, without changing the device's default pool that
+// the caller may use. Under graph capture an allocation from it becomes a graph-owned node.
+// Created on the first call on a device (a warm-up call before capture, as the seed asks).
+cudaMemPool_t workspace_pool(int device) {
+  static std::mutex mutex;
+  static std::array<cudaMemPool_t, 64> pools{};
+  if (device < 0 || device >= static_cast<int>(pools.size())) return nullptr;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (pools[device] == nullptr) {
+    cudaMemPoolProps props = {};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    cudaMemPool_t pool = nullptr;
+    SPARSE_ATTN_CUDA_CHECK(cudaMemPoolCreate(&pool, &props));
+    uint64_t keep = UINT64_MAX;
+    SPARSE_ATTN_CUDA_CHECK(
+        cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+    pools[device] = pool;
+  }
+  return pools[device];
 }
 
 }  // namespace
@@ -70,7 +98,11 @@ void native_sparse_attention(const SparseAttentionParams& p) {
   const size_t bytes =
       partial_slots * (C::kHeadDim + 1) * sizeof(float) + rank_ints * sizeof(int32_t);
   void* workspace = nullptr;
-  if (bytes > 0) SPARSE_ATTN_CUDA_CHECK(cudaMallocAsync(&workspace, bytes, stream));
+  if (bytes > 0) {
+    cudaMemPool_t pool = cuda::workspace_pool(p.device_index);
+    SPARSE_ATTN_CUDA_CHECK(pool ? cudaMallocFromPoolAsync(&workspace, bytes, pool, stream)
+                                : cudaMallocAsync(&workspace, bytes, stream));
+  }
   try {
     auto* floats = static_cast<float*>(workspace);
     if (partial_slots > 0) {
