@@ -398,25 +398,29 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
       const int n_first = tile * C::kBlockTokens + tok0;
       if (n_first >= n_valid) continue;  // warp-uniform: only the last tile is partial
 
-      // S = Q K^T: 16 heads x 16 tokens, two accumulators per n8 tile for MMA-chain ILP.
+      // S = Q K^T: 16 heads x 16 tokens, two accumulators per n8 tile for MMA-chain ILP, and
+      // the next K step's fragments loaded before this step's MMAs (one warp per scheduler
+      // has no other warp to hide the ldmatrix latency behind).
       float s_acc[2][2][4] = {};
+      uint32_t qa[2][4], kb[2][4];
+      auto load_qk = [&](int ks, uint32_t (&a)[4], uint32_t (&b)[4]) {
+        const int qrow = (lane % 8) + ((lane >> 3) & 1) * 8;
+        const int qchunk = ks * 2 + (lane >> 4);
+        cute::SM75_U32x4_LDSM_N::copy(
+            reinterpret_cast<const cute::uint128_t&>(sm.q[qrow][swz(qrow, qchunk)]), a[0], a[1],
+            a[2], a[3]);
+        const int krow = tok0 + (lane % 8) + (lane >> 4) * 8;
+        const int kchunk = ks * 2 + ((lane >> 3) & 1);
+        cute::SM75_U32x4_LDSM_N::copy(
+            reinterpret_cast<const cute::uint128_t&>(sm.tiles.k[stage][krow][swz(krow, kchunk)]),
+            b[0], b[1], b[2], b[3]);
+      };
+      load_qk(0, qa[0], kb[0]);
 #pragma unroll
       for (int ks = 0; ks < C::kHeadDim / 16; ++ks) {
-        uint32_t a[4], b[4];
-        {
-          const int row = (lane % 8) + ((lane >> 3) & 1) * 8;
-          const int chunk = ks * 2 + (lane >> 4);
-          cute::SM75_U32x4_LDSM_N::copy(reinterpret_cast<const cute::uint128_t&>(
-                                            sm.q[row][swz(row, chunk)]),
-                                        a[0], a[1], a[2], a[3]);
-        }
-        {
-          const int row = tok0 + (lane % 8) + (lane >> 4) * 8;
-          const int chunk = ks * 2 + ((lane >> 3) & 1);
-          cute::SM75_U32x4_LDSM_N::copy(reinterpret_cast<const cute::uint128_t&>(
-                                            sm.tiles.k[stage][row][swz(row, chunk)]),
-                                        b[0], b[1], b[2], b[3]);
-        }
+        if (ks + 1 < C::kHeadDim / 16) load_qk(ks + 1, qa[(ks + 1) & 1], kb[(ks + 1) & 1]);
+        const uint32_t(&a)[4] = qa[ks & 1];
+        const uint32_t(&b)[4] = kb[ks & 1];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           float* acc = s_acc[nt][ks & 1];
@@ -424,6 +428,18 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
                    b[2 * nt + 1], acc[0], acc[1], acc[2], acc[3]);
         }
       }
+
+      // V fragments for O += P V: the first one is loaded before the softmax, which hides its
+      // latency, and each next one before the current one's MMAs.
+      uint32_t vb[2][4];
+      auto load_v = [&](int dt, uint32_t (&b)[4]) {
+        const int row = tok0 + (lane % 8) + ((lane >> 3) & 1) * 8;
+        const int chunk = dt * 2 + (lane >> 4);
+        cute::SM75_U16x8_LDSM_T::copy(
+            reinterpret_cast<const cute::uint128_t&>(sm.tiles.v[stage][row][swz(row, chunk)]),
+            b[0], b[1], b[2], b[3]);
+      };
+      load_v(0, vb[0]);
 
       // online softmax (log2 domain); tokens past n_valid are -inf
       float s[2][4];
@@ -462,12 +478,8 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
       // O += P V: 16 heads x 256 dims over this warp's 16 tokens
 #pragma unroll
       for (int dt = 0; dt < C::kHeadDim / 16; ++dt) {
-        uint32_t b[4];
-        const int row = tok0 + (lane % 8) + ((lane >> 3) & 1) * 8;
-        const int chunk = dt * 2 + (lane >> 4);
-        cute::SM75_U16x8_LDSM_T::copy(reinterpret_cast<const cute::uint128_t&>(
-                                          sm.tiles.v[stage][row][swz(row, chunk)]),
-                                      b[0], b[1], b[2], b[3]);
+        if (dt + 1 < C::kHeadDim / 16) load_v(dt + 1, vb[(dt + 1) & 1]);
+        const uint32_t(&b)[4] = vb[dt & 1];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float* acc = o_acc[2 * dt + h];
