@@ -26,8 +26,8 @@ void launch_sparse_attention(const SparseAttentionParams& p, const SparseAttenti
     // Programmatic dependent launch: the merge grid is set up while the forward grid drains
     // and waits for it in cudaGridDependencySynchronize, which hides one launch gap in decode.
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(p.rows));
-    cfg.blockDim = dim3(256);
+    cfg.gridDim = dim3(static_cast<unsigned>(p.rows), static_cast<unsigned>(p.num_q_heads));
+    cfg.blockDim = dim3(C::kHeadDim);
     cfg.stream = stream;
     cudaLaunchAttribute attr = {};
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
