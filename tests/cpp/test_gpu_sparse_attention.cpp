@@ -49,6 +49,7 @@ struct Case {
   bool positions = false;       // explicit query_positions (else the right-aligned default)
   bool token_to_req = false;    // flattened rows mapped by token_to_req instead of cu_seqlens
   bool views = false;           // sliced inputs with offsets, strided out with bytes around it
+  bool dense_v = false;         // with views: V stays dense, so K and V strides differ
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) { return info.param.name; }
@@ -283,7 +284,13 @@ DeviceProblem to_device_problem(const Problem& pb, std::mt19937_64& rng) {
   };
   dp.q = put(pb.q);
   dp.k = put(pb.k);
-  dp.v = put(pb.v);
+  if (c.dense_v) {
+    Tensor d = to_device(pb.v);
+    dp.keep.push_back(d);
+    dp.v = d.view();
+  } else {
+    dp.v = put(pb.v);
+  }
   dp.idx = put(pb.idx);
   if (c.padded_q) {
     dp.q = dp.q.as_strided({pb.batch, pb.q_len, c.hq, kD},
@@ -508,6 +515,13 @@ std::vector<Case> cases() {
     c.views = true;
     c.num_splits = 3;
     c.gate = Gate::kElementwise;
+    v.push_back(c);
+  }
+  {
+    Case c = decode("views_k_sliced_v_dense_strides_differ", 2);
+    c.views = true;
+    c.dense_v = true;
+    c.num_splits = 2;
     v.push_back(c);
   }
   {
