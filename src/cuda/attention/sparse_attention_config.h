@@ -51,10 +51,8 @@ struct SparseAttentionSmem {
     Merge merge;
   };
   uint4 q[C::kHeadRows][C::kChunks];
-  static_assert(sizeof(int2) == sizeof(int64_t), "token_loc doubles as int64 row offsets");
   // Compacted valid tokens of the current index pass: (outer, token) coordinates into K/V,
   // i.e. (page, slot) for paged caches, (request, token) for padded ones, (0, row) physical.
-  // When K and V share their outer strides the same bytes hold each token's int64 row offset.
   int2 token_loc[C::kPassTokens];
   // Valid tokens of one pass per (entry step j, warp), for the compaction's prefix sums.
   int warp_count[C::kPassTokens / C::kThreads * C::kWarps];

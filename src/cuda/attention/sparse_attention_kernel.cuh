@@ -284,12 +284,6 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
 
-  // K and V with the same outer strides (the usual case) share one row offset per token,
-  // computed once in the compaction instead of by every lane for every tile; otherwise the
-  // token list keeps (outer, token) coordinates and each tensor's strides apply at the gather.
-  const bool kv_same_strides =
-      p.k_batch_stride == p.v_batch_stride && p.k_token_stride == p.v_token_stride;
-  int64_t* const token_off = reinterpret_cast<int64_t*>(sm.token_loc);
   const T* k_head = static_cast<const T*>(p.k) + kvh * p.k_head_stride;
   const T* v_head = static_cast<const T*>(p.v) + kvh * p.v_head_stride;
   const int64_t col_end = ri.active ? split_end : col_begin;
@@ -362,12 +356,7 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           if ((mine >> k) & 1u) {
-            const int2 c = token_coords(p, ri, first + k, page_buf[j * C::kThreads + tid]);
-            if (kv_same_strides) {
-              token_off[at++] = c.x * p.k_batch_stride + c.y * p.k_token_stride;
-            } else {
-              sm.token_loc[at++] = c;
-            }
+            sm.token_loc[at++] = token_coords(p, ri, first + k, page_buf[j * C::kThreads + tid]);
           }
         }
       }
@@ -383,17 +372,9 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
         const int row = i * C::kWarps + warp;
         const int n = tile * C::kBlockTokens + row;
         const bool valid = n < n_valid;
-        const T* ks;
-        const T* vs;
-        if (kv_same_strides) {
-          const int64_t off = valid ? token_off[n] : 0;
-          ks = k_head + off + lane * 8;
-          vs = v_head + off + lane * 8;
-        } else {
-          const int2 loc = valid ? sm.token_loc[n] : make_int2(0, 0);
-          ks = k_head + loc.x * p.k_batch_stride + loc.y * p.k_token_stride + lane * 8;
-          vs = v_head + loc.x * p.v_batch_stride + loc.y * p.v_token_stride + lane * 8;
-        }
+        const int2 loc = valid ? sm.token_loc[n] : make_int2(0, 0);
+        const T* ks = k_head + loc.x * p.k_batch_stride + loc.y * p.k_token_stride + lane * 8;
+        const T* vs = v_head + loc.x * p.v_batch_stride + loc.y * p.v_token_stride + lane * 8;
         cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
             *reinterpret_cast<const uint4*>(ks), sm.tiles.k[stage][row][swz(row, lane)], valid);
         cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
@@ -471,7 +452,6 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
         }
       }
       uint32_t pa[4];
-      float corrs[2];
 #pragma unroll
       for (int hrow = 0; hrow < 2; ++hrow) {
         float mx = fmaxf(fmaxf(s[0][2 * hrow], s[0][2 * hrow + 1]),
@@ -485,22 +465,14 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
         float p00 = exp2f(s[0][2 * hrow] - m_use), p01 = exp2f(s[0][2 * hrow + 1] - m_use);
         float p10 = exp2f(s[1][2 * hrow] - m_use), p11 = exp2f(s[1][2 * hrow + 1] - m_use);
         row_sum[hrow] = row_sum[hrow] * corr + (p00 + p01 + p10 + p11);
-        corrs[hrow] = corr;
+#pragma unroll
+        for (int j = 0; j < C::kHeadDim / 8; ++j) {
+          o_acc[j][2 * hrow] *= corr;
+          o_acc[j][2 * hrow + 1] *= corr;
+        }
         // P as the A operand of P V: k = tokens 0..7 from n8 tile 0, 8..15 from tile 1.
         pa[hrow] = E::pack(p00, p01);
         pa[2 + hrow] = E::pack(p10, p11);
-      }
-
-      // Rescale O only when a row max moved somewhere in the warp (after the first tiles it
-      // rarely does); a factor of exactly 1 changes nothing, so skipping it is exact.
-      if (__any_sync(0xffffffffu, corrs[0] != 1.f || corrs[1] != 1.f)) {
-#pragma unroll
-        for (int j = 0; j < C::kHeadDim / 8; ++j) {
-          o_acc[j][0] *= corrs[0];
-          o_acc[j][1] *= corrs[0];
-          o_acc[j][2] *= corrs[1];
-          o_acc[j][3] *= corrs[1];
-        }
       }
 
       // O += P V: 16 heads x 256 dims over this warp's 16 tokens
