@@ -95,6 +95,17 @@ Ceilings measure_ceilings(Timer& timer) {
   return c;
 }
 
+Ceilings report_device_and_ceilings(Timer& timer) {
+  cudaDeviceProp prop{};
+  BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
+  const Ceilings c = measure_ceilings(timer);
+  fmt::print("device {} ({} SMs, L2 {} MB)\n", prop.name, prop.multiProcessorCount,
+             prop.l2CacheSize >> 20);
+  fmt::print("ceilings: copy {:.2f} TB/s (read + write), cuBLAS bf16 GEMM {:.0f} TFLOP/s\n",
+             c.copy_tbps, c.gemm_tflops);
+  return c;
+}
+
 Tensor random_device(const Shape& shape, DType dtype, uint64_t seed) {
   Tensor host = Tensor::empty(shape, dtype);
   uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;

@@ -44,6 +44,9 @@ struct Ceilings {
   double gemm_tflops;  // cuBLAS bf16 GEMM 8192^3, FP32 accumulate, random inputs
 };
 Ceilings measure_ceilings(Timer& timer);
+// Prints the device (name, SMs, L2) and the ceilings measured with `timer`, and returns them:
+// every benchmark program opens its output this way.
+Ceilings report_device_and_ceilings(Timer& timer);
 
 // A device tensor of uniform random values in [-1, 1) (16-bit floats) made on the host.
 Tensor random_device(const Shape& shape, DType dtype, uint64_t seed);

@@ -137,14 +137,8 @@ int main(int argc, char** argv) {
       csv_path = arg;
     }
   }
-  cudaDeviceProp prop{};
-  BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
   Timer timer;
-  const Ceilings c = measure_ceilings(timer);
-  fmt::print("device {} ({} SMs, L2 {} MB)\n", prop.name, prop.multiProcessorCount,
-             prop.l2CacheSize >> 20);
-  fmt::print("ceilings: copy {:.2f} TB/s (read + write), cuBLAS bf16 GEMM {:.0f} TFLOP/s\n",
-             c.copy_tbps, c.gemm_tflops);
+  const Ceilings c = report_device_and_ceilings(timer);
 
   std::vector<Result> results;
   const auto wanted = [&](const std::string& name) { return only.empty() || only == name; };

@@ -216,14 +216,8 @@ Result bench_prefill(Timer& timer, int64_t tokens, bool structured, bool hint) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  cudaDeviceProp prop{};
-  BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
   Timer timer;
-  const Ceilings c = measure_ceilings(timer);
-  fmt::print("device {} ({} SMs, L2 {} MB)\n", prop.name, prop.multiProcessorCount,
-             prop.l2CacheSize >> 20);
-  fmt::print("ceilings: copy {:.2f} TB/s (read + write), cuBLAS bf16 GEMM {:.0f} TFLOP/s\n",
-             c.copy_tbps, c.gemm_tflops);
+  const Ceilings c = report_device_and_ceilings(timer);
   // One launch's fixed cost under the same timing (flush, events): a 4-byte memset.
   void* tiny = nullptr;
   BENCH_CUDA(cudaMalloc(&tiny, 4));
