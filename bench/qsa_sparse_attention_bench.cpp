@@ -140,9 +140,9 @@ Result bench_decode(Timer& timer, const Ceilings& c, int64_t batch) {
   const double bytes = 2.0 * valid * kHkv * kD * 2 + 3.0 * batch * kHq * kD * 2 +
                        4.0 * batch * kWidth + 4.0 * batch * kHq;
   const double sec = t.median_ms * 1e-3;
-  return {fmt::format("decode_b{}", batch), t.median_ms,
+  return {fmt::format("decode_b{}", batch),    t.median_ms,
           4.0 * valid * kHq * kD / sec / 1e12, bytes / sec / 1e12,
-          bytes / (c.copy_tbps * 1e12) * 1e3, "heuristic splits, gate, lse"};
+          bytes / (c.copy_tbps * 1e12) * 1e3,  "heuristic splits, gate, lse"};
 }
 
 Result bench_prefill(Timer& timer, int64_t tokens, bool structured, bool hint) {
@@ -162,7 +162,8 @@ Result bench_prefill(Timer& timer, int64_t tokens, bool structured, bool hint) {
     if (visible <= kBlocks) {
       for (int32_t b = 0; b < visible; ++b) blocks.push_back(b);
     } else if (structured) {
-      for (int64_t b = visible - kRecent; b < visible; ++b) blocks.push_back(static_cast<int32_t>(b));
+      for (int64_t b = visible - kRecent; b < visible; ++b)
+        blocks.push_back(static_cast<int32_t>(b));
       for (size_t i = 0; i < order.size() && static_cast<int64_t>(blocks.size()) < kBlocks; ++i)
         if (order[i] < visible - kRecent) blocks.push_back(order[i]);
     } else {
@@ -200,15 +201,20 @@ Result bench_prefill(Timer& timer, int64_t tokens, bool structured, bool hint) {
   SparseAttentionOptions o;
   o.block_table = table.view();
   if (hint) o.block_indices = bidx.view();
-  const Timing t = timer.time([&](cudaStream_t s) {
-    o.stream = s;
-    qsa_sparse_attention(q, k, v, idx.view(), out, std::nullopt, o);
-  }, 1, 5);
+  const Timing t = timer.time(
+      [&](cudaStream_t s) {
+        o.stream = s;
+        qsa_sparse_attention(q, k, v, idx.view(), out, std::nullopt, o);
+      },
+      1, 5);
   const double sec = t.median_ms * 1e-3;
   const double bytes = 2.0 * valid * kHkv * kD * 2 + 2.0 * tokens * kHq * kD * 2;
   return {fmt::format("prefill_{}k_{}{}", tokens / 1024, structured ? "structured" : "random",
                       hint ? "_hint" : ""),
-          t.median_ms, 4.0 * valid * kHq * kD / sec / 1e12, bytes / sec / 1e12, 0.0,
+          t.median_ms,
+          4.0 * valid * kHq * kD / sec / 1e12,
+          bytes / sec / 1e12,
+          0.0,
           fmt::format("mean valid {:.0f}/row, consecutive-row Jaccard {:.3f}", valid / tokens,
                       jaccard_rows ? jaccard / jaccard_rows : 1.0)};
 }
@@ -225,8 +231,8 @@ int main(int argc, char** argv) {
       timer.time([&](cudaStream_t s) { BENCH_CUDA(cudaMemsetAsync(tiny, 0, 4, s)); }).median_ms;
   fmt::print("one launch (4-byte memset, same timing): {:.4f} ms\n", launch_ms);
   // Each row is printed as soon as it is measured, so a failure later keeps the earlier ones.
-  fmt::print("\n{:<30} {:>9} {:>8} {:>7} {:>9} {:>6}  {}\n", "benchmark", "ms", "TFLOP/s",
-             "TB/s", "floor ms", "floor%", "note");
+  fmt::print("\n{:<30} {:>9} {:>8} {:>7} {:>9} {:>6}  {}\n", "benchmark", "ms", "TFLOP/s", "TB/s",
+             "floor ms", "floor%", "note");
   std::vector<Result> results;
   auto add = [&](Result r) {
     fmt::print("{:<30} {:>9.4f} {:>8.1f} {:>7.2f} {:>9.4f} {:>6}  {}\n", r.name, r.ms, r.tflops,
@@ -241,7 +247,8 @@ int main(int argc, char** argv) {
   for (int64_t b : {1, 8, 32, 128})
     if (want(fmt::format("decode_b{}", b))) add(bench_decode(timer, c, b));
   for (int64_t n : {16384, 65536, 131072})
-    if (want(fmt::format("prefill_{}k_structured", n / 1024))) add(bench_prefill(timer, n, true, false));
+    if (want(fmt::format("prefill_{}k_structured", n / 1024)))
+      add(bench_prefill(timer, n, true, false));
   if (want("prefill_16k_random")) add(bench_prefill(timer, 16384, false, false));
   if (want("prefill_128k_structured_hint")) add(bench_prefill(timer, 131072, true, true));
 
@@ -253,8 +260,8 @@ int main(int argc, char** argv) {
     }
     fmt::print(f, "name,ms,useful_tflops,tbps,floor_ms,note,copy_tbps,gemm_tflops\n");
     for (const Result& r : results)
-      fmt::print(f, "{},{:.5f},{:.2f},{:.3f},{:.5f},\"{}\",{:.3f},{:.1f}\n", r.name, r.ms,
-                 r.tflops, r.tbps, r.floor_ms, r.note, c.copy_tbps, c.gemm_tflops);
+      fmt::print(f, "{},{:.5f},{:.2f},{:.3f},{:.5f},\"{}\",{:.3f},{:.1f}\n", r.name, r.ms, r.tflops,
+                 r.tbps, r.floor_ms, r.note, c.copy_tbps, c.gemm_tflops);
     std::fclose(f);
   }
   return 0;

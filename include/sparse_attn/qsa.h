@@ -43,7 +43,7 @@ struct IndexerScoreOptions {
   std::optional<TensorView> query_positions;
   // int32 [B]: valid query rows per request (padded only); rows past it are all -inf.
   std::optional<TensorView> seq_lens_q;
-  int64_t block_size = 4;  // tokens per compressed key; QSA fixes it at 4
+  int64_t block_size = 4;             // tokens per compressed key; QSA fixes it at 4
   std::optional<double> scale;        // multiplier, default 1/sqrt(D)
   std::optional<double> score_scale;  // denominator; exclusive with scale
   Backend backend = Backend::kNative;
@@ -118,15 +118,15 @@ struct SparseAttentionOptions {
   std::optional<TensorView> query_positions;
   // int32 [B, max_pages]: makes key/value paged caches [pages, page_size, Hkv, D].
   std::optional<TensorView> block_table;
-  std::optional<int64_t> page_size;  // must equal key.shape[1] when given
-  std::optional<double> scale;       // default 1/sqrt(D)
+  std::optional<int64_t> page_size;     // must equal key.shape[1] when given
+  std::optional<double> scale;          // default 1/sqrt(D)
   std::optional<double> softmax_scale;  // alias of scale; both given is an error
   // Same dtype as query; shaped like the query ([.., Hq, D]) or per head ([.., Hq]).
   std::optional<TensorView> gate;
   std::optional<int64_t> num_splits;  // nullopt: heuristic; 1 disables SplitKV; must be >= 1
   Backend backend = Backend::kNative;
-  bool warp_specialized = false;      // opt-in prefill variant; canonical 24/2/256 only
-  bool assume_compact_blocks = false; // producer contract, see docs/qsa.md
+  bool warp_specialized = false;       // opt-in prefill variant; canonical 24/2/256 only
+  bool assume_compact_blocks = false;  // producer contract, see docs/qsa.md
   // int32 [rows, W]: physical token ids into flattened K/V [total_kv, Hkv, D] (BF16), used
   // instead of token_indices; no causal filtering, duplicates kept, ids < 0 or >= total_kv
   // masked. Excludes every logical metadata argument and the gate.

@@ -87,9 +87,10 @@ void check_no_self_overlap(const TensorView& t, std::string_view name) {
   int64_t span = 0;  // largest offset reachable with the axes so far
   for (const auto& [stride, size] : axes) {
     if (stride <= span) {
-      throw_value_error("{}: elements overlap each other (shape {}, strides {}); outputs need a "
-                        "non-overlapping layout",
-                        name, t.shape_str(), shape_str(t.strides(), t.dim()));
+      throw_value_error(
+          "{}: elements overlap each other (shape {}, strides {}); outputs need a "
+          "non-overlapping layout",
+          name, t.shape_str(), shape_str(t.strides(), t.dim()));
     }
     span += stride * (size - 1);
   }

@@ -183,8 +183,8 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
     t.storage_ = detail::device_alloc(bytes, device);
   } else {
     void* p = std::aligned_alloc(64, bytes);
-    if (p == nullptr) throw Error("Tensor::empty: host allocation of " + std::to_string(bytes) +
-                                  " bytes failed");
+    if (p == nullptr)
+      throw Error("Tensor::empty: host allocation of " + std::to_string(bytes) + " bytes failed");
     t.storage_ = std::shared_ptr<void>(p, std::free);
   }
   t.view_ = TensorView(t.storage_.get(), dtype, device, shape);

@@ -40,16 +40,16 @@ struct Case {
   std::vector<int64_t> k_lens;  // KV length per request
   bool paged = true;
   int64_t page_size = 64;
-  bool hole_page = false;       // one block_table entry inside a sequence is -1
+  bool hole_page = false;  // one block_table entry inside a sequence is -1
   int64_t width = 2051;
   double invalid_share = 0.15;  // ids that are -1, out of range or in the future
   Gate gate = Gate::kNone;
   bool lse = true;
   std::optional<int64_t> num_splits;
-  bool positions = false;       // explicit query_positions (else the right-aligned default)
-  bool token_to_req = false;    // flattened rows mapped by token_to_req instead of cu_seqlens
-  bool views = false;           // sliced inputs with offsets, strided out with bytes around it
-  bool dense_v = false;         // with views: V stays dense, so K and V strides differ
+  bool positions = false;     // explicit query_positions (else the right-aligned default)
+  bool token_to_req = false;  // flattened rows mapped by token_to_req instead of cu_seqlens
+  bool views = false;         // sliced inputs with offsets, strided out with bytes around it
+  bool dense_v = false;       // with views: V stays dense, so K and V strides differ
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) { return info.param.name; }
@@ -170,15 +170,17 @@ Problem make_problem(const Case& c, std::mt19937_64& rng) {
         t = std::min<int64_t>(p + 1 + std::uniform_int_distribution<int64_t>(0, 50)(rng),
                               std::numeric_limits<int32_t>::max());
       } else {
-        t = std::uniform_int_distribution<int64_t>(0, std::max<int64_t>(0, std::min(p, kl - 1)))(
-            rng);
+        t = std::uniform_int_distribution<int64_t>(0,
+                                                   std::max<int64_t>(0, std::min(p, kl - 1)))(rng);
       }
       ids[r * c.width + w] = static_cast<int32_t>(t);
     }
   }
   pb.idx = host_i32({pb.rows, c.width}, ids);
-  if (c.gate == Gate::kElementwise) pb.gate = testing::random_tensor({pb.rows, c.hq, kD}, c.dtype, rng, -3.f, 3.f);
-  if (c.gate == Gate::kPerHead) pb.gate = testing::random_tensor({pb.rows, c.hq}, c.dtype, rng, -3.f, 3.f);
+  if (c.gate == Gate::kElementwise)
+    pb.gate = testing::random_tensor({pb.rows, c.hq, kD}, c.dtype, rng, -3.f, 3.f);
+  if (c.gate == Gate::kPerHead)
+    pb.gate = testing::random_tensor({pb.rows, c.hq}, c.dtype, rng, -3.f, 3.f);
 
   std::vector<int32_t> kl32(c.k_lens.begin(), c.k_lens.end());
   pb.seq_lens_k = host_i32({pb.batch}, kl32);
@@ -200,12 +202,13 @@ Expected oracle(const Problem& pb) {
   const Case& c = pb.c;
   const auto q = to_vector(pb.q.view()), k = to_vector(pb.k.view()), v = to_vector(pb.v.view());
   const auto ids = to_vector(pb.idx.view());
-  const std::vector<double> gate = c.gate == Gate::kNone ? std::vector<double>{}
-                                                         : to_vector(pb.gate.view());
+  const std::vector<double> gate =
+      c.gate == Gate::kNone ? std::vector<double>{} : to_vector(pb.gate.view());
   const std::vector<double> bt = c.paged ? to_vector(pb.block_table.view()) : std::vector<double>{};
   const int64_t group = c.hq / c.hkv;
   const double scale = 1.0 / std::sqrt(static_cast<double>(kD));
-  Expected e{std::vector<double>(pb.rows * c.hq * kD, 0.0), std::vector<double>(pb.rows * c.hq, -kInf)};
+  Expected e{std::vector<double>(pb.rows * c.hq * kD, 0.0),
+             std::vector<double>(pb.rows * c.hq, -kInf)};
   for (int64_t r = 0; r < pb.rows; ++r) {
     if (pb.row_req[r] < 0) continue;
     const int64_t b = pb.row_req[r], kl = c.k_lens[b], p = pb.row_pos[r];
@@ -239,7 +242,8 @@ Expected oracle(const Problem& pb) {
       e.lse[r * c.hq + h] = mx + std::log(sum);
       for (int64_t d = 0; d < kD; ++d) {
         double o = 0;
-        for (size_t j = 0; j < kv_rows.size(); ++j) o += s[j] * v[(kv_rows[j] * c.hkv + kvh) * kD + d];
+        for (size_t j = 0; j < kv_rows.size(); ++j)
+          o += s[j] * v[(kv_rows[j] * c.hkv + kvh) * kD + d];
         o /= sum;
         if (c.gate == Gate::kElementwise) o /= 1 + std::exp(-gate[(r * c.hq + h) * kD + d]);
         if (c.gate == Gate::kPerHead) o /= 1 + std::exp(-gate[r * c.hq + h]);
@@ -260,8 +264,9 @@ TensorView embed(const Tensor& host, std::vector<Tensor>& keep, std::mt19937_64&
                                                   : testing::random_tensor(big, host.dtype(), rng);
   Tensor outer = to_device(outer_host);
   keep.push_back(outer);
-  TensorView view = outer.view().narrow(0, 1, host.shape().front()).narrow(
-      outer.view().dim() - 1, 8, host.shape().back());
+  TensorView view = outer.view()
+                        .narrow(0, 1, host.shape().front())
+                        .narrow(outer.view().dim() - 1, 8, host.shape().back());
   copy_into(view, host.view());
   return view;
 }
@@ -293,8 +298,9 @@ DeviceProblem to_device_problem(const Problem& pb, std::mt19937_64& rng) {
   }
   dp.idx = put(pb.idx);
   if (c.padded_q) {
-    dp.q = dp.q.as_strided({pb.batch, pb.q_len, c.hq, kD},
-                           {pb.q_len * dp.q.stride(0), dp.q.stride(0), dp.q.stride(1), dp.q.stride(2)});
+    dp.q = dp.q.as_strided(
+        {pb.batch, pb.q_len, c.hq, kD},
+        {pb.q_len * dp.q.stride(0), dp.q.stride(0), dp.q.stride(1), dp.q.stride(2)});
     dp.idx = dp.idx.as_strided({pb.batch, pb.q_len, c.width},
                                {pb.q_len * dp.idx.stride(0), dp.idx.stride(0), dp.idx.stride(1)});
   }
@@ -369,10 +375,12 @@ void expect_matches(const Problem& pb, const DeviceProblem& dp, const Expected& 
     // Every element of the outer buffer that is not part of `out` kept its bytes.
     Tensor after = Tensor::to_host(dp.out_outer.view());
     const auto a = to_vector(after.view()), b = to_vector(dp.out_outer_before.view());
-    const int64_t last = dp.out_outer.shape().back(), heads = dp.out_outer.shape()[dp.out_outer.view().dim() - 2];
+    const int64_t last = dp.out_outer.shape().back(),
+                  heads = dp.out_outer.shape()[dp.out_outer.view().dim() - 2];
     int64_t changed = 0;
     for (size_t i = 0; i < a.size(); ++i) {
-      const int64_t col = static_cast<int64_t>(i) % last, head = static_cast<int64_t>(i) / last % heads;
+      const int64_t col = static_cast<int64_t>(i) % last,
+                    head = static_cast<int64_t>(i) / last % heads;
       const bool in_out = head >= 1 && col % 2 == 0;
       if (!in_out && std::memcmp(&a[i], &b[i], sizeof(double)) != 0) ++changed;
     }
@@ -591,7 +599,8 @@ TEST_P(GpuSparseAttentionBlockHint, HintAndProducerContractGiveTheTokenResult) {
       blocks[r * kNb + j] = all[j];
       for (int t = 0; t < 4; ++t) ids[r * c.width + n++] = 4 * all[j] + t;
     }
-    for (int64_t t = 4 * ((p + 1) / 4); t <= p; ++t) ids[r * c.width + n++] = static_cast<int32_t>(t);
+    for (int64_t t = 4 * ((p + 1) / 4); t <= p; ++t)
+      ids[r * c.width + n++] = static_cast<int32_t>(t);
   }
   pb.idx = testing::int32_tensor({pb.rows, c.width}, ids);
   DeviceProblem dp = to_device_problem(pb, rng);
@@ -604,17 +613,17 @@ TEST_P(GpuSparseAttentionBlockHint, HintAndProducerContractGiveTheTokenResult) {
   expect_matches(pb, dp, oracle(pb));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Pages, GpuSparseAttentionBlockHint,
-    ::testing::Values(HintCase{64, std::nullopt, {37, 5}, {3000, 203}},
-                      HintCase{16, 3, {1, 1, 1}, {5001, 2998, 401}},
-                      HintCase{64, 1, {9}, {58}},
-                      HintCase{6, std::nullopt, {7, 2}, {500, 66}}),
-    [](const ::testing::TestParamInfo<HintCase>& info) {
-      return "page" + std::to_string(info.param.page_size) + "_splits" +
-             (info.param.num_splits ? std::to_string(*info.param.num_splits) : "auto") + "_rows" +
-             std::to_string(info.param.q_rows.size());
-    });
+INSTANTIATE_TEST_SUITE_P(Pages, GpuSparseAttentionBlockHint,
+                         ::testing::Values(HintCase{64, std::nullopt, {37, 5}, {3000, 203}},
+                                           HintCase{16, 3, {1, 1, 1}, {5001, 2998, 401}},
+                                           HintCase{64, 1, {9}, {58}},
+                                           HintCase{6, std::nullopt, {7, 2}, {500, 66}}),
+                         [](const ::testing::TestParamInfo<HintCase>& info) {
+                           return "page" + std::to_string(info.param.page_size) + "_splits" +
+                                  (info.param.num_splits ? std::to_string(*info.param.num_splits)
+                                                         : "auto") +
+                                  "_rows" + std::to_string(info.param.q_rows.size());
+                         });
 
 // More rows than a grid's y/z limit: rows run on gridDim.x.
 TEST(GpuSparseAttentionRows, MoreThan65535Rows) {
@@ -693,7 +702,8 @@ TEST(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
         const int64_t t = ids[r * width + w];
         if (t < 0 || t >= total) continue;
         double dot = 0;
-        for (int64_t d = 0; d < kD; ++d) dot += qv[(r * hq + h) * kD + d] * kv[(t * hkv + g) * kD + d];
+        for (int64_t d = 0; d < kD; ++d)
+          dot += qv[(r * hq + h) * kD + d] * kv[(t * hkv + g) * kD + d];
         s.push_back(dot * scale);
         js.push_back(t);
       }

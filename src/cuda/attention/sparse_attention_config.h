@@ -7,20 +7,20 @@
 // runs its own online softmax over 16 of the 64 tokens; the warps merge once at the end.
 #pragma once
 
-#include <cstdint>
-
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 namespace sparse_attn::cuda {
 
 struct SparseAttentionConfig {
-  static constexpr int kHeadDim = 256;          // D; the only head size the kernels build
-  static constexpr int kHeadRows = 16;          // MMA M: query heads of one group, padded
+  static constexpr int kHeadDim = 256;  // D; the only head size the kernels build
+  static constexpr int kHeadRows = 16;  // MMA M: query heads of one group, padded
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kWarpTokens = 16;        // tokens per warp per tile: one MMA K step of P V
+  static constexpr int kWarpTokens = 16;  // tokens per warp per tile: one MMA K step of P V
   static constexpr int kBlockTokens = kWarps * kWarpTokens;  // 64 gathered tokens per stage
-  static constexpr int kStages = 3;             // cp.async ring depth (2 tiles in flight)
+  static constexpr int kStages = 3;                  // cp.async ring depth (2 tiles in flight)
   static constexpr int kChunks = kHeadDim * 2 / 16;  // 16-byte chunks per 256-element row
   // Tokens one index pass can hold (17 per thread). A token-path pass reads this many ids, so
   // the canonical 2051-token selection takes one pass; wider token-only selections take
@@ -28,8 +28,8 @@ struct SparseAttentionConfig {
   // blocks (the seed's limit) plus the tail entry: at most 2051 tokens.
   static constexpr int kPassTokens = 17 * kThreads;
   static constexpr int kBlockPassEntries = 512 + 1;
-  static constexpr int kMergePad = 8;           // floats of padding per merge row (banks)
-  static constexpr int kMaxSplits = 64;         // heuristic's ceiling; explicit counts may exceed
+  static constexpr int kMergePad = 8;    // floats of padding per merge row (banks)
+  static constexpr int kMaxSplits = 64;  // heuristic's ceiling; explicit counts may exceed
 };
 
 // Shared memory as named buffers. Tiles hold 16-byte chunks, swizzled: chunk c of row r lives

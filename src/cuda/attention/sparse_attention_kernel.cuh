@@ -52,10 +52,10 @@ struct ElementTraits<__half> {
 };
 
 struct RowInfo {
-  int b = 0;               // request
-  int64_t pos = 0;         // causal position: tokens t > pos are masked
-  int64_t seq_len_k = 0;   // tokens t >= seq_len_k are masked
-  bool active = true;      // false for padding rows of padded queries
+  int b = 0;              // request
+  int64_t pos = 0;        // causal position: tokens t > pos are masked
+  int64_t seq_len_k = 0;  // tokens t >= seq_len_k are masked
+  bool active = true;     // false for padding rows of padded queries
 };
 
 __device__ inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
@@ -71,8 +71,7 @@ __device__ inline int find_request(const SparseAttentionParams& p, int64_t r) {
   while (lo < hi) {
     const int step = (hi - lo + static_cast<int>(blockDim.x)) / static_cast<int>(blockDim.x);
     const int probe = lo + static_cast<int>(threadIdx.x) * step;
-    const bool at_or_before =
-        probe <= hi && p.cu_seqlens_q[probe * p.cu_seqlens_q_stride] <= r;
+    const bool at_or_before = probe <= hi && p.cu_seqlens_q[probe * p.cu_seqlens_q_stride] <= r;
     // Offsets are nondecreasing, so the true probes are a prefix; at least the first one
     // (cu_seqlens_q[lo] <= r), unless the promised contents are broken.
     const int count = max(1, __syncthreads_count(at_or_before));
@@ -82,8 +81,9 @@ __device__ inline int find_request(const SparseAttentionParams& p, int64_t r) {
   return lo;
 }
 
-// Request, position and KV length of row r (called by the whole CTA). Contents the caller promised (request ids,
-// monotonic offsets, lengths within capacity) are clamped so no access leaves its tensor.
+// Request, position and KV length of row r (called by the whole CTA). Contents the caller promised
+// (request ids, monotonic offsets, lengths within capacity) are clamped so no access leaves its
+// tensor.
 __device__ inline RowInfo resolve_row(const SparseAttentionParams& p,
                                       const SparseAttentionLaunch& x, int64_t r) {
   RowInfo ri;
@@ -107,8 +107,7 @@ __device__ inline RowInfo resolve_row(const SparseAttentionParams& p,
       break;
     }
     case RowMapping::kTokenToReq:
-      ri.b = static_cast<int>(
-          clamp64(p.token_to_req[r * p.token_to_req_stride], 0, p.batch - 1));
+      ri.b = static_cast<int>(clamp64(p.token_to_req[r * p.token_to_req_stride], 0, p.batch - 1));
       if (x.row_rank) {
         i = x.row_rank[r];
         rows_b = x.request_rows[ri.b];
@@ -124,9 +123,8 @@ __device__ inline RowInfo resolve_row(const SparseAttentionParams& p,
   const int64_t seq_len_q =
       p.seq_lens_q ? clamp64(p.seq_lens_q[ri.b * p.seq_lens_q_stride], 0, rows_b) : rows_b;
   ri.active = i < seq_len_q;
-  ri.seq_len_k = p.seq_lens_k
-                     ? clamp64(p.seq_lens_k[ri.b * p.seq_lens_k_stride], 0, p.kv_capacity)
-                     : p.kv_capacity;
+  ri.seq_len_k = p.seq_lens_k ? clamp64(p.seq_lens_k[ri.b * p.seq_lens_k_stride], 0, p.kv_capacity)
+                              : p.kv_capacity;
   if (p.query_positions) {
     ri.pos = p.row_mapping == RowMapping::kPadded
                  ? p.query_positions[ri.b * p.query_positions_batch_stride +
@@ -148,8 +146,7 @@ __device__ inline int32_t entry_page(const SparseAttentionParams& p, const RowIn
   const int page_idx = first >= 0 && first < ri.seq_len_k
                            ? static_cast<int>(first) / static_cast<int>(p.page_size)
                            : 0;
-  return p.block_table[ri.b * p.block_table_batch_stride +
-                       page_idx * p.block_table_page_stride];
+  return p.block_table[ri.b * p.block_table_batch_stride + page_idx * p.block_table_page_stride];
 }
 
 // Whether token t of a row is read: inside the KV length, not after the position, and (paged)
@@ -177,8 +174,8 @@ __device__ inline int2 token_coords(const SparseAttentionParams& p, const RowInf
 // id. Block hint: block b is 4b .. 4b+3; entry num_blocks is the tail of the row's current
 // incomplete block, 4 * ((p + 1) / 4) .. p, derived from the position (0 to 3 tokens).
 __device__ inline int64_t entry_tokens(const SparseAttentionParams& p,
-                                       const SparseAttentionLaunch& x, const RowInfo& ri,
-                                       int64_t e, int32_t id, int* count) {
+                                       const SparseAttentionLaunch& x, const RowInfo& ri, int64_t e,
+                                       int32_t id, int* count) {
   if (!x.block_hint) {
     *count = 1;
     return id;
@@ -196,8 +193,8 @@ __device__ inline float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
 // out[r, h, d] = round(round(attn) * sigmoid(gate)) (the unfused result), or round(attn).
 template <typename T>
-__device__ inline void store_output(const SparseAttentionParams& p, int64_t r, int64_t h,
-                                    int d, float attn) {
+__device__ inline void store_output(const SparseAttentionParams& p, int64_t r, int64_t h, int d,
+                                    float attn) {
   using E = ElementTraits<T>;
   T o = E::from_float(attn);
   if (p.gate_kind != GateKind::kNone) {
@@ -205,8 +202,7 @@ __device__ inline void store_output(const SparseAttentionParams& p, int64_t r, i
     if (p.gate_kind == GateKind::kElementwise) g += d * p.gate_dim_stride;
     o = E::from_float(E::to_float(o) * sigmoid(E::to_float(*g)));
   }
-  static_cast<T*>(p.out)[r * p.out_row_stride + h * p.out_head_stride + d * p.out_dim_stride] =
-      o;
+  static_cast<T*>(p.out)[r * p.out_row_stride + h * p.out_head_stride + d * p.out_dim_stride] = o;
 }
 
 // Swizzled 16-byte slot of (row, chunk) in a [rows][kChunks] tile.
@@ -257,8 +253,8 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
   {
     const T* q = static_cast<const T*>(p.q) + r * p.q_row_stride +
                  static_cast<int64_t>(kvh) * group * p.q_head_stride;
-    const bool vec = p.q_dim_stride == 1 && p.q_head_stride % 8 == 0 &&
-                     reinterpret_cast<uintptr_t>(q) % 16 == 0;
+    const bool vec =
+        p.q_dim_stride == 1 && p.q_head_stride % 8 == 0 && reinterpret_cast<uintptr_t>(q) % 16 == 0;
     for (int c = tid; c < C::kHeadRows * C::kChunks; c += C::kThreads) {
       const int hr = c / C::kChunks, chunk = c % C::kChunks;
       uint4 v = make_uint4(0, 0, 0, 0);
@@ -280,7 +276,8 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
   // Per-warp softmax state: rows g = lane / 4 and g + 8 of the head tile.
   float o_acc[C::kHeadDim / 8][4];
 #pragma unroll
-  for (int j = 0; j < C::kHeadDim / 8; ++j) o_acc[j][0] = o_acc[j][1] = o_acc[j][2] = o_acc[j][3] = 0.f;
+  for (int j = 0; j < C::kHeadDim / 8; ++j)
+    o_acc[j][0] = o_acc[j][1] = o_acc[j][2] = o_acc[j][3] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
 
@@ -307,8 +304,8 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       int count;
-      pages[j] = entry_page(p, ri,
-                            entry_tokens(p, x, ri, c0 + j * C::kThreads + tid, ids[j], &count));
+      pages[j] =
+          entry_page(p, ri, entry_tokens(p, x, ri, c0 + j * C::kThreads + tid, ids[j], &count));
     }
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
@@ -350,8 +347,7 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
       before_lane -= __popc(mine);
       if (mine) {
         int count;
-        const int64_t first =
-            entry_tokens(p, x, ri, c0 + j * C::kThreads + tid, ids[j], &count);
+        const int64_t first = entry_tokens(p, x, ri, c0 + j * C::kThreads + tid, ids[j], &count);
         int at = n_valid + before_warp + before_lane;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -403,7 +399,7 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
       // has no other warp to hide the ldmatrix latency behind).
       float s_acc[2][2][4] = {};
       uint32_t qa[2][4], kb[2][4];
-      auto load_qk = [&](int ks, uint32_t (&a)[4], uint32_t (&b)[4]) {
+      auto load_qk = [&](int ks, uint32_t(&a)[4], uint32_t(&b)[4]) {
         const int qrow = (lane % 8) + ((lane >> 3) & 1) * 8;
         const int qchunk = ks * 2 + (lane >> 4);
         cute::SM75_U32x4_LDSM_N::copy(
@@ -424,20 +420,20 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           float* acc = s_acc[nt][ks & 1];
-          Mma::fma(acc[0], acc[1], acc[2], acc[3], a[0], a[1], a[2], a[3], b[2 * nt],
-                   b[2 * nt + 1], acc[0], acc[1], acc[2], acc[3]);
+          Mma::fma(acc[0], acc[1], acc[2], acc[3], a[0], a[1], a[2], a[3], b[2 * nt], b[2 * nt + 1],
+                   acc[0], acc[1], acc[2], acc[3]);
         }
       }
 
       // V fragments for O += P V: the first one is loaded before the softmax, which hides its
       // latency, and each next one before the current one's MMAs.
       uint32_t vb[2][4];
-      auto load_v = [&](int dt, uint32_t (&b)[4]) {
+      auto load_v = [&](int dt, uint32_t(&b)[4]) {
         const int row = tok0 + (lane % 8) + ((lane >> 3) & 1) * 8;
         const int chunk = dt * 2 + (lane >> 4);
         cute::SM75_U16x8_LDSM_T::copy(
-            reinterpret_cast<const cute::uint128_t&>(sm.tiles.v[stage][row][swz(row, chunk)]),
-            b[0], b[1], b[2], b[3]);
+            reinterpret_cast<const cute::uint128_t&>(sm.tiles.v[stage][row][swz(row, chunk)]), b[0],
+            b[1], b[2], b[3]);
       };
       load_v(0, vb[0]);
 

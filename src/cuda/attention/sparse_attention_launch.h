@@ -12,11 +12,11 @@ namespace sparse_attn::cuda {
 
 // What the launcher adds to the validated params: the split schedule and device workspace.
 struct SparseAttentionLaunch {
-  int num_splits = 1;       // >= 1
+  int num_splits = 1;  // >= 1
   // The index entries are block_indices' blocks plus the tail entry (the structured path),
   // else token_indices' ids.
   bool block_hint = false;
-  int64_t split_cols = 0;   // index entries per split, worth a whole number of 64-token tiles
+  int64_t split_cols = 0;  // index entries per split, worth a whole number of 64-token tiles
   // [num_splits, rows, Hq, D] normalised partial outputs and [num_splits, rows, Hq] partial
   // LSEs (log2 units, -inf for an empty split); null when num_splits == 1.
   float* o_partial = nullptr;

@@ -9,8 +9,8 @@
 #include <mutex>
 
 #include "api/qsa_attention_params.h"
-#include "cuda/attention/sparse_attention_heuristics.h"
 #include "cuda/attention/sparse_attention_config.h"
+#include "cuda/attention/sparse_attention_heuristics.h"
 #include "cuda/attention/sparse_attention_launch.h"
 #include "cuda/common/check.h"
 #include "cuda/common/device_guard.h"
@@ -51,8 +51,7 @@ cudaMemPool_t workspace_pool(int device) {
     cudaMemPool_t pool = nullptr;
     SPARSE_ATTN_CUDA_CHECK(cudaMemPoolCreate(&pool, &props));
     uint64_t keep = UINT64_MAX;
-    SPARSE_ATTN_CUDA_CHECK(
-        cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+    SPARSE_ATTN_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
     pools[device] = pool;
   }
   return pools[device];
@@ -73,18 +72,16 @@ void native_sparse_attention(const SparseAttentionParams& p) {
   // The structured path reads block_indices (one entry per 4-token block, the tail derived
   // from the position) when the hint is given and pages hold whole blocks.
   cuda::SparseAttentionLaunch x;
-  x.block_hint =
-      p.block_indices && (p.kv_layout != KVLayout::kPaged || p.page_size % 4 == 0);
+  x.block_hint = p.block_indices && (p.kv_layout != KVLayout::kPaged || p.page_size % 4 == 0);
   const int64_t entries = x.block_hint ? p.num_blocks + 1 : p.width;
   const int64_t entries_per_tile = x.block_hint ? C::kBlockTokens / 4 : C::kBlockTokens;
 
   // Splits partition the index entries in whole 64-token tiles; a count above the number of
   // tiles would only add empty splits (which the merge skips), so it is capped there.
   const int64_t tiles = std::max<int64_t>(1, (entries + entries_per_tile - 1) / entries_per_tile);
-  int64_t splits = p.num_splits > 0
-                       ? p.num_splits
-                       : cuda::choose_num_splits(p.rows, p.num_kv_heads, p.width,
-                                                 cuda::sm_count(p.device_index));
+  int64_t splits = p.num_splits > 0 ? p.num_splits
+                                    : cuda::choose_num_splits(p.rows, p.num_kv_heads, p.width,
+                                                              cuda::sm_count(p.device_index));
   splits = std::clamp<int64_t>(splits, 1, std::min<int64_t>(tiles, 65535));
   const int64_t tiles_per_split = (tiles + splits - 1) / splits;
   x.split_cols = tiles_per_split * entries_per_tile;

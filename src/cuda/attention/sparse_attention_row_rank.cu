@@ -14,8 +14,8 @@ __global__ void __launch_bounds__(1024)
   for (int64_t c0 = 0; c0 < p.rows; c0 += blockDim.x) {
     const int64_t r = c0 + threadIdx.x;
     const bool live = r < p.rows;
-    const int32_t b = live ? static_cast<int32_t>(clamp64(
-                                 p.token_to_req[r * p.token_to_req_stride], 0, p.batch - 1))
+    const int32_t b = live ? static_cast<int32_t>(
+                                 clamp64(p.token_to_req[r * p.token_to_req_stride], 0, p.batch - 1))
                            : -1;
     req[threadIdx.x] = b;
     __syncthreads();
