@@ -1,5 +1,6 @@
 #include "test_util.h"
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -155,6 +156,42 @@ std::vector<double> to_vector(const TensorView& view) {
            << ", expected " << expected[worst_i] << " (atol " << atol << ", rtol " << rtol << ")";
   }
   return ::testing::AssertionSuccess();
+}
+
+AttentionExpectation expected_physical_attention(const TensorView& q, const TensorView& k,
+                                                 const TensorView& v,
+                                                 const std::vector<int32_t>& ids, int64_t width,
+                                                 double scale) {
+  const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2), hkv = k.size(1), total = k.size(0);
+  const std::vector<double> qv = to_vector(q), kv = to_vector(k), vv = to_vector(v);
+  AttentionExpectation e{std::vector<double>(rows * hq * d, 0.0),
+                         std::vector<double>(rows * hq, -std::numeric_limits<double>::infinity())};
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t h = 0; h < hq; ++h) {
+      const int64_t g = h / (hq / hkv);
+      std::vector<double> s;
+      std::vector<int64_t> tokens;
+      for (int64_t w = 0; w < width; ++w) {
+        const int64_t t = ids[r * width + w];
+        if (t < 0 || t >= total) continue;
+        double dot = 0;
+        for (int64_t x = 0; x < d; ++x) dot += qv[(r * hq + h) * d + x] * kv[(t * hkv + g) * d + x];
+        s.push_back(dot * scale);
+        tokens.push_back(t);
+      }
+      if (s.empty()) continue;
+      const double mx = *std::max_element(s.begin(), s.end());
+      double sum = 0;
+      for (double& x : s) sum += (x = std::exp(x - mx));
+      e.lse[r * hq + h] = mx + std::log(sum);
+      for (int64_t x = 0; x < d; ++x) {
+        double acc = 0;
+        for (size_t j = 0; j < s.size(); ++j) acc += s[j] * vv[(tokens[j] * hkv + g) * d + x];
+        e.out[(r * hq + h) * d + x] = acc / sum;
+      }
+    }
+  }
+  return e;
 }
 
 double default_atol(DType dtype) {

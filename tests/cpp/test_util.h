@@ -44,6 +44,19 @@ std::vector<double> to_vector(const TensorView& view);
 ::testing::AssertionResult all_close(const TensorView& actual, const std::vector<double>& expected,
                                      double atol, double rtol);
 
+// Double-precision attention in physical-id mode, the oracle of the selected_kv_indices tests:
+// q [rows, Hq, D], k/v [total, Hkv, D] (any strides), ids [rows, width] row-major. Ids < 0 or
+// >= total are skipped, duplicates count, query head h reads KV head h / (Hq / Hkv). Rows with
+// no valid id give output 0 and LSE -inf. Both results are row-major ([rows, Hq, D], [rows, Hq]).
+struct AttentionExpectation {
+  std::vector<double> out;
+  std::vector<double> lse;
+};
+AttentionExpectation expected_physical_attention(const TensorView& q, const TensorView& k,
+                                                 const TensorView& v,
+                                                 const std::vector<int32_t>& ids, int64_t width,
+                                                 double scale);
+
 // Tolerances for an output stored in `dtype` (accumulated in FP32).
 double default_atol(DType dtype);
 double default_rtol(DType dtype);
