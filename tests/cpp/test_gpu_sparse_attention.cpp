@@ -515,6 +515,17 @@ std::vector<Case> cases() {
     v.push_back(c);
   }
   {
+    // Positions given and no seq_lens_q: no rank pre-pass runs, and every row is real.
+    Case c;
+    c.name = "prefill_token_to_req_explicit_positions";
+    c.token_to_req = true;
+    c.positions = true;
+    c.q_rows = {3, 1, 4};
+    c.k_lens = {40, 7, 64};
+    c.width = 40;
+    v.push_back(c);
+  }
+  {
     Case c;
     c.name = "prefill_token_to_req_seq_lens_q";
     c.token_to_req = true;
