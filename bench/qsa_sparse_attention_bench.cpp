@@ -3,13 +3,20 @@
 //   decode: B = 1, 8, 32, 128 requests, contexts uniform in [8K, 128K], one query row each,
 //     2051-token selections (512 four-token blocks among the visible ones, plus the tail).
 //     Floor: the selected K/V rows read once, plus Q, O, the element-wise gate and the
-//     indices, at the copy ceiling measured in the same run.
+//     indices, at the copy ceiling measured in the same run. Each decode row is timed twice:
+//     eager (the call between the two events, host work included: validation, workspace,
+//     launches while the GPU idles) and graph (the call captured once into a CUDA graph and
+//     replayed, as an engine replays its decode step: the GPU time of the kernels). Rates and
+//     floor% use the graph time; floor% (eager) is next to it. Every batch runs under each
+//     gather variant of the forward kernel (cpasync, bulk) with the heuristic split count and
+//     then with explicit split counts (_s<N>), graph-timed, for retuning the heuristic.
 //   prefill: one request of 16K, 64K, 128K tokens, every row attending to its 2051-token
 //     structured selection: the 64 most recent complete blocks plus the 448 most important
 //     older ones under a fixed per-block importance, so neighbouring rows share most blocks
 //     (the mean Jaccard of consecutive rows' block sets is printed). The useful FLOP rate
 //     counts valid selected tokens only: 4 * tokens * Hq * D per row. 128K runs twice: token
-//     path, and structured path (block_indices hint). Dense cuDNN causal
+//     path, and structured path (block_indices hint); 16K structured also under the bulk
+//     gather (_bulk). Dense cuDNN causal
 //     attention of the same shape is bench/sdpa_baseline.py's (same device call).
 // Usage: qsa_sparse_attention_bench [results.csv]. Prints each row as it is measured.
 // BENCH_ONLY=<prefix> runs the rows whose name starts with it (for a profiler run).
@@ -19,12 +26,14 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "bench_util.h"
+#include "cuda/attention/sparse_attention_heuristics.h"
 #include "sparse_attn/qsa.h"
 
 using namespace sparse_attn;
@@ -37,9 +46,10 @@ constexpr int64_t kWidth = 4 * kBlocks + 3;
 
 struct Result {
   std::string name;
-  double ms;
-  double tflops;    // useful: valid selected tokens only
-  double tbps;      // counted bytes over time
+  double ms;        // eager call; 0 where only the graph was timed
+  double graph_ms;  // graph replay; 0 where not timed
+  double tflops;    // useful: valid selected tokens only (graph time where measured)
+  double tbps;      // counted bytes over time (graph time where measured)
   double floor_ms;  // HBM floor (decode); 0 where the floor is not a byte count
   std::string note;
 };
@@ -100,7 +110,15 @@ int64_t expand(const std::vector<int32_t>& blocks, int64_t p, int32_t* row) {
   return n;
 }
 
-Result bench_decode(Timer& timer, const Ceilings& c, int64_t batch) {
+// Decode runs of one batch: (gather, split count) pairs, 0 = the heuristic's count.
+struct DecodeRun {
+  sparse_attn::cuda::Gather gather;
+  int splits;
+  bool eager;  // also time the eager call
+};
+
+void bench_decode(Timer& timer, const Ceilings& c, int64_t batch,
+                  const std::vector<DecodeRun>& runs, const std::function<void(Result)>& add) {
   std::mt19937_64 rng(100 + batch);
   std::uniform_int_distribution<int64_t> ctx(8192, 131072);
   std::vector<int64_t> lens(batch);
@@ -128,21 +146,32 @@ Result bench_decode(Timer& timer, const Ceilings& c, int64_t batch) {
   Tensor dl = int32_device(lens32, {batch}), dcu = int32_device(cu, {batch + 1});
   Tensor out = Tensor::empty({batch, kHq, kD}, DType::kBF16, Device::cuda());
   Tensor lse = Tensor::empty({batch, kHq}, DType::kF32, Device::cuda());
-  SparseAttentionOptions o;
-  o.block_table = table.view();
-  o.seq_lens_k = dl.view();
-  o.cu_seqlens_q = dcu.view();
-  o.gate = gate.view();
-  const Timing t = timer.time([&](cudaStream_t s) {
-    o.stream = s;
-    qsa_sparse_attention(q, k, v, idx.view(), out, lse.view(), o);
-  });
   const double bytes = 2.0 * valid * kHkv * kD * 2 + 3.0 * batch * kHq * kD * 2 +
                        4.0 * batch * kWidth + 4.0 * batch * kHq;
-  const double sec = t.median_ms * 1e-3;
-  return {fmt::format("decode_b{}", batch),    t.median_ms,
-          4.0 * valid * kHq * kD / sec / 1e12, bytes / sec / 1e12,
-          bytes / (c.copy_tbps * 1e12) * 1e3,  "heuristic splits, gate, lse"};
+  const double floor_ms = bytes / (c.copy_tbps * 1e12) * 1e3;
+  for (const DecodeRun& run : runs) {
+    SparseAttentionOptions o;
+    o.block_table = table.view();
+    o.seq_lens_k = dl.view();
+    o.cu_seqlens_q = dcu.view();
+    o.gate = gate.view();
+    if (run.splits > 0) o.num_splits = run.splits;
+    sparse_attn::cuda::set_sparse_attention_gather(run.gather);
+    auto call = [&](cudaStream_t s) {
+      o.stream = s;
+      qsa_sparse_attention(q, k, v, idx.view(), out, lse.view(), o);
+    };
+    const double eager_ms = run.eager ? timer.time(call).median_ms : 0.0;
+    const double graph_ms = timer.time_graph(call).median_ms;
+    const bool bulk = run.gather == sparse_attn::cuda::Gather::kBulk;
+    const double sec = graph_ms * 1e-3;
+    add({fmt::format("decode_b{}{}{}", batch, bulk ? "_bulk" : "",
+                     run.splits > 0 ? fmt::format("_s{}", run.splits) : ""),
+         eager_ms, graph_ms, 4.0 * valid * kHq * kD / sec / 1e12, bytes / sec / 1e12, floor_ms,
+         fmt::format("{} gather, {} splits, gate, lse", bulk ? "bulk" : "cp.async",
+                     run.splits > 0 ? fmt::format("{}", run.splits) : "heuristic")});
+  }
+  sparse_attn::cuda::set_sparse_attention_gather(sparse_attn::cuda::Gather::kCpAsync);
 }
 
 Result bench_prefill(Timer& timer, int64_t tokens, bool structured, bool hint) {
@@ -212,6 +241,7 @@ Result bench_prefill(Timer& timer, int64_t tokens, bool structured, bool hint) {
   return {fmt::format("prefill_{}k_{}{}", tokens / 1024, structured ? "structured" : "random",
                       hint ? "_hint" : ""),
           t.median_ms,
+          0.0,
           4.0 * valid * kHq * kD / sec / 1e12,
           bytes / sec / 1e12,
           0.0,
@@ -231,25 +261,45 @@ int main(int argc, char** argv) {
       timer.time([&](cudaStream_t s) { BENCH_CUDA(cudaMemsetAsync(tiny, 0, 4, s)); }).median_ms;
   fmt::print("one launch (4-byte memset, same timing): {:.4f} ms\n", launch_ms);
   // Each row is printed as soon as it is measured, so a failure later keeps the earlier ones.
-  fmt::print("\n{:<30} {:>9} {:>8} {:>7} {:>9} {:>6}  {}\n", "benchmark", "ms", "TFLOP/s", "TB/s",
-             "floor ms", "floor%", "note");
+  fmt::print("\n{:<30} {:>9} {:>9} {:>8} {:>7} {:>9} {:>6} {:>7}  {}\n", "benchmark", "ms",
+             "graph ms", "TFLOP/s", "TB/s", "floor ms", "floor%", "(eager)", "note");
   std::vector<Result> results;
+  auto ms_or_dash = [](double ms) { return ms > 0 ? fmt::format("{:.4f}", ms) : "-"; };
+  auto pct = [](double floor_ms, double ms) {
+    return floor_ms > 0 && ms > 0 ? fmt::format("{:.0f}%", 100 * floor_ms / ms) : "-";
+  };
   auto add = [&](Result r) {
-    fmt::print("{:<30} {:>9.4f} {:>8.1f} {:>7.2f} {:>9.4f} {:>6}  {}\n", r.name, r.ms, r.tflops,
-               r.tbps, r.floor_ms,
-               r.floor_ms > 0 ? fmt::format("{:.0f}%", 100 * r.floor_ms / r.ms) : "-", r.note);
+    const double timed = r.graph_ms > 0 ? r.graph_ms : r.ms;
+    fmt::print("{:<30} {:>9} {:>9} {:>8.1f} {:>7.2f} {:>9.4f} {:>6} {:>7}  {}\n", r.name,
+               ms_or_dash(r.ms), ms_or_dash(r.graph_ms), r.tflops, r.tbps, r.floor_ms,
+               pct(r.floor_ms, timed), pct(r.floor_ms, r.ms), r.note);
     std::fflush(stdout);
     results.push_back(std::move(r));
   };
   const char* only_env = std::getenv("BENCH_ONLY");
   const std::string only = only_env ? only_env : "";
   auto want = [&](const std::string& name) { return name.rfind(only, 0) == 0; };
-  for (int64_t b : {1, 8, 32, 128})
-    if (want(fmt::format("decode_b{}", b))) add(bench_decode(timer, c, b));
+  using sparse_attn::cuda::Gather;
+  for (int64_t b : {1, 8, 32, 128}) {
+    if (!want(fmt::format("decode_b{}", b))) continue;
+    std::vector<DecodeRun> runs;
+    for (Gather g : {Gather::kCpAsync, Gather::kBulk}) runs.push_back({g, 0, true});
+    for (Gather g : {Gather::kCpAsync, Gather::kBulk})
+      for (int splits : {1, 2, 4, 8, 16, 33}) runs.push_back({g, splits, false});
+    bench_decode(timer, c, b, runs, add);
+  }
   for (int64_t n : {16384, 65536, 131072})
     if (want(fmt::format("prefill_{}k_structured", n / 1024)))
       add(bench_prefill(timer, n, true, false));
   if (want("prefill_16k_random")) add(bench_prefill(timer, 16384, false, false));
+  if (want("prefill_16k_structured_bulk")) {
+    sparse_attn::cuda::set_sparse_attention_gather(Gather::kBulk);
+    Result r = bench_prefill(timer, 16384, true, false);
+    sparse_attn::cuda::set_sparse_attention_gather(Gather::kCpAsync);
+    r.name += "_bulk";
+    r.note += ", bulk gather";
+    add(std::move(r));
+  }
   if (want("prefill_128k_structured_hint")) add(bench_prefill(timer, 131072, true, true));
 
   if (argc > 1) {
@@ -258,10 +308,10 @@ int main(int argc, char** argv) {
       fmt::print(stderr, "cannot write {}\n", argv[1]);
       return 2;
     }
-    fmt::print(f, "name,ms,useful_tflops,tbps,floor_ms,note,copy_tbps,gemm_tflops\n");
+    fmt::print(f, "name,ms,graph_ms,useful_tflops,tbps,floor_ms,note,copy_tbps,gemm_tflops\n");
     for (const Result& r : results)
-      fmt::print(f, "{},{:.5f},{:.2f},{:.3f},{:.5f},\"{}\",{:.3f},{:.1f}\n", r.name, r.ms, r.tflops,
-                 r.tbps, r.floor_ms, r.note, c.copy_tbps, c.gemm_tflops);
+      fmt::print(f, "{},{:.5f},{:.5f},{:.2f},{:.3f},{:.5f},\"{}\",{:.3f},{:.1f}\n", r.name, r.ms,
+                 r.graph_ms, r.tflops, r.tbps, r.floor_ms, r.note, c.copy_tbps, c.gemm_tflops);
     std::fclose(f);
   }
   return 0;

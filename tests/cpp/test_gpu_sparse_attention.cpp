@@ -1,6 +1,7 @@
 // Native qsa_sparse_attention on the GPU against an independent double-precision oracle
 // written here: every query/KV layout, SplitKV counts, gates, LSE, strided and sliced views,
-// physical ids, invalid ids, very many rows, determinism and CUDA graph replay.
+// physical ids, invalid ids, very many rows, determinism and CUDA graph replay, each under
+// every gather variant of the forward kernel (cp.async and bulk copies).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -13,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/attention/sparse_attention_heuristics.h"
 #include "gpu_test_util.h"
 #include "sparse_attn/qsa.h"
 #include "sparse_attn/tensor.h"
@@ -26,6 +28,25 @@ using testing::to_vector;
 
 constexpr int64_t kD = 256;
 constexpr double kInf = std::numeric_limits<double>::infinity();
+
+using cuda::Gather;
+constexpr Gather kGathers[] = {Gather::kCpAsync, Gather::kBulk};
+
+std::string gather_name(Gather g) { return g == Gather::kBulk ? "bulk" : "cpasync"; }
+
+// Runs the enclosing scope under one gather variant and restores the previous one.
+class GatherScope {
+ public:
+  explicit GatherScope(Gather g) : before_(cuda::sparse_attention_gather()) {
+    cuda::set_sparse_attention_gather(g);
+  }
+  ~GatherScope() { cuda::set_sparse_attention_gather(before_); }
+  GatherScope(const GatherScope&) = delete;
+  GatherScope& operator=(const GatherScope&) = delete;
+
+ private:
+  Gather before_;
+};
 
 enum class Gate { kNone, kElementwise, kPerHead };
 
@@ -50,6 +71,7 @@ struct Case {
   bool token_to_req = false;  // flattened rows mapped by token_to_req instead of cu_seqlens
   bool views = false;         // sliced inputs with offsets, strided out with bytes around it
   bool dense_v = false;       // with views: V stays dense, so K and V strides differ
+  Gather gather = Gather::kCpAsync;
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) { return info.param.name; }
@@ -392,6 +414,7 @@ class GpuSparseAttention : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GpuSparseAttention, MatchesOracle) {
   SPARSE_ATTN_REQUIRE_GPU();
+  GatherScope scope(GetParam().gather);
   auto rng = testing::make_rng();
   const Problem pb = make_problem(GetParam(), rng);
   DeviceProblem dp = to_device_problem(pb, rng);
@@ -492,6 +515,17 @@ std::vector<Case> cases() {
     v.push_back(c);
   }
   {
+    // Positions given and no seq_lens_q: no rank pre-pass runs, and every row is real.
+    Case c;
+    c.name = "prefill_token_to_req_explicit_positions";
+    c.token_to_req = true;
+    c.positions = true;
+    c.q_rows = {3, 1, 4};
+    c.k_lens = {40, 7, 64};
+    c.width = 40;
+    v.push_back(c);
+  }
+  {
     Case c;
     c.name = "prefill_token_to_req_seq_lens_q";
     c.token_to_req = true;
@@ -557,6 +591,14 @@ std::vector<Case> cases() {
     c.gate = hq % 2 ? Gate::kPerHead : Gate::kNone;
     v.push_back(c);
   }
+  // Every form again under the bulk-copy gather.
+  const size_t n = v.size();
+  for (size_t i = 0; i < n; ++i) {
+    Case c = v[i];
+    c.name += "_bulk";
+    c.gather = Gather::kBulk;
+    v.push_back(c);
+  }
   return v;
 }
 
@@ -571,12 +613,14 @@ struct HintCase {
   int64_t page_size;
   std::optional<int64_t> num_splits;
   std::vector<int64_t> q_rows, k_lens;
+  Gather gather = Gather::kCpAsync;
 };
 
 class GpuSparseAttentionBlockHint : public ::testing::TestWithParam<HintCase> {};
 
 TEST_P(GpuSparseAttentionBlockHint, HintAndProducerContractGiveTheTokenResult) {
   SPARSE_ATTN_REQUIRE_GPU();
+  GatherScope scope(GetParam().gather);
   auto rng = testing::make_rng();
   constexpr int64_t kNb = 100;
   Case c;
@@ -613,21 +657,30 @@ TEST_P(GpuSparseAttentionBlockHint, HintAndProducerContractGiveTheTokenResult) {
   expect_matches(pb, dp, oracle(pb));
 }
 
-INSTANTIATE_TEST_SUITE_P(Pages, GpuSparseAttentionBlockHint,
-                         ::testing::Values(HintCase{64, std::nullopt, {37, 5}, {3000, 203}},
-                                           HintCase{16, 3, {1, 1, 1}, {5001, 2998, 401}},
-                                           HintCase{64, 1, {9}, {58}},
-                                           HintCase{6, std::nullopt, {7, 2}, {500, 66}}),
+INSTANTIATE_TEST_SUITE_P(Pages, GpuSparseAttentionBlockHint, ::testing::ValuesIn([] {
+                           std::vector<HintCase> v;
+                           for (Gather g : kGathers) {
+                             v.push_back({64, std::nullopt, {37, 5}, {3000, 203}, g});
+                             v.push_back({16, 3, {1, 1, 1}, {5001, 2998, 401}, g});
+                             v.push_back({64, 1, {9}, {58}, g});
+                             v.push_back({6, std::nullopt, {7, 2}, {500, 66}, g});
+                           }
+                           return v;
+                         }()),
                          [](const ::testing::TestParamInfo<HintCase>& info) {
                            return "page" + std::to_string(info.param.page_size) + "_splits" +
                                   (info.param.num_splits ? std::to_string(*info.param.num_splits)
                                                          : "auto") +
-                                  "_rows" + std::to_string(info.param.q_rows.size());
+                                  "_rows" + std::to_string(info.param.q_rows.size()) + "_" +
+                                  gather_name(info.param.gather);
                          });
 
 // More rows than a grid's y/z limit: rows run on gridDim.x.
-TEST(GpuSparseAttentionRows, MoreThan65535Rows) {
+class GpuSparseAttentionRows : public ::testing::TestWithParam<Gather> {};
+
+TEST_P(GpuSparseAttentionRows, MoreThan65535Rows) {
   SPARSE_ATTN_REQUIRE_GPU();
+  GatherScope scope(GetParam());
   auto rng = testing::make_rng();
   Case c;
   c.hq = 2;
@@ -644,8 +697,11 @@ TEST(GpuSparseAttentionRows, MoreThan65535Rows) {
 }
 
 // Same inputs, same bits, for the SplitKV path and the single-split path.
-TEST(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
+class GpuSparseAttentionDeterminism : public ::testing::TestWithParam<Gather> {};
+
+TEST_P(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
   SPARSE_ATTN_REQUIRE_GPU();
+  GatherScope scope(GetParam());
   auto rng = testing::make_rng();
   for (int64_t splits : {1, 6}) {
     Case c = decode("det", 4);
@@ -667,8 +723,11 @@ TEST(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
 
 // Physical ids into flattened K/V: no requests, no causal mask, duplicates counted, ids < 0
 // or >= total_kv masked, the lse buffer written; rows with nothing valid give 0 and -inf.
-TEST(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
+class GpuSparseAttentionPhysical : public ::testing::TestWithParam<Gather> {};
+
+TEST_P(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
   SPARSE_ATTN_REQUIRE_GPU();
+  GatherScope scope(GetParam());
   auto rng = testing::make_rng();
   const int64_t rows = 9, hq = 24, hkv = 2, total = 3000, width = 2051;
   Tensor q = testing::random_tensor({rows, hq, kD}, DType::kBF16, rng, -2.f, 2.f);
@@ -698,8 +757,11 @@ TEST(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
 
 // A captured graph reads the metadata current at replay: new ids, lengths and positions
 // written into the same buffers change the result accordingly.
-TEST(GpuSparseAttentionGraph, ReplayReadsCurrentMetadata) {
+class GpuSparseAttentionGraph : public ::testing::TestWithParam<Gather> {};
+
+TEST_P(GpuSparseAttentionGraph, ReplayReadsCurrentMetadata) {
   SPARSE_ATTN_REQUIRE_GPU();
+  GatherScope scope(GetParam());
   auto rng = testing::make_rng();
   Case c = decode("graph", 4);
   c.gate = Gate::kElementwise;
@@ -740,6 +802,18 @@ TEST(GpuSparseAttentionGraph, ReplayReadsCurrentMetadata) {
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
+
+std::string gather_param_name(const ::testing::TestParamInfo<Gather>& info) {
+  return gather_name(info.param);
+}
+INSTANTIATE_TEST_SUITE_P(Gathers, GpuSparseAttentionRows, ::testing::ValuesIn(kGathers),
+                         gather_param_name);
+INSTANTIATE_TEST_SUITE_P(Gathers, GpuSparseAttentionDeterminism, ::testing::ValuesIn(kGathers),
+                         gather_param_name);
+INSTANTIATE_TEST_SUITE_P(Gathers, GpuSparseAttentionPhysical, ::testing::ValuesIn(kGathers),
+                         gather_param_name);
+INSTANTIATE_TEST_SUITE_P(Gathers, GpuSparseAttentionGraph, ::testing::ValuesIn(kGathers),
+                         gather_param_name);
 
 }  // namespace
 }  // namespace sparse_attn

@@ -32,13 +32,37 @@ struct SparseAttentionConfig {
   static constexpr int kMaxSplits = 64;  // heuristic's ceiling; explicit counts may exceed
 };
 
-// Shared memory as named buffers. Tiles hold 16-byte chunks, swizzled: chunk c of row r lives
-// at slot c ^ (r % 8), so the 8 rows an ldmatrix reads at one column hit 8 different bank groups.
+// How a gathered tile is written. kCpAsync: every thread copies 16-byte chunks with cp.async
+// (each warp one 512-byte row per instruction, so a 64-token tile costs every thread 32 copies
+// and their 64-bit address arithmetic). kBulk: one thread per K or V row issues a 512-byte
+// cp.async.bulk (the TMA does the chunking) that completes on the stage's mbarrier, so the
+// gather costs every thread one copy per tile.
+enum class Gather { kCpAsync, kBulk };
+
+// Where chunk c of tile row r lives. cp.async writes chunks, so rows are dense and swizzled:
+// chunk c at slot c ^ (r % 8). A bulk copy writes a row in one piece, so rows are padded to 33
+// chunks instead. Either way the 8 rows an ldmatrix reads at one column hit 8 bank groups.
+template <Gather G>
+struct TileLayout;
+template <>
+struct TileLayout<Gather::kCpAsync> {
+  static constexpr int kPitch = SparseAttentionConfig::kChunks;
+  __host__ __device__ static int slot(int row, int chunk) { return chunk ^ (row & 7); }
+};
+template <>
+struct TileLayout<Gather::kBulk> {
+  static constexpr int kPitch = SparseAttentionConfig::kChunks + 1;
+  __host__ __device__ static int slot(int, int chunk) { return chunk; }
+};
+
+// Shared memory as named buffers. The Q tile is swizzled like a cp.async tile (slot c ^ (r % 8)).
+template <Gather G>
 struct SparseAttentionSmem {
   using C = SparseAttentionConfig;
+  static constexpr int kPitch = TileLayout<G>::kPitch;
   struct Tiles {
-    uint4 k[C::kStages][C::kBlockTokens][C::kChunks];
-    uint4 v[C::kStages][C::kBlockTokens][C::kChunks];
+    uint4 k[C::kStages][C::kBlockTokens][kPitch];
+    uint4 v[C::kStages][C::kBlockTokens][kPitch];
   };
   // The per-warp softmax states at the end; reuses the tile ring, which is idle by then.
   struct Merge {
@@ -56,6 +80,9 @@ struct SparseAttentionSmem {
   int2 token_loc[C::kPassTokens];
   // Valid tokens of one pass per (entry step j, warp), for the compaction's prefix sums.
   int warp_count[C::kPassTokens / C::kThreads * C::kWarps];
+  // kBulk: one mbarrier per ring stage, completed by the stage's bulk copies (unused by
+  // kCpAsync, whose groups are tracked per thread).
+  uint64_t stage_full[C::kStages];
 };
 
 }  // namespace sparse_attn::cuda

@@ -1,27 +1,39 @@
 // Definition of launch_sparse_attention<T>; included only by instantiations/*.cu.
 #pragma once
 
+#include "cuda/attention/sparse_attention_heuristics.h"
 #include "cuda/attention/sparse_attention_kernel.cuh"
 #include "cuda/attention/sparse_attention_launch.h"
 #include "cuda/common/check.h"
 
 namespace sparse_attn::cuda {
 
-template <typename T>
-void launch_sparse_attention(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
-                             cudaStream_t stream) {
+template <typename T, Gather G>
+void launch_sparse_attention_fwd(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
+                                 cudaStream_t stream) {
   using C = SparseAttentionConfig;
-  constexpr size_t kSmem = sizeof(SparseAttentionSmem);
+  constexpr size_t kSmem = sizeof(SparseAttentionSmem<G>);
   static_assert(kSmem <= 227 * 1024, "one CTA must fit the 227 KB an sm90 block may use");
   // The opt-in limit is per function and device; setting it again is harmless, and it is not
   // a stream operation, so it is legal during graph capture.
-  SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(sparse_attention_fwd_kernel<T>,
+  SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(sparse_attention_fwd_kernel<T, G>,
                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               static_cast<int>(kSmem)));
   const dim3 grid(static_cast<unsigned>(p.rows), static_cast<unsigned>(p.num_kv_heads),
                   static_cast<unsigned>(x.num_splits));
-  sparse_attention_fwd_kernel<T><<<grid, C::kThreads, kSmem, stream>>>(p, x);
+  sparse_attention_fwd_kernel<T, G><<<grid, C::kThreads, kSmem, stream>>>(p, x);
   SPARSE_ATTN_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T>
+void launch_sparse_attention(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
+                             cudaStream_t stream) {
+  using C = SparseAttentionConfig;
+  if (sparse_attention_gather() == Gather::kBulk) {
+    launch_sparse_attention_fwd<T, Gather::kBulk>(p, x, stream);
+  } else {
+    launch_sparse_attention_fwd<T, Gather::kCpAsync>(p, x, stream);
+  }
   if (x.num_splits > 1) {
     // Programmatic dependent launch: the merge grid is set up while the forward grid drains
     // and waits for it in cudaGridDependencySynchronize, which hides one launch gap in decode.
