@@ -19,6 +19,10 @@
 //     path, and structured path (block_indices hint); 16K structured also under the other
 //     kernel variants (_bulk4w, _cpasync8w, _bulk8w). Dense cuDNN causal
 //     attention of the same shape is bench/sdpa_baseline.py's (same device call).
+//   prefill_<n>k_indexer: the same timing over selections made the way an engine makes them,
+//     on the device: the structured workload's indexer inputs, native qsa_mqa_prefill, native
+//     top-512 and native expansion (their times are in the note; only the attention call is
+//     the row's time). 128K runs twice: token path and block hint (_hint).
 // Usage: qsa_sparse_attention_bench [results.csv]. Prints each row as it is measured.
 // BENCH_ONLY=<prefix> runs the rows whose name starts with it (for a profiler run).
 #include <fmt/format.h>
@@ -36,6 +40,8 @@
 #include "bench_util.h"
 #include "cuda/attention/sparse_attention_heuristics.h"
 #include "sparse_attn/qsa.h"
+#include "sparse_attn/qsa_select.h"
+#include "sparse_attn/workload.h"
 
 using namespace sparse_attn;
 using namespace sparse_attn::bench;
@@ -183,16 +189,35 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch,
   sparse_attn::cuda::set_sparse_attention_variant(FwdVariant{});
 }
 
-Result bench_prefill(Timer& timer, int64_t tokens, bool structured, bool hint) {
+// A prefill selection on the device, one row per token of the request.
+struct PrefillSelection {
+  Tensor idx;        // int32 [tokens, kWidth]
+  Tensor blocks;     // int32 [tokens, kBlocks], the block_indices hint
+  double valid = 0;  // valid token ids over all rows
+  double jaccard = 1;
+  std::string note;  // what made it
+};
+
+// Jaccard index of two sorted block sets.
+double jaccard_of(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+  std::vector<int32_t> inter;
+  std::set_intersection(a.begin(), a.end(), b.begin(), b.end(), std::back_inserter(inter));
+  return double(inter.size()) / double(a.size() + b.size() - inter.size());
+}
+
+// Synthetic selections made on the host: structured (recent blocks plus a fixed importance
+// order) or uniformly random.
+PrefillSelection synthetic_selection(int64_t tokens, bool structured) {
   std::mt19937_64 rng(7 + tokens);
   const int64_t nblocks = tokens / 4;
   // Importance order of blocks: a fixed random permutation (first = most important).
   std::vector<int32_t> order(nblocks);
   std::iota(order.begin(), order.end(), 0);
   std::shuffle(order.begin(), order.end(), rng);
-  std::vector<int32_t> ids(tokens * kWidth), hint_blocks(hint ? tokens * kBlocks : 1, -1);
+  std::vector<int32_t> ids(tokens * kWidth), hint_blocks(tokens * kBlocks, -1);
   std::vector<int32_t> blocks, prev;
-  double valid = 0, jaccard = 0;
+  PrefillSelection sel;
+  double jaccard = 0;
   int64_t jaccard_rows = 0;
   for (int64_t p = 0; p < tokens; ++p) {
     const int64_t visible = (p + 1) / 4;
@@ -217,45 +242,149 @@ Result bench_prefill(Timer& timer, int64_t tokens, bool structured, bool hint) {
     }
     std::sort(blocks.begin(), blocks.end());
     if (visible > kBlocks && p % 97 == 0 && !prev.empty()) {
-      std::vector<int32_t> inter;
-      std::set_intersection(blocks.begin(), blocks.end(), prev.begin(), prev.end(),
-                            std::back_inserter(inter));
-      jaccard += double(inter.size()) / double(blocks.size() + prev.size() - inter.size());
+      jaccard += jaccard_of(blocks, prev);
       ++jaccard_rows;
     }
     prev = blocks;
-    if (hint) std::copy(blocks.begin(), blocks.end(), &hint_blocks[p * kBlocks]);
-    valid += double(expand(blocks, p, &ids[p * kWidth]));
+    std::copy(blocks.begin(), blocks.end(), &hint_blocks[p * kBlocks]);
+    sel.valid += double(expand(blocks, p, &ids[p * kWidth]));
   }
+  sel.idx = int32_device(ids, {tokens, kWidth});
+  sel.blocks = int32_device(hint_blocks, {tokens, kBlocks});
+  sel.jaccard = jaccard_rows ? jaccard / jaccard_rows : 1.0;
+  sel.note = structured ? "structured" : "random";
+  return sel;
+}
+
+// Selections as a serving engine makes them, all on the device: the structured workload's
+// indexer inputs (include/sparse_attn/workload.h: sinks, heavy hitters, needles, local
+// segments), native qsa_mqa_prefill scores of each row against the complete blocks before it,
+// native top-512 and native expansion. Rows go through the indexer and top-k in chunks so the
+// FP32 score matrix stays at most 2 GB. The pipeline runs twice; the second run's stages are
+// timed with events (sums over the chunks) and reported in the note.
+PrefillSelection indexer_selection(Timer& timer, int64_t tokens) {
+  WorkloadOptions wo;  // structured, seed 0, indexer 4 x 128 over 4-token blocks
+  wo.seq_len = tokens;
+  // The indexer inputs have their own projections and noise streams and do not depend on the
+  // attention geometry, so a 1-head, 2-dim attention part gives the same ones without drawing
+  // the 24/2/256 Q/K/V on the host; the timed attention reads random pools (values do not
+  // change its speed).
+  wo.num_q_heads = 1;
+  wo.num_kv_heads = 1;
+  wo.head_dim = 2;
+  wo.device = Device::cuda();
+  const Workload w = make_workload(wo);
+  const int64_t nb = w.index_key.shape()[1];
+  const TensorView q = w.index_query.view().select(0, 0);  // [tokens, 4, 128]
+  const TensorView k = w.index_key.view().select(0, 0);    // [nb, 128]
+  // Row p (position p) sees the complete blocks [0, (p + 1) / 4).
+  std::vector<int32_t> starts(tokens, 0), ends(tokens), pos(tokens);
+  for (int64_t p = 0; p < tokens; ++p) {
+    ends[p] = static_cast<int32_t>((p + 1) / 4);
+    pos[p] = static_cast<int32_t>(p);
+  }
+  const Tensor d_starts = int32_device(starts, {tokens});
+  const Tensor d_ends = int32_device(ends, {tokens});
+  const Tensor d_pos = int32_device(pos, {tokens});
+  const int64_t chunk = std::min<int64_t>(tokens, 16384);
+  const Tensor scores = Tensor::empty({chunk, nb}, DType::kF32, Device::cuda());
+  const Tensor top = Tensor::empty({tokens, kBlocks}, DType::kI32, Device::cuda());
+  PrefillSelection sel;
+  sel.idx = Tensor::empty({tokens, kWidth}, DType::kI32, Device::cuda());
+  sel.blocks = Tensor::empty({tokens, kBlocks}, DType::kI32, Device::cuda());
+
+  const cudaStream_t s = timer.stream();
+  cudaEvent_t ev[4];
+  for (cudaEvent_t& e : ev) BENCH_CUDA(cudaEventCreate(&e));
+  const auto elapsed = [](cudaEvent_t a, cudaEvent_t b) {
+    float ms = 0;
+    BENCH_CUDA(cudaEventSynchronize(b));
+    BENCH_CUDA(cudaEventElapsedTime(&ms, a, b));
+    return double(ms);
+  };
+  double score_ms = 0, topk_ms = 0, expand_ms = 0;
+  for (int run = 0; run < 2; ++run) {
+    score_ms = topk_ms = 0;
+    for (int64_t r0 = 0; r0 < tokens; r0 += chunk) {
+      const int64_t n = std::min(chunk, tokens - r0);
+      const TensorView sc = scores.view().narrow(0, 0, n);
+      MqaScoreOptions so;
+      so.stream = s;
+      BENCH_CUDA(cudaEventRecord(ev[0], s));
+      qsa_mqa_prefill(q.narrow(0, r0, n), k, d_starts.view().narrow(0, r0, n),
+                      d_ends.view().narrow(0, r0, n), sc, so);
+      BENCH_CUDA(cudaEventRecord(ev[1], s));
+      qsa_topk_blocks(sc, kBlocks, top.view().narrow(0, r0, n), s);
+      BENCH_CUDA(cudaEventRecord(ev[2], s));
+      score_ms += elapsed(ev[0], ev[1]);
+      topk_ms += elapsed(ev[1], ev[2]);
+    }
+    BENCH_CUDA(cudaEventRecord(ev[2], s));
+    qsa_expand_blocks(top, d_pos, sel.idx, sel.blocks.view(), s);
+    BENCH_CUDA(cudaEventRecord(ev[3], s));
+    expand_ms = elapsed(ev[2], ev[3]);
+  }
+  for (cudaEvent_t e : ev) BENCH_CUDA(cudaEventDestroy(e));
+
+  // Valid ids and the consecutive-row Jaccard of the kept block sets, from the hint.
+  const Tensor hb = Tensor::to_host(sel.blocks.view());
+  std::vector<int32_t> blocks, prev;
+  double jaccard = 0;
+  int64_t jaccard_rows = 0;
+  for (int64_t p = 0; p < tokens; ++p) {
+    const int32_t* row = hb.data_as<int32_t>() + p * kBlocks;
+    blocks.assign(row, std::find(row, row + kBlocks, -1));
+    std::sort(blocks.begin(), blocks.end());
+    sel.valid += double(4 * blocks.size() + (p + 1) % 4);
+    if (p / 4 > kBlocks) {  // this row and the previous one have full selections
+      jaccard += jaccard_of(blocks, prev);
+      ++jaccard_rows;
+    }
+    prev = blocks;
+  }
+  sel.jaccard = jaccard_rows ? jaccard / jaccard_rows : 1.0;
+  sel.note = fmt::format(
+      "indexer selection (native indexer {:.2f} ms, top-k {:.2f} ms, expansion {:.2f} ms)",
+      score_ms, topk_ms, expand_ms);
+  return sel;
+}
+
+// Times qsa_sparse_attention alone over a selection (token path, or with the block hint).
+Result time_prefill(Timer& timer, int64_t tokens, const PrefillSelection& sel, bool hint,
+                    const std::string& name) {
+  std::mt19937_64 rng(11 + tokens);
   const std::vector<int64_t> lens{tokens};
   const Pages pg = make_pages(lens, rng);
   Tensor q = random_pool({tokens, kHq, kD}, 5);
   Tensor k = random_pool({pg.pool, kPage, kHkv, kD}, 6);
   Tensor v = random_pool({pg.pool, kPage, kHkv, kD}, 7);
-  Tensor idx = int32_device(ids, {tokens, kWidth});
   Tensor table = int32_device(pg.table, {1, pg.max_pages});
   Tensor out = Tensor::empty({tokens, kHq, kD}, DType::kBF16, Device::cuda());
-  Tensor bidx = int32_device(hint_blocks, {hint ? tokens : 1, hint ? kBlocks : 1});
   SparseAttentionOptions o;
   o.block_table = table.view();
-  if (hint) o.block_indices = bidx.view();
+  if (hint) o.block_indices = sel.blocks.view();
   const Timing t = timer.time(
       [&](cudaStream_t s) {
         o.stream = s;
-        qsa_sparse_attention(q, k, v, idx.view(), out, std::nullopt, o);
+        qsa_sparse_attention(q, k, v, sel.idx.view(), out, std::nullopt, o);
       },
       1, 5);
   const double sec = t.median_ms * 1e-3;
-  const double bytes = 2.0 * valid * kHkv * kD * 2 + 2.0 * tokens * kHq * kD * 2;
-  return {fmt::format("prefill_{}k_{}{}", tokens / 1024, structured ? "structured" : "random",
-                      hint ? "_hint" : ""),
+  const double bytes = 2.0 * sel.valid * kHkv * kD * 2 + 2.0 * tokens * kHq * kD * 2;
+  return {name,
           t.median_ms,
           0.0,
-          4.0 * valid * kHq * kD / sec / 1e12,
+          4.0 * sel.valid * kHq * kD / sec / 1e12,
           bytes / sec / 1e12,
           0.0,
-          fmt::format("mean valid {:.0f}/row, consecutive-row Jaccard {:.3f}", valid / tokens,
-                      jaccard_rows ? jaccard / jaccard_rows : 1.0)};
+          fmt::format("{}, mean valid {:.0f}/row, consecutive-row Jaccard {:.3f}", sel.note,
+                      sel.valid / tokens, sel.jaccard)};
+}
+
+Result bench_prefill(Timer& timer, int64_t tokens, bool structured, bool hint) {
+  return time_prefill(timer, tokens, synthetic_selection(tokens, structured), hint,
+                      fmt::format("prefill_{}k_{}{}", tokens / 1024,
+                                  structured ? "structured" : "random", hint ? "_hint" : ""));
 }
 
 }  // namespace
@@ -313,6 +442,14 @@ int main(int argc, char** argv) {
     add(std::move(r));
   }
   if (want("prefill_128k_structured_hint")) add(bench_prefill(timer, 131072, true, true));
+  for (int64_t n : {16384, 65536, 131072}) {
+    const std::string name = fmt::format("prefill_{}k_indexer", n / 1024);
+    const bool hint = n == 131072 && want(name + "_hint");
+    if (!want(name) && !hint) continue;
+    const PrefillSelection sel = indexer_selection(timer, n);
+    if (want(name)) add(time_prefill(timer, n, sel, false, name));
+    if (hint) add(time_prefill(timer, n, sel, true, name + "_hint"));
+  }
 
   if (argc > 1) {
     std::FILE* f = std::fopen(argv[1], "w");
