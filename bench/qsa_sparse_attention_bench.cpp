@@ -8,15 +8,16 @@
 //     launches while the GPU idles) and graph (the call captured once into a CUDA graph and
 //     replayed, as an engine replays its decode step: the GPU time of the kernels). Rates and
 //     floor% use the graph time; floor% (eager) is next to it. Every batch runs under each
-//     gather variant of the forward kernel (cpasync, bulk) with the heuristic split count and
-//     then with explicit split counts (_s<N>), graph-timed, for retuning the heuristic.
+//     variant of the forward kernel (cp.async or bulk gather, 4 or 8 warps: no suffix for the
+//     default cp.async 4-warp one, else _bulk4w, _cpasync8w, _bulk8w) with the heuristic
+//     split count, then with explicit split counts (_s<N>), graph-timed, for the heuristic.
 //   prefill: one request of 16K, 64K, 128K tokens, every row attending to its 2051-token
 //     structured selection: the 64 most recent complete blocks plus the 448 most important
 //     older ones under a fixed per-block importance, so neighbouring rows share most blocks
 //     (the mean Jaccard of consecutive rows' block sets is printed). The useful FLOP rate
 //     counts valid selected tokens only: 4 * tokens * Hq * D per row. 128K runs twice: token
-//     path, and structured path (block_indices hint); 16K structured also under the bulk
-//     gather (_bulk). Dense cuDNN causal
+//     path, and structured path (block_indices hint); 16K structured also under the other
+//     kernel variants (_bulk4w, _cpasync8w, _bulk8w). Dense cuDNN causal
 //     attention of the same shape is bench/sdpa_baseline.py's (same device call).
 //   prefill_<n>k_indexer: the same timing over selections made the way an engine makes them,
 //     on the device: the structured workload's indexer inputs, native qsa_mqa_prefill, native
@@ -116,9 +117,17 @@ int64_t expand(const std::vector<int32_t>& blocks, int64_t p, int32_t* row) {
   return n;
 }
 
-// Decode runs of one batch: (gather, split count) pairs, 0 = the heuristic's count.
+using sparse_attn::cuda::FwdVariant;
+using sparse_attn::cuda::Gather;
+
+std::string variant_name(const FwdVariant& v) {
+  return (v.gather == Gather::kBulk ? "bulk" : "cpasync") + std::to_string(v.warps) + "w";
+}
+bool is_default(const FwdVariant& v) { return v.gather == Gather::kCpAsync && v.warps == 4; }
+
+// Decode runs of one batch: (variant, split count) pairs, 0 = the heuristic's count.
 struct DecodeRun {
-  sparse_attn::cuda::Gather gather;
+  FwdVariant variant;
   int splits;
   bool eager;  // also time the eager call
 };
@@ -162,22 +171,22 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch,
     o.cu_seqlens_q = dcu.view();
     o.gate = gate.view();
     if (run.splits > 0) o.num_splits = run.splits;
-    sparse_attn::cuda::set_sparse_attention_gather(run.gather);
+    sparse_attn::cuda::set_sparse_attention_variant(run.variant);
     auto call = [&](cudaStream_t s) {
       o.stream = s;
       qsa_sparse_attention(q, k, v, idx.view(), out, lse.view(), o);
     };
     const double eager_ms = run.eager ? timer.time(call).median_ms : 0.0;
     const double graph_ms = timer.time_graph(call).median_ms;
-    const bool bulk = run.gather == sparse_attn::cuda::Gather::kBulk;
     const double sec = graph_ms * 1e-3;
-    add({fmt::format("decode_b{}{}{}", batch, bulk ? "_bulk" : "",
+    add({fmt::format("decode_b{}{}{}", batch,
+                     is_default(run.variant) ? "" : "_" + variant_name(run.variant),
                      run.splits > 0 ? fmt::format("_s{}", run.splits) : ""),
          eager_ms, graph_ms, 4.0 * valid * kHq * kD / sec / 1e12, bytes / sec / 1e12, floor_ms,
-         fmt::format("{} gather, {} splits, gate, lse", bulk ? "bulk" : "cp.async",
+         fmt::format("{}, {} splits, gate, lse", variant_name(run.variant),
                      run.splits > 0 ? fmt::format("{}", run.splits) : "heuristic")});
   }
-  sparse_attn::cuda::set_sparse_attention_gather(sparse_attn::cuda::Gather::kCpAsync);
+  sparse_attn::cuda::set_sparse_attention_variant(FwdVariant{});
 }
 
 // A prefill selection on the device, one row per token of the request.
@@ -408,25 +417,28 @@ int main(int argc, char** argv) {
   const char* only_env = std::getenv("BENCH_ONLY");
   const std::string only = only_env ? only_env : "";
   auto want = [&](const std::string& name) { return name.rfind(only, 0) == 0; };
-  using sparse_attn::cuda::Gather;
+  const FwdVariant variants[] = {
+      {Gather::kCpAsync, 4}, {Gather::kBulk, 4}, {Gather::kCpAsync, 8}, {Gather::kBulk, 8}};
   for (int64_t b : {1, 8, 32, 128}) {
     if (!want(fmt::format("decode_b{}", b))) continue;
     std::vector<DecodeRun> runs;
-    for (Gather g : {Gather::kCpAsync, Gather::kBulk}) runs.push_back({g, 0, true});
-    for (Gather g : {Gather::kCpAsync, Gather::kBulk})
-      for (int splits : {1, 2, 4, 8, 16, 33}) runs.push_back({g, splits, false});
+    for (const FwdVariant& v : variants) runs.push_back({v, 0, true});
+    for (const FwdVariant& v : variants)
+      for (int splits : {1, 2, 4, 8, 16, 33}) runs.push_back({v, splits, false});
     bench_decode(timer, c, b, runs, add);
   }
   for (int64_t n : {16384, 65536, 131072})
     if (want(fmt::format("prefill_{}k_structured", n / 1024)))
       add(bench_prefill(timer, n, true, false));
   if (want("prefill_16k_random")) add(bench_prefill(timer, 16384, false, false));
-  if (want("prefill_16k_structured_bulk")) {
-    sparse_attn::cuda::set_sparse_attention_gather(Gather::kBulk);
+  for (const FwdVariant& v : variants) {
+    const std::string name = "prefill_16k_structured_" + variant_name(v);
+    if (is_default(v) || !want(name)) continue;
+    sparse_attn::cuda::set_sparse_attention_variant(v);
     Result r = bench_prefill(timer, 16384, true, false);
-    sparse_attn::cuda::set_sparse_attention_gather(Gather::kCpAsync);
-    r.name += "_bulk";
-    r.note += ", bulk gather";
+    sparse_attn::cuda::set_sparse_attention_variant(FwdVariant{});
+    r.name = name;
+    r.note += ", " + variant_name(v);
     add(std::move(r));
   }
   if (want("prefill_128k_structured_hint")) add(bench_prefill(timer, 131072, true, true));

@@ -1,7 +1,7 @@
 // Native qsa_sparse_attention on the GPU against an independent double-precision oracle
 // written here: every query/KV layout, SplitKV counts, gates, LSE, strided and sliced views,
 // physical ids, invalid ids, very many rows, determinism and CUDA graph replay, each under
-// every gather variant of the forward kernel (cp.async and bulk copies).
+// every variant of the forward kernel (cp.async or bulk-copy gather, 4 or 8 warps).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -29,23 +29,27 @@ using testing::to_vector;
 constexpr int64_t kD = 256;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
+using cuda::FwdVariant;
 using cuda::Gather;
-constexpr Gather kGathers[] = {Gather::kCpAsync, Gather::kBulk};
+const FwdVariant kVariants[] = {
+    {Gather::kCpAsync, 4}, {Gather::kBulk, 4}, {Gather::kCpAsync, 8}, {Gather::kBulk, 8}};
 
-std::string gather_name(Gather g) { return g == Gather::kBulk ? "bulk" : "cpasync"; }
+std::string variant_name(const FwdVariant& v) {
+  return (v.gather == Gather::kBulk ? "bulk" : "cpasync") + std::to_string(v.warps) + "w";
+}
 
-// Runs the enclosing scope under one gather variant and restores the previous one.
-class GatherScope {
+// Runs the enclosing scope under one forward-kernel variant and restores the previous one.
+class VariantScope {
  public:
-  explicit GatherScope(Gather g) : before_(cuda::sparse_attention_gather()) {
-    cuda::set_sparse_attention_gather(g);
+  explicit VariantScope(const FwdVariant& v) : before_(cuda::sparse_attention_variant()) {
+    cuda::set_sparse_attention_variant(v);
   }
-  ~GatherScope() { cuda::set_sparse_attention_gather(before_); }
-  GatherScope(const GatherScope&) = delete;
-  GatherScope& operator=(const GatherScope&) = delete;
+  ~VariantScope() { cuda::set_sparse_attention_variant(before_); }
+  VariantScope(const VariantScope&) = delete;
+  VariantScope& operator=(const VariantScope&) = delete;
 
  private:
-  Gather before_;
+  FwdVariant before_;
 };
 
 enum class Gate { kNone, kElementwise, kPerHead };
@@ -71,7 +75,7 @@ struct Case {
   bool token_to_req = false;  // flattened rows mapped by token_to_req instead of cu_seqlens
   bool views = false;         // sliced inputs with offsets, strided out with bytes around it
   bool dense_v = false;       // with views: V stays dense, so K and V strides differ
-  Gather gather = Gather::kCpAsync;
+  FwdVariant variant;
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) { return info.param.name; }
@@ -414,7 +418,7 @@ class GpuSparseAttention : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GpuSparseAttention, MatchesOracle) {
   SPARSE_ATTN_REQUIRE_GPU();
-  GatherScope scope(GetParam().gather);
+  VariantScope scope(GetParam().variant);
   auto rng = testing::make_rng();
   const Problem pb = make_problem(GetParam(), rng);
   DeviceProblem dp = to_device_problem(pb, rng);
@@ -591,13 +595,15 @@ std::vector<Case> cases() {
     c.gate = hq % 2 ? Gate::kPerHead : Gate::kNone;
     v.push_back(c);
   }
-  // Every form again under the bulk-copy gather.
+  // Every form again under the other variants (the first is the default).
   const size_t n = v.size();
-  for (size_t i = 0; i < n; ++i) {
-    Case c = v[i];
-    c.name += "_bulk";
-    c.gather = Gather::kBulk;
-    v.push_back(c);
+  for (size_t k = 1; k < std::size(kVariants); ++k) {
+    for (size_t i = 0; i < n; ++i) {
+      Case c = v[i];
+      c.name += "_" + variant_name(kVariants[k]);
+      c.variant = kVariants[k];
+      v.push_back(c);
+    }
   }
   return v;
 }
@@ -613,14 +619,14 @@ struct HintCase {
   int64_t page_size;
   std::optional<int64_t> num_splits;
   std::vector<int64_t> q_rows, k_lens;
-  Gather gather = Gather::kCpAsync;
+  FwdVariant variant;
 };
 
 class GpuSparseAttentionBlockHint : public ::testing::TestWithParam<HintCase> {};
 
 TEST_P(GpuSparseAttentionBlockHint, HintAndProducerContractGiveTheTokenResult) {
   SPARSE_ATTN_REQUIRE_GPU();
-  GatherScope scope(GetParam().gather);
+  VariantScope scope(GetParam().variant);
   auto rng = testing::make_rng();
   constexpr int64_t kNb = 100;
   Case c;
@@ -659,7 +665,7 @@ TEST_P(GpuSparseAttentionBlockHint, HintAndProducerContractGiveTheTokenResult) {
 
 INSTANTIATE_TEST_SUITE_P(Pages, GpuSparseAttentionBlockHint, ::testing::ValuesIn([] {
                            std::vector<HintCase> v;
-                           for (Gather g : kGathers) {
+                           for (const FwdVariant& g : kVariants) {
                              v.push_back({64, std::nullopt, {37, 5}, {3000, 203}, g});
                              v.push_back({16, 3, {1, 1, 1}, {5001, 2998, 401}, g});
                              v.push_back({64, 1, {9}, {58}, g});
@@ -672,15 +678,15 @@ INSTANTIATE_TEST_SUITE_P(Pages, GpuSparseAttentionBlockHint, ::testing::ValuesIn
                                   (info.param.num_splits ? std::to_string(*info.param.num_splits)
                                                          : "auto") +
                                   "_rows" + std::to_string(info.param.q_rows.size()) + "_" +
-                                  gather_name(info.param.gather);
+                                  variant_name(info.param.variant);
                          });
 
 // More rows than a grid's y/z limit: rows run on gridDim.x.
-class GpuSparseAttentionRows : public ::testing::TestWithParam<Gather> {};
+class GpuSparseAttentionRows : public ::testing::TestWithParam<FwdVariant> {};
 
 TEST_P(GpuSparseAttentionRows, MoreThan65535Rows) {
   SPARSE_ATTN_REQUIRE_GPU();
-  GatherScope scope(GetParam());
+  VariantScope scope(GetParam());
   auto rng = testing::make_rng();
   Case c;
   c.hq = 2;
@@ -697,11 +703,11 @@ TEST_P(GpuSparseAttentionRows, MoreThan65535Rows) {
 }
 
 // Same inputs, same bits, for the SplitKV path and the single-split path.
-class GpuSparseAttentionDeterminism : public ::testing::TestWithParam<Gather> {};
+class GpuSparseAttentionDeterminism : public ::testing::TestWithParam<FwdVariant> {};
 
 TEST_P(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
   SPARSE_ATTN_REQUIRE_GPU();
-  GatherScope scope(GetParam());
+  VariantScope scope(GetParam());
   auto rng = testing::make_rng();
   for (int64_t splits : {1, 6}) {
     Case c = decode("det", 4);
@@ -723,11 +729,11 @@ TEST_P(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
 
 // Physical ids into flattened K/V: no requests, no causal mask, duplicates counted, ids < 0
 // or >= total_kv masked, the lse buffer written; rows with nothing valid give 0 and -inf.
-class GpuSparseAttentionPhysical : public ::testing::TestWithParam<Gather> {};
+class GpuSparseAttentionPhysical : public ::testing::TestWithParam<FwdVariant> {};
 
 TEST_P(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
   SPARSE_ATTN_REQUIRE_GPU();
-  GatherScope scope(GetParam());
+  VariantScope scope(GetParam());
   auto rng = testing::make_rng();
   const int64_t rows = 9, hq = 24, hkv = 2, total = 3000, width = 2051;
   Tensor q = testing::random_tensor({rows, hq, kD}, DType::kBF16, rng, -2.f, 2.f);
@@ -757,11 +763,11 @@ TEST_P(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
 
 // A captured graph reads the metadata current at replay: new ids, lengths and positions
 // written into the same buffers change the result accordingly.
-class GpuSparseAttentionGraph : public ::testing::TestWithParam<Gather> {};
+class GpuSparseAttentionGraph : public ::testing::TestWithParam<FwdVariant> {};
 
 TEST_P(GpuSparseAttentionGraph, ReplayReadsCurrentMetadata) {
   SPARSE_ATTN_REQUIRE_GPU();
-  GatherScope scope(GetParam());
+  VariantScope scope(GetParam());
   auto rng = testing::make_rng();
   Case c = decode("graph", 4);
   c.gate = Gate::kElementwise;
@@ -803,17 +809,17 @@ TEST_P(GpuSparseAttentionGraph, ReplayReadsCurrentMetadata) {
   cudaStreamDestroy(stream);
 }
 
-std::string gather_param_name(const ::testing::TestParamInfo<Gather>& info) {
-  return gather_name(info.param);
+std::string variant_param_name(const ::testing::TestParamInfo<FwdVariant>& info) {
+  return variant_name(info.param);
 }
-INSTANTIATE_TEST_SUITE_P(Gathers, GpuSparseAttentionRows, ::testing::ValuesIn(kGathers),
-                         gather_param_name);
-INSTANTIATE_TEST_SUITE_P(Gathers, GpuSparseAttentionDeterminism, ::testing::ValuesIn(kGathers),
-                         gather_param_name);
-INSTANTIATE_TEST_SUITE_P(Gathers, GpuSparseAttentionPhysical, ::testing::ValuesIn(kGathers),
-                         gather_param_name);
-INSTANTIATE_TEST_SUITE_P(Gathers, GpuSparseAttentionGraph, ::testing::ValuesIn(kGathers),
-                         gather_param_name);
+INSTANTIATE_TEST_SUITE_P(Variants, GpuSparseAttentionRows, ::testing::ValuesIn(kVariants),
+                         variant_param_name);
+INSTANTIATE_TEST_SUITE_P(Variants, GpuSparseAttentionDeterminism, ::testing::ValuesIn(kVariants),
+                         variant_param_name);
+INSTANTIATE_TEST_SUITE_P(Variants, GpuSparseAttentionPhysical, ::testing::ValuesIn(kVariants),
+                         variant_param_name);
+INSTANTIATE_TEST_SUITE_P(Variants, GpuSparseAttentionGraph, ::testing::ValuesIn(kVariants),
+                         variant_param_name);
 
 }  // namespace
 }  // namespace sparse_attn

@@ -8,11 +8,11 @@
 namespace sparse_attn::cuda {
 
 namespace {
-std::atomic<Gather> g_gather{Gather::kCpAsync};
+std::atomic<FwdVariant> g_variant{FwdVariant{}};
 }  // namespace
 
-void set_sparse_attention_gather(Gather g) { g_gather.store(g, std::memory_order_relaxed); }
-Gather sparse_attention_gather() { return g_gather.load(std::memory_order_relaxed); }
+void set_sparse_attention_variant(FwdVariant v) { g_variant.store(v, std::memory_order_relaxed); }
+FwdVariant sparse_attention_variant() { return g_variant.load(std::memory_order_relaxed); }
 
 // A CTA (one row, one KV head, one split) holds a whole SM (216 KB of shared memory), so the
 // schedule is a sequence of waves of num_sms CTAs. A CTA costs a fixed latency L (resolve the

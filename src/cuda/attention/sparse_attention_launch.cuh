@@ -8,20 +8,19 @@
 
 namespace sparse_attn::cuda {
 
-template <typename T, Gather G>
+template <typename T, Gather G, int W>
 void launch_sparse_attention_fwd(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
                                  cudaStream_t stream) {
-  using C = SparseAttentionConfig;
-  constexpr size_t kSmem = sizeof(SparseAttentionSmem<G>);
+  constexpr size_t kSmem = sizeof(SparseAttentionSmem<G, W>);
   static_assert(kSmem <= 227 * 1024, "one CTA must fit the 227 KB an sm90 block may use");
   // The opt-in limit is per function and device; setting it again is harmless, and it is not
   // a stream operation, so it is legal during graph capture.
-  SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(sparse_attention_fwd_kernel<T, G>,
+  SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(sparse_attention_fwd_kernel<T, G, W>,
                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               static_cast<int>(kSmem)));
   const dim3 grid(static_cast<unsigned>(p.rows), static_cast<unsigned>(p.num_kv_heads),
                   static_cast<unsigned>(x.num_splits));
-  sparse_attention_fwd_kernel<T, G><<<grid, C::kThreads, kSmem, stream>>>(p, x);
+  sparse_attention_fwd_kernel<T, G, W><<<grid, FwdShape<W>::kThreads, kSmem, stream>>>(p, x);
   SPARSE_ATTN_CUDA_CHECK_LAUNCH();
 }
 
@@ -29,10 +28,14 @@ template <typename T>
 void launch_sparse_attention(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
                              cudaStream_t stream) {
   using C = SparseAttentionConfig;
-  if (sparse_attention_gather() == Gather::kBulk) {
-    launch_sparse_attention_fwd<T, Gather::kBulk>(p, x, stream);
+  const FwdVariant v = sparse_attention_variant();
+  const bool bulk = v.gather == Gather::kBulk;
+  if (v.warps == 8) {
+    bulk ? launch_sparse_attention_fwd<T, Gather::kBulk, 8>(p, x, stream)
+         : launch_sparse_attention_fwd<T, Gather::kCpAsync, 8>(p, x, stream);
   } else {
-    launch_sparse_attention_fwd<T, Gather::kCpAsync>(p, x, stream);
+    bulk ? launch_sparse_attention_fwd<T, Gather::kBulk, 4>(p, x, stream)
+         : launch_sparse_attention_fwd<T, Gather::kCpAsync, 4>(p, x, stream);
   }
   if (x.num_splits > 1) {
     // Programmatic dependent launch: the merge grid is set up while the forward grid drains
