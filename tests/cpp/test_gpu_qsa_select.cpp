@@ -185,6 +185,7 @@ std::vector<TopkCase> topk_cases() {
       {"rows3_nb40000_k20000_global_sort", {3, 40000}, 20000, S::kDistinct, false},
       {"rows3_nb40000_k20000_global_sort_quantised", {3, 40000}, 20000, S::kQuantised, false},
       {"rows3_nb20000_k30000_global_sort_k_above_nb", {3, 20000}, 30000, S::kCausal, false},
+      {"rows3_nb5000_k20000_shared_sort_k_above_nb", {3, 5000}, 20000, S::kQuantised, false},
   };
 }
 
@@ -302,6 +303,47 @@ TEST(GpuSelectPipeline, TopkThenExpandOnAStreamMatchesReference) {
 
   qsa_topk_blocks(scores.host, k, ids.host);
   qsa_expand_blocks(ids.host, positions, tokens.host, blocks.host);
+  expect_same_buffers(ids, "block ids");
+  expect_same_buffers(tokens, "token_indices");
+  expect_same_buffers(blocks, "block_indices");
+}
+
+// Captured once into a CUDA graph, replayed after the scores and positions changed: the
+// replay reads the current contents.
+TEST(GpuSelectPipeline, GraphReplayReadsCurrentInputs) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = make_rng();
+  const int64_t rows = 40, nb = 3000, k = kQsaTopkBlocks;
+  const Layout l = make_layout({rows, nb}, false);
+  const Mirrored scores = make_scores(l, Scores::kQuantised, rng);
+  const Mirrored later = make_scores(l, Scores::kCausal, rng);
+  const Tensor positions = testing::random_int32({rows}, rng, -3, int32_t(4 * nb + 3));
+  const Tensor later_positions = testing::random_int32({rows}, rng, -3, int32_t(4 * nb + 3));
+  const Tensor dev_positions = to_device(positions);
+  const Mirrored ids = poisoned_output(make_layout({rows, k}, false));
+  const Mirrored tokens = poisoned_output(make_layout({rows, 4 * k + 3}, false));
+  const Mirrored blocks = poisoned_output(make_layout({rows, k}, false));
+
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  qsa_topk_blocks(scores.dev, k, ids.dev, stream);
+  qsa_expand_blocks(ids.dev, dev_positions, tokens.dev, blocks.dev, stream);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+
+  copy_into(scores.dev_buf.view(), later.host_buf.view());
+  copy_into(dev_positions.view(), later_positions.view());
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+
+  qsa_topk_blocks(later.host, k, ids.host);
+  qsa_expand_blocks(ids.host, later_positions, tokens.host, blocks.host);
   expect_same_buffers(ids, "block ids");
   expect_same_buffers(tokens, "token_indices");
   expect_same_buffers(blocks, "block_indices");

@@ -3,9 +3,9 @@
 //
 // Each finite score maps to a 32-bit key whose unsigned order is the float order (-0 and +0
 // share one key, as they compare equal); non-finite scores map to 0, below every finite key,
-// and are never counted. A radix select over the keys, 8 bits per pass, finds the key T of the
-// k-th best visible block and how many blocks keyed T are needed. A gather pass then takes
-// every block keyed above T and the needed ones keyed T in ascending block id (a block-wide
+// and are never counted. A radix select over the keys (digits of 12, 12 and 8 bits) finds the
+// key T of the k-th best visible block and how many blocks keyed T are needed. A gather pass then
+// takes every block keyed above T and the needed ones keyed T in ascending block id (a block-wide
 // scan keeps the id order), so the selected set is exactly the reference's. The set is sorted
 // by the 64-bit composite (key, ~id) descending: composites are unique, so the order is the
 // reference's (score descending, ties by ascending id) whatever order the gather produced.
@@ -25,10 +25,16 @@ namespace {
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
-constexpr int kRadixBits = 8;
-constexpr int kBins = 1 << kRadixBits;
-constexpr int kPasses = 32 / kRadixBits;
-static_assert(kThreads >= kBins, "one thread per histogram bin chooses the digit");
+// Digits of the radix select, most significant first: 12 + 12 + 8 bits. The first digit holds
+// the sign, the exponent and 3 mantissa bits, so scores of one magnitude still spread over
+// several bins (fewer same-bin atomics and fewer candidates left for the next pass than with
+// 8-bit digits), and three passes instead of four read the row.
+constexpr int kPasses = 3;
+__host__ __device__ constexpr int digit_bits(int pass) { return pass < 2 ? 12 : 8; }
+constexpr int kMaxBins = 1 << 12;
+constexpr int kBinsPerThread = kMaxBins / kThreads;
+static_assert(digit_bits(0) + digit_bits(1) + digit_bits(2) == 32, "the digits cover the key");
+static_assert(kMaxBins % kThreads == 0, "each thread scans whole bins");
 // Selections of up to this many blocks are sorted in shared memory (128 KiB of composites);
 // larger ones (k and the visible count both above it) sort in a global workspace.
 constexpr int64_t kMaxSharedSort = 16384;
@@ -47,8 +53,8 @@ struct TopkProblem {
 };
 
 struct SharedStorage {
-  int hist[kBins];
-  int warp_ties[kWarps];
+  int hist[kMaxBins];
+  int warp_sums[kWarps];
   int visible;      // finite scores in the row
   int digit;        // the chosen digit of this pass
   int remaining;    // blocks still to take at and below the chosen prefix
@@ -64,19 +70,26 @@ __device__ __forceinline__ uint32_t order_key(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Inclusive sum over threads 0..kBins-1 of `v` (other threads pass 0); every thread calls it.
-__device__ __forceinline__ int bin_scan(int v, int* warp_sums) {
+// Exclusive sum of `v` over the threads of the block, and the block total; every thread calls it.
+__device__ __forceinline__ int block_exclusive_sum(int v, int* warp_sums, int& total) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int inclusive = v;
 #pragma unroll
   for (int d = 1; d < 32; d *= 2) {
-    const int n = __shfl_up_sync(0xffffffffu, v, d);
-    if (lane >= d) v += n;
+    const int n = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += n;
   }
-  if (lane == 31 && warp < kBins / 32) warp_sums[warp] = v;
+  if (lane == 31) warp_sums[warp] = inclusive;
   __syncthreads();
-  for (int w = 0; w < warp && w < kBins / 32; ++w) v += warp_sums[w];
+  int before = inclusive - v;
+  total = 0;
+  for (int w = 0; w < kWarps; ++w) {
+    const int n = warp_sums[w];
+    if (w < warp) before += n;
+    total += n;
+  }
   __syncthreads();
-  return v;
+  return before;
 }
 
 // Sorts buf[0..n) descending; n is a power of two.
@@ -102,7 +115,7 @@ __global__ void __launch_bounds__(kThreads) topk_blocks_kernel(const TopkProblem
   extern __shared__ uint64_t shared_sort[];
   __shared__ SharedStorage s;
   uint64_t* buf = p.global_sort ? p.global_sort + blockIdx.x * p.sort_capacity : shared_sort;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int tid = threadIdx.x, lane = tid % 32;
   const int64_t nb = p.num_blocks;
 
   for (int64_t r = blockIdx.x; r < p.total_rows; r += gridDim.x) {
@@ -116,28 +129,47 @@ __global__ void __launch_bounds__(kThreads) topk_blocks_kernel(const TopkProblem
     int64_t ties_needed = 0;
     bool take_all = false, all_ties = false;
     int64_t remaining = p.k;
+    int shift = 32;
     for (int pass = 0; pass < kPasses; ++pass) {
-      const int shift = 32 - kRadixBits * (pass + 1);
-      const uint32_t high_mask = pass == 0 ? 0u : ~0u << (shift + kRadixBits);
-      if (tid < kBins) s.hist[tid] = 0;
+      const int bins = 1 << digit_bits(pass);
+      const uint32_t high_mask = pass == 0 ? 0u : ~0u << shift;
+      shift -= digit_bits(pass);
+      for (int i = tid; i < bins; i += kThreads) s.hist[i] = 0;
       if (tid == 0) s.selected = 0;
       __syncthreads();
-      for (int64_t j = tid; j < nb; j += kThreads) {
-        const uint32_t key = key_at(j);
-        if (key != 0 && (key & high_mask) == threshold) {
-          atomicAdd(&s.hist[(key >> shift) & (kBins - 1)], 1);
+      // Histogram of the digit over the blocks that carry the prefix chosen so far. Lanes
+      // with the same bin add once (ties and scores of one magnitude share bins).
+      for (int64_t base = 0; base < nb; base += kThreads) {
+        const int64_t j = base + tid;
+        const uint32_t key = j < nb ? key_at(j) : 0;
+        const bool counted = key != 0 && (key & high_mask) == threshold;
+        const unsigned active = __ballot_sync(0xffffffffu, counted);
+        if (counted) {
+          const int bin = static_cast<int>((key >> shift) & (bins - 1));
+          const unsigned peers = __match_any_sync(active, bin);
+          if ((peers & ((1u << lane) - 1)) == 0) atomicAdd(&s.hist[bin], __popc(peers));
         }
       }
       __syncthreads();
-      // Bins from the highest digit down: the chosen digit is where the running count first
-      // reaches `remaining`.
-      const int c = tid < kBins ? s.hist[kBins - 1 - tid] : 0;
-      const int at_or_above = bin_scan(c, s.warp_ties);
-      if (pass == 0 && tid == kBins - 1) s.visible = at_or_above;
-      if (tid < kBins && at_or_above >= remaining && at_or_above - c < remaining) {
-        s.digit = kBins - 1 - tid;
-        s.remaining = static_cast<int>(remaining - (at_or_above - c));
-        s.digit_count = c;
+      // Bins from the highest digit down, kBinsPerThread consecutive ones per thread: the
+      // chosen digit is where the running count first reaches `remaining`.
+      const auto count_at = [&](int from_top) {
+        return from_top < bins ? s.hist[bins - 1 - from_top] : 0;
+      };
+      const int first = tid * kBinsPerThread;
+      int sum = 0;
+      for (int i = 0; i < kBinsPerThread; ++i) sum += count_at(first + i);
+      int total = 0;
+      int above = block_exclusive_sum(sum, s.warp_sums, total);
+      if (pass == 0 && tid == 0) s.visible = total;
+      for (int i = 0; i < kBinsPerThread; ++i) {
+        const int c = count_at(first + i);
+        if (above < remaining && above + c >= remaining) {
+          s.digit = bins - 1 - (first + i);
+          s.remaining = static_cast<int>(remaining - above);
+          s.digit_count = c;
+        }
+        above += c;
       }
       __syncthreads();
       if (pass == 0 && s.visible <= p.k) {
@@ -161,18 +193,10 @@ __global__ void __launch_bounds__(kThreads) topk_blocks_kernel(const TopkProblem
       const bool tie = !take_all && key == threshold;
       bool take = key > threshold || (tie && all_ties);
       if (!take_all && !all_ties && ties_before < ties_needed) {
-        const unsigned ballot = __ballot_sync(0xffffffffu, tie);
-        if (lane == 0) s.warp_ties[warp] = __popc(ballot);
-        __syncthreads();
-        int before = __popc(ballot & ((1u << lane) - 1)), total = 0;
-        for (int w = 0; w < kWarps; ++w) {
-          const int n = s.warp_ties[w];
-          if (w < warp) before += n;
-          total += n;
-        }
+        int total = 0;
+        const int before = block_exclusive_sum(tie, s.warp_sums, total);
         take = take || (tie && ties_before + before < ties_needed);
         ties_before += total;
-        __syncthreads();
       }
       if (take) {
         const int pos = atomicAdd(&s.selected, 1);
