@@ -81,6 +81,13 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
   extern __shared__ __align__(128) unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<SparseAttentionSmem<G, W>*>(smem_raw);
 
+  // The SplitKV merge kernel is launched as a programmatic dependent of this grid and waits
+  // for its completion in cudaGridDependencySynchronize, so it may be scheduled as soon as
+  // every CTA of this grid has started: its CTAs (no shared memory) then sit resident in that
+  // wait, and the merge starts the moment the last split is written instead of a launch later.
+  // Without a dependent launch this is a no-op.
+  cudaTriggerProgrammaticLaunchCompletion();
+
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // This warp's token group (16 tokens of every tile) and its share of D in P V and O.
   const int token_group = S::kDimSplit == 1 ? warp : warp % C::kTokenGroups;
