@@ -120,6 +120,9 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
   load_ids(col_begin, min(split_end, col_begin + pass_entries));
 
   // ----- Q tile: the group's heads, zero rows past the group ------------------------------
+  // Vector layouts use cp.async (one group, waited for at the end of the first compaction),
+  // so this thread's chunks are in flight together and the request lookup below starts at
+  // once, instead of one load-to-store round trip per chunk before it.
   {
     const T* q = static_cast<const T*>(p.q) + r * p.q_row_stride +
                  static_cast<int64_t>(kvh) * group * p.q_head_stride;
@@ -127,19 +130,23 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
         p.q_dim_stride == 1 && p.q_head_stride % 8 == 0 && reinterpret_cast<uintptr_t>(q) % 16 == 0;
     for (int c = tid; c < C::kHeadRows * C::kChunks; c += S::kThreads) {
       const int hr = c / C::kChunks, chunk = c % C::kChunks;
+      if (vec) {
+        // Rows past the group are zero-filled; their source address (row 0) is not read.
+        const T* src = q + (hr < group ? hr : 0) * p.q_head_stride + chunk * 8;
+        cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(*reinterpret_cast<const uint4*>(src),
+                                                           sm.q[hr][swz(hr, chunk)], hr < group);
+        continue;
+      }
       uint4 v = make_uint4(0, 0, 0, 0);
       if (hr < group) {
         const T* src = q + hr * p.q_head_stride + chunk * 8 * p.q_dim_stride;
-        if (vec) {
-          v = *reinterpret_cast<const uint4*>(src);
-        } else {
-          T e[8];
-          for (int j = 0; j < 8; ++j) e[j] = src[j * p.q_dim_stride];
-          v = *reinterpret_cast<uint4*>(e);
-        }
+        T e[8];
+        for (int j = 0; j < 8; ++j) e[j] = src[j * p.q_dim_stride];
+        v = *reinterpret_cast<uint4*>(e);
       }
       sm.q[hr][swz(hr, chunk)] = v;
     }
+    cute::cp_async_fence();
   }
   const RowInfo ri = resolve_row(p, x, r);
 
@@ -240,6 +247,7 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
       n_valid += in_j;
     }
     if constexpr (G == Gather::kBulk) fence_proxy_async_smem();  // page_buf before the copies
+    cute::cp_async_wait<0>();  // the Q tile's group (first pass; nothing pending after it)
     __syncthreads();
 
     // ----- gather tiles through the cp.async ring and attend -------------------------------
@@ -416,6 +424,7 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
     __syncthreads();  // the ring and token_loc are free for the next pass or the merge
     tile_seq += n_tiles;
   }
+  cute::cp_async_wait<0>();  // a row without passes (padding) still has the Q group in flight
 
   // ----- merge the token groups' states in group order (deterministic) ---------------------
   const int g = lane / 4;
