@@ -8,7 +8,7 @@
 //   selection helpers (qsa_topk_blocks with k = 512, then qsa_expand_blocks with the block
 //     hint) on native qsa_mqa_prefill scores of random inputs, every row seeing the complete
 //     blocks before its position: prefill 16K and 64K (row r at position r), the last 4K
-//     rows of a 128K prefill, decode B = 128 at positions uniform in [8K, 128K) over 32K
+//     rows of a 128K prefill, decode B = 1 and 128 at positions uniform in [8K, 128K) over 32K
 //     columns. Floor: scores read once plus ids written (top-k), ids read plus tokens and
 //     hint written (expansion), at the copy ceiling. No goal: the reference point is the
 //     attention that consumes the selection.
@@ -204,9 +204,11 @@ int main(int argc, char** argv) {
     cases.push_back({"prefill_128k_last4k", chunk, 131072 / 4});
     std::mt19937_64 rng(77);
     std::uniform_int_distribution<int32_t> ctx(8192, 131071);
-    std::vector<int32_t> decode(128);
-    for (int32_t& p : decode) p = ctx(rng);
-    cases.push_back({"decode_b128", decode, 131072 / 4});
+    for (int64_t batch : {1, 128}) {
+      std::vector<int32_t> decode(batch);
+      for (int32_t& p : decode) p = ctx(rng);
+      cases.push_back({fmt::format("decode_b{}", batch), decode, 131072 / 4});
+    }
     return cases;
   };
   for (const SelectCase& sc : select_cases())

@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cstring>
 #include <functional>
@@ -52,7 +53,7 @@ Layout make_layout(const Shape& shape, bool strided) {
   int64_t stride = col_stride;
   for (int d = static_cast<int>(shape.size()) - 1; d >= 0; --d) {
     l.strides[d] = stride;
-    stride = stride * shape[d] + pad;
+    stride = stride * std::max<int64_t>(shape[d], 1) + pad;  // positive even when empty
   }
   return l;
 }

@@ -38,6 +38,7 @@ static_assert(kMaxBins % kThreads == 0, "each thread scans whole bins");
 // Selections of up to this many blocks are sorted in shared memory (128 KiB of composites);
 // larger ones (k and the visible count both above it) sort in a global workspace.
 constexpr int64_t kMaxSharedSort = 16384;
+constexpr int64_t kMaxGlobalSortBytes = int64_t{1} << 30;
 
 struct TopkProblem {
   int64_t total_rows;
@@ -258,8 +259,11 @@ void detail::native_topk_blocks(const TopkBlocksParams& p) {
     SPARSE_ATTN_CUDA_CHECK_LAUNCH();
     return;
   }
-  // Large selections: one resident wave of CTAs, each with its own global sort buffer.
-  const int64_t grid = std::min<int64_t>(total_rows, int64_t{sms} * 2);
+  // Large selections: one resident wave of CTAs, each with its own global sort buffer, fewer
+  // CTAs where the buffers would pass kMaxGlobalSortBytes.
+  const int64_t per_cta = t.sort_capacity * int64_t{sizeof(uint64_t)};
+  const int64_t grid = std::clamp<int64_t>(kMaxGlobalSortBytes / per_cta, 1,
+                                           std::min<int64_t>(total_rows, int64_t{sms} * 2));
   const size_t bytes = static_cast<size_t>(grid * t.sort_capacity) * sizeof(uint64_t);
   void* workspace = nullptr;
   SPARSE_ATTN_CUDA_CHECK(cudaMallocAsync(&workspace, bytes, stream));
