@@ -63,7 +63,7 @@ __device__ inline void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes,
       "l"(src), "r"(bytes), "r"(smem_addr(bar))
       : "memory");
 }
-// Orders this thread's earlier generic-proxy shared-memory accesses before later async-proxy
+// Orders this thread's earlier generic-proxy shared-memory writes before later async-proxy
 // (bulk copy) writes to the same bytes, once a barrier has passed between them.
 __device__ inline void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -302,6 +302,7 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
           bulk_copy_g2s(dst, src, kRowBytes, &sm.stage_full[stage]);
         } else if (has_row && is_v) {
           for (int c = 0; c < C::kChunks; ++c) sm.tiles.v[stage][row][c] = make_uint4(0, 0, 0, 0);
+          fence_proxy_async_smem();  // before a later bulk copy rewrites the row
         }
       }
     };
@@ -315,13 +316,10 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
     }
     for (int tile = 0; tile < n_tiles; ++tile) {
       const int stage = stage_of(tile);
-      if constexpr (G == Gather::kCpAsync) {
-        cute::cp_async_wait<C::kStages - 2>();
-      } else {
-        fence_proxy_async_smem();  // this thread's reads and zero rows before the next copies
-      }
-      __syncthreads();  // cp.async: tile's data visible; every warp is done with the stage
-                        // reused next
+      // cp.async: tile's data visible. Both: every warp is done with the stage reused next
+      // (a bulk copy after generic reads needs no proxy fence, only this ordering).
+      if constexpr (G == Gather::kCpAsync) cute::cp_async_wait<C::kStages - 2>();
+      __syncthreads();
       const int next = tile + C::kStages - 1;
       if (next < n_tiles) {
         load_tile(next);
