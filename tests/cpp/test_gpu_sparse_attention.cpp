@@ -595,13 +595,14 @@ std::vector<Case> cases() {
     c.gate = hq % 2 ? Gate::kPerHead : Gate::kNone;
     v.push_back(c);
   }
-  // Every form again under the other variants (the first is the default).
+  // Every form again under the other variants (the cases above run the default).
   const size_t n = v.size();
-  for (size_t k = 1; k < std::size(kVariants); ++k) {
+  for (const FwdVariant& other : kVariants) {
+    if (other == FwdVariant{}) continue;
     for (size_t i = 0; i < n; ++i) {
       Case c = v[i];
-      c.name += "_" + variant_name(kVariants[k]);
-      c.variant = kVariants[k];
+      c.name += "_" + variant_name(other);
+      c.variant = other;
       v.push_back(c);
     }
   }

@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
     cute::cp_async_wait<0>();  // the Q tile's group (first pass; nothing pending after it)
     __syncthreads();
 
-    // ----- gather tiles through the cp.async ring and attend -------------------------------
+    // ----- gather tiles through the ring and attend ----------------------------------------
     // Tiles of every pass go through the ring in one sequence (tile_seq counts the earlier
     // passes' tiles), so a kBulk stage's mbarrier phase is (its uses so far) & 1.
     const int n_tiles = (n_valid + C::kBlockTokens - 1) / C::kBlockTokens;
