@@ -444,6 +444,19 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
   cute::cp_async_wait<0>();  // a row without passes (padding) still has the Q group in flight
 
   // ----- merge the token groups' states in group order (deterministic) ---------------------
+  if (x.num_splits == 1 && p.gate_kind != GateKind::kNone) {
+    // store_output below reads one gate element per iteration, and as far as the compiler
+    // knows its store to out may alias the next iteration's gate, so those reads would run one
+    // memory latency each, in series (24 per thread with 4 warps). Fetch this thread's gate
+    // lines into L1 first, all in flight together, while the states are merged.
+    const T* gate = static_cast<const T*>(p.gate) + r * p.gate_row_stride;
+    for (int e = tid; e < group * C::kHeadDim; e += S::kThreads) {
+      const int64_t h = static_cast<int64_t>(kvh) * group + e / C::kHeadDim;
+      const int64_t d = p.gate_kind == GateKind::kElementwise ? e % C::kHeadDim : 0;
+      asm volatile(
+          "prefetch.global.L1 [%0];" ::"l"(gate + h * p.gate_head_stride + d * p.gate_dim_stride));
+    }
+  }
   const int g = lane / 4;
 #pragma unroll
   for (int hrow = 0; hrow < 2; ++hrow) {
