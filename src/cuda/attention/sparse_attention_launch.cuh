@@ -4,6 +4,7 @@
 #include "cuda/attention/sparse_attention_kernel.cuh"
 #include "cuda/attention/sparse_attention_launch.h"
 #include "cuda/common/check.h"
+#include "cuda/common/once_per_device.h"
 
 namespace sparse_attn::cuda {
 
@@ -13,11 +14,14 @@ void launch_sparse_attention(const SparseAttentionParams& p, const SparseAttenti
   using C = SparseAttentionConfig;
   constexpr size_t kSmem = sizeof(SparseAttentionSmem);
   static_assert(kSmem <= 227 * 1024, "one CTA must fit the 227 KB an sm90 block may use");
-  // The opt-in limit is per function and device; setting it again is harmless, and it is not
-  // a stream operation, so it is legal during graph capture.
-  SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(sparse_attention_fwd_kernel<T>,
-                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              static_cast<int>(kSmem)));
+  // The opt-in limit is per function and device, set once per device (it is not a stream
+  // operation, so the first call may also come during graph capture).
+  static OncePerDevice smem_opt_in;
+  smem_opt_in(p.device_index, [] {
+    SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(sparse_attention_fwd_kernel<T>,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                static_cast<int>(kSmem)));
+  });
   const dim3 grid(static_cast<unsigned>(p.rows), static_cast<unsigned>(p.num_kv_heads),
                   static_cast<unsigned>(x.num_splits));
   sparse_attention_fwd_kernel<T><<<grid, C::kThreads, kSmem, stream>>>(p, x);
