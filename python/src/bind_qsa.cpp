@@ -110,13 +110,15 @@ Shape mqa_decode_shape(handle q, handle max_model_len) {
 }
 
 // The options of qsa_sparse_attention from its Python arguments (tensors imported into `b`).
-SparseAttentionOptions attention_options(
-    Borrowed& b, handle block_indices, handle cu_seqlens_q, handle token_to_req,
-    handle num_requests, handle cu_seqlens_k, handle seq_lens_q, handle seq_lens_k,
-    handle query_positions, handle block_table, handle page_size, handle scale, handle gate,
-    handle num_splits, handle backend, handle warp_specialized, handle assume_compact_blocks,
-    handle selected_kv_indices, handle softmax_scale, handle k_scale, handle v_scale,
-    handle compute_dtype, handle stream) {
+SparseAttentionOptions attention_options(Borrowed& b, handle block_indices, handle cu_seqlens_q,
+                                         handle token_to_req, handle num_requests,
+                                         handle cu_seqlens_k, handle seq_lens_q, handle seq_lens_k,
+                                         handle query_positions, handle block_table,
+                                         handle page_size, handle scale, handle gate,
+                                         handle num_splits, handle backend, handle warp_specialized,
+                                         handle assume_compact_blocks, handle selected_kv_indices,
+                                         handle softmax_scale, handle k_scale, handle v_scale,
+                                         handle compute_dtype, handle stream) {
   SparseAttentionOptions opts;
   opts.block_indices = b.optional_tensor(block_indices, "block_indices");
   opts.cu_seqlens_q = b.optional_tensor(cu_seqlens_q, "cu_seqlens_q");
@@ -165,8 +167,8 @@ void sparse_attention(handle query, handle key, handle value, handle token_indic
   SparseAttentionOptions opts = attention_options(
       b, block_indices, cu_seqlens_q, token_to_req, num_requests, cu_seqlens_k, seq_lens_q,
       seq_lens_k, query_positions, block_table, page_size, scale, gate, num_splits, backend,
-      warp_specialized, assume_compact_blocks, selected_kv_indices, softmax_scale, k_scale,
-      v_scale, compute_dtype, stream);
+      warp_specialized, assume_compact_blocks, selected_kv_indices, softmax_scale, k_scale, v_scale,
+      compute_dtype, stream);
   nb::object allocated;  // keeps a workspace from the callable alive through the call
   if (PyCallable_Check(workspace.ptr())) {
     if (opts.backend == Backend::kNative && q.device().is_cuda()) {
@@ -183,13 +185,15 @@ void sparse_attention(handle query, handle key, handle value, handle token_indic
   qsa_sparse_attention(q, k, v, ids, o, l, opts);
 }
 
-size_t sparse_attention_workspace_size(
-    handle query, handle key, handle value, handle token_indices, handle block_indices,
-    handle cu_seqlens_q, handle token_to_req, handle num_requests, handle cu_seqlens_k,
-    handle seq_lens_q, handle seq_lens_k, handle query_positions, handle block_table,
-    handle page_size, handle scale, handle gate, handle num_splits, handle backend,
-    handle warp_specialized, handle assume_compact_blocks, handle selected_kv_indices,
-    handle softmax_scale, handle k_scale, handle v_scale, handle compute_dtype) {
+size_t sparse_attention_workspace_size(handle query, handle key, handle value, handle token_indices,
+                                       handle block_indices, handle cu_seqlens_q,
+                                       handle token_to_req, handle num_requests,
+                                       handle cu_seqlens_k, handle seq_lens_q, handle seq_lens_k,
+                                       handle query_positions, handle block_table, handle page_size,
+                                       handle scale, handle gate, handle num_splits, handle backend,
+                                       handle warp_specialized, handle assume_compact_blocks,
+                                       handle selected_kv_indices, handle softmax_scale,
+                                       handle k_scale, handle v_scale, handle compute_dtype) {
   Borrowed b;
   const TensorView q = b.tensor(query, "query");
   const TensorView k = b.tensor(key, "key");
@@ -198,8 +202,8 @@ size_t sparse_attention_workspace_size(
   const SparseAttentionOptions opts = attention_options(
       b, block_indices, cu_seqlens_q, token_to_req, num_requests, cu_seqlens_k, seq_lens_q,
       seq_lens_k, query_positions, block_table, page_size, scale, gate, num_splits, backend,
-      warp_specialized, assume_compact_blocks, selected_kv_indices, softmax_scale, k_scale,
-      v_scale, compute_dtype, nb::none());
+      warp_specialized, assume_compact_blocks, selected_kv_indices, softmax_scale, k_scale, v_scale,
+      compute_dtype, nb::none());
   return qsa_sparse_attention_workspace_size(q, k, v, ids, opts);
 }
 

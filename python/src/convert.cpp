@@ -111,9 +111,8 @@ TensorView view_of(void* data, dl::dtype dt, int32_t device_type, int32_t device
 
 template <typename Array>
 TensorView view_of(const Array& a, const char* name) {
-  return view_of(const_cast<void*>(static_cast<const void*>(a.data())), a.dtype(),
-                 a.device_type(), a.device_id(), static_cast<int>(a.ndim()), a.shape_ptr(),
-                 a.stride_ptr(), name);
+  return view_of(const_cast<void*>(static_cast<const void*>(a.data())), a.dtype(), a.device_type(),
+                 a.device_id(), static_cast<int>(a.ndim()), a.shape_ptr(), a.stride_ptr(), name);
 }
 
 bool has_attr(nb::handle obj, const char* attr) { return PyObject_HasAttrString(obj.ptr(), attr); }
@@ -174,9 +173,9 @@ struct DLPackExchangeApi {
 // is only read (no backward exists). Found once torch is imported; other producers take the
 // __dlpack__ path.
 struct TorchExport {
-  PyTypeObject* tensor_type = nullptr;         // torch.Tensor
+  PyTypeObject* tensor_type = nullptr;          // torch.Tensor
   const DLPackExchangeApi* exchange = nullptr;  // null: this torch has no usable exchange API
-  PyObject* to_dlpack = nullptr;               // torch._C._to_dlpack
+  PyObject* to_dlpack = nullptr;                // torch._C._to_dlpack
 };
 
 const DLPackExchangeApi* exchange_api_of(nb::handle tensor_type) {

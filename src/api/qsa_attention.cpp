@@ -410,10 +410,10 @@ void for_each_input(const Views& v, bool physical, Fn&& fn) {
   fn(v.value, "value");
   fn(v.indices, physical ? "selected_kv_indices" : "token_indices");
   const std::pair<const std::optional<TensorView>*, const char*> optional_inputs[] = {
-      {&v.block_indices, "block_indices"}, {&v.gate, "gate"},
-      {&v.cu_seqlens_q, "cu_seqlens_q"},   {&v.token_to_req, "token_to_req"},
-      {&v.cu_seqlens_k, "cu_seqlens_k"},   {&v.block_table, "block_table"},
-      {&v.seq_lens_q, "seq_lens_q"},       {&v.seq_lens_k, "seq_lens_k"},
+      {&v.block_indices, "block_indices"},    {&v.gate, "gate"},
+      {&v.cu_seqlens_q, "cu_seqlens_q"},      {&v.token_to_req, "token_to_req"},
+      {&v.cu_seqlens_k, "cu_seqlens_k"},      {&v.block_table, "block_table"},
+      {&v.seq_lens_q, "seq_lens_q"},          {&v.seq_lens_k, "seq_lens_k"},
       {&v.query_positions, "query_positions"}};
   for (const auto& [in, in_name] : optional_inputs) {
     if (in->has_value()) fn(**in, in_name);

@@ -1,7 +1,8 @@
 // Native qsa_sparse_attention on the GPU against an independent double-precision oracle
 // written here: every query/KV layout, SplitKV counts, gates, LSE, strided and sliced views,
-// physical ids, invalid ids, very many rows, determinism, CUDA graph replay, and caller-owned
-// workspaces.
+// physical ids, invalid ids, very many rows, determinism and CUDA graph replay, each under
+// every variant of the forward kernel (cp.async or bulk-copy gather, 4 or 8 warps), and
+// caller-owned workspaces.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -14,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/attention/sparse_attention_heuristics.h"
 #include "gpu_test_util.h"
 #include "sparse_attn/errors.h"
 #include "sparse_attn/qsa.h"
@@ -28,6 +30,29 @@ using testing::to_vector;
 
 constexpr int64_t kD = 256;
 constexpr double kInf = std::numeric_limits<double>::infinity();
+
+using cuda::FwdVariant;
+using cuda::Gather;
+const FwdVariant kVariants[] = {
+    {Gather::kCpAsync, 4}, {Gather::kBulk, 4}, {Gather::kCpAsync, 8}, {Gather::kBulk, 8}};
+
+std::string variant_name(const FwdVariant& v) {
+  return (v.gather == Gather::kBulk ? "bulk" : "cpasync") + std::to_string(v.warps) + "w";
+}
+
+// Runs the enclosing scope under one forward-kernel variant and restores the previous one.
+class VariantScope {
+ public:
+  explicit VariantScope(const FwdVariant& v) : before_(cuda::sparse_attention_variant()) {
+    cuda::set_sparse_attention_variant(v);
+  }
+  ~VariantScope() { cuda::set_sparse_attention_variant(before_); }
+  VariantScope(const VariantScope&) = delete;
+  VariantScope& operator=(const VariantScope&) = delete;
+
+ private:
+  FwdVariant before_;
+};
 
 enum class Gate { kNone, kElementwise, kPerHead };
 
@@ -52,6 +77,7 @@ struct Case {
   bool token_to_req = false;  // flattened rows mapped by token_to_req instead of cu_seqlens
   bool views = false;         // sliced inputs with offsets, strided out with bytes around it
   bool dense_v = false;       // with views: V stays dense, so K and V strides differ
+  FwdVariant variant;
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) { return info.param.name; }
@@ -394,6 +420,7 @@ class GpuSparseAttention : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GpuSparseAttention, MatchesOracle) {
   SPARSE_ATTN_REQUIRE_GPU();
+  VariantScope scope(GetParam().variant);
   auto rng = testing::make_rng();
   const Problem pb = make_problem(GetParam(), rng);
   DeviceProblem dp = to_device_problem(pb, rng);
@@ -494,6 +521,17 @@ std::vector<Case> cases() {
     v.push_back(c);
   }
   {
+    // Positions given and no seq_lens_q: no rank pre-pass runs, and every row is real.
+    Case c;
+    c.name = "prefill_token_to_req_explicit_positions";
+    c.token_to_req = true;
+    c.positions = true;
+    c.q_rows = {3, 1, 4};
+    c.k_lens = {40, 7, 64};
+    c.width = 40;
+    v.push_back(c);
+  }
+  {
     Case c;
     c.name = "prefill_token_to_req_seq_lens_q";
     c.token_to_req = true;
@@ -559,6 +597,16 @@ std::vector<Case> cases() {
     c.gate = hq % 2 ? Gate::kPerHead : Gate::kNone;
     v.push_back(c);
   }
+  // Every form again under the other variants (the first is the default).
+  const size_t n = v.size();
+  for (size_t k = 1; k < std::size(kVariants); ++k) {
+    for (size_t i = 0; i < n; ++i) {
+      Case c = v[i];
+      c.name += "_" + variant_name(kVariants[k]);
+      c.variant = kVariants[k];
+      v.push_back(c);
+    }
+  }
   return v;
 }
 
@@ -573,12 +621,14 @@ struct HintCase {
   int64_t page_size;
   std::optional<int64_t> num_splits;
   std::vector<int64_t> q_rows, k_lens;
+  FwdVariant variant;
 };
 
 class GpuSparseAttentionBlockHint : public ::testing::TestWithParam<HintCase> {};
 
 TEST_P(GpuSparseAttentionBlockHint, HintAndProducerContractGiveTheTokenResult) {
   SPARSE_ATTN_REQUIRE_GPU();
+  VariantScope scope(GetParam().variant);
   auto rng = testing::make_rng();
   constexpr int64_t kNb = 100;
   Case c;
@@ -615,21 +665,30 @@ TEST_P(GpuSparseAttentionBlockHint, HintAndProducerContractGiveTheTokenResult) {
   expect_matches(pb, dp, oracle(pb));
 }
 
-INSTANTIATE_TEST_SUITE_P(Pages, GpuSparseAttentionBlockHint,
-                         ::testing::Values(HintCase{64, std::nullopt, {37, 5}, {3000, 203}},
-                                           HintCase{16, 3, {1, 1, 1}, {5001, 2998, 401}},
-                                           HintCase{64, 1, {9}, {58}},
-                                           HintCase{6, std::nullopt, {7, 2}, {500, 66}}),
+INSTANTIATE_TEST_SUITE_P(Pages, GpuSparseAttentionBlockHint, ::testing::ValuesIn([] {
+                           std::vector<HintCase> v;
+                           for (const FwdVariant& g : kVariants) {
+                             v.push_back({64, std::nullopt, {37, 5}, {3000, 203}, g});
+                             v.push_back({16, 3, {1, 1, 1}, {5001, 2998, 401}, g});
+                             v.push_back({64, 1, {9}, {58}, g});
+                             v.push_back({6, std::nullopt, {7, 2}, {500, 66}, g});
+                           }
+                           return v;
+                         }()),
                          [](const ::testing::TestParamInfo<HintCase>& info) {
                            return "page" + std::to_string(info.param.page_size) + "_splits" +
                                   (info.param.num_splits ? std::to_string(*info.param.num_splits)
                                                          : "auto") +
-                                  "_rows" + std::to_string(info.param.q_rows.size());
+                                  "_rows" + std::to_string(info.param.q_rows.size()) + "_" +
+                                  variant_name(info.param.variant);
                          });
 
 // More rows than a grid's y/z limit: rows run on gridDim.x.
-TEST(GpuSparseAttentionRows, MoreThan65535Rows) {
+class GpuSparseAttentionRows : public ::testing::TestWithParam<FwdVariant> {};
+
+TEST_P(GpuSparseAttentionRows, MoreThan65535Rows) {
   SPARSE_ATTN_REQUIRE_GPU();
+  VariantScope scope(GetParam());
   auto rng = testing::make_rng();
   Case c;
   c.hq = 2;
@@ -646,8 +705,11 @@ TEST(GpuSparseAttentionRows, MoreThan65535Rows) {
 }
 
 // Same inputs, same bits, for the SplitKV path and the single-split path.
-TEST(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
+class GpuSparseAttentionDeterminism : public ::testing::TestWithParam<FwdVariant> {};
+
+TEST_P(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
   SPARSE_ATTN_REQUIRE_GPU();
+  VariantScope scope(GetParam());
   auto rng = testing::make_rng();
   for (int64_t splits : {1, 6}) {
     Case c = decode("det", 4);
@@ -669,8 +731,11 @@ TEST(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
 
 // Physical ids into flattened K/V: no requests, no causal mask, duplicates counted, ids < 0
 // or >= total_kv masked, the lse buffer written; rows with nothing valid give 0 and -inf.
-TEST(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
+class GpuSparseAttentionPhysical : public ::testing::TestWithParam<FwdVariant> {};
+
+TEST_P(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
   SPARSE_ATTN_REQUIRE_GPU();
+  VariantScope scope(GetParam());
   auto rng = testing::make_rng();
   const int64_t rows = 9, hq = 24, hkv = 2, total = 3000, width = 2051;
   Tensor q = testing::random_tensor({rows, hq, kD}, DType::kBF16, rng, -2.f, 2.f);
@@ -717,8 +782,8 @@ TEST_P(GpuSparseAttentionWorkspace, PoisonedCallerWorkspaceMatchesOracle) {
   const size_t bytes = qsa_sparse_attention_workspace_size(dp.q, dp.k, dp.v, dp.idx, dp.opts);
   EXPECT_EQ(bytes > 0, GetParam().needs_workspace) << bytes;
   // At least one byte, so that a zero-byte requirement still gets a (poisoned) buffer.
-  Tensor workspace = testing::poisoned_device({static_cast<int64_t>(std::max<size_t>(bytes, 1))},
-                                              DType::kU8);
+  Tensor workspace =
+      testing::poisoned_device({static_cast<int64_t>(std::max<size_t>(bytes, 1))}, DType::kU8);
   dp.opts.workspace = workspace.view();
   std::optional<TensorView> lse;
   if (pb.c.lse) lse = dp.lse;
@@ -779,7 +844,7 @@ INSTANTIATE_TEST_SUITE_P(Forms, GpuSparseAttentionWorkspace, ::testing::ValuesIn
                          });
 
 // A graph captured with a caller-owned workspace (no allocation node in it) replays correctly.
-TEST(GpuSparseAttentionGraph, CapturedWithCallerWorkspace) {
+TEST(GpuSparseAttentionWorkspaceGraph, CapturedWithCallerWorkspace) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = testing::make_rng();
   Case c = decode("graph_workspace", 2);
@@ -823,8 +888,11 @@ TEST(GpuSparseAttentionGraph, CapturedWithCallerWorkspace) {
 
 // A captured graph reads the metadata current at replay: new ids, lengths and positions
 // written into the same buffers change the result accordingly.
-TEST(GpuSparseAttentionGraph, ReplayReadsCurrentMetadata) {
+class GpuSparseAttentionGraph : public ::testing::TestWithParam<FwdVariant> {};
+
+TEST_P(GpuSparseAttentionGraph, ReplayReadsCurrentMetadata) {
   SPARSE_ATTN_REQUIRE_GPU();
+  VariantScope scope(GetParam());
   auto rng = testing::make_rng();
   Case c = decode("graph", 4);
   c.gate = Gate::kElementwise;
@@ -865,6 +933,18 @@ TEST(GpuSparseAttentionGraph, ReplayReadsCurrentMetadata) {
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
+
+std::string variant_param_name(const ::testing::TestParamInfo<FwdVariant>& info) {
+  return variant_name(info.param);
+}
+INSTANTIATE_TEST_SUITE_P(Variants, GpuSparseAttentionRows, ::testing::ValuesIn(kVariants),
+                         variant_param_name);
+INSTANTIATE_TEST_SUITE_P(Variants, GpuSparseAttentionDeterminism, ::testing::ValuesIn(kVariants),
+                         variant_param_name);
+INSTANTIATE_TEST_SUITE_P(Variants, GpuSparseAttentionPhysical, ::testing::ValuesIn(kVariants),
+                         variant_param_name);
+INSTANTIATE_TEST_SUITE_P(Variants, GpuSparseAttentionGraph, ::testing::ValuesIn(kVariants),
+                         variant_param_name);
 
 }  // namespace
 }  // namespace sparse_attn

@@ -600,8 +600,11 @@ std::vector<Rule> rules() {
       "workspace_dtype", [](Call& c) { c.o.workspace = c.make({64}, DType::kF32); }, K::kType,
       "workspace");
   add(
-      "workspace_rank", [](Call& c) { c.o.workspace = c.make({4, 16}, DType::kU8); }, K::kValue,
-      "workspace");
+      "workspace_rank",
+      [](Call& c) {
+        c.o.workspace = c.make({4, 16}, DType::kU8);
+      },
+      K::kValue, "workspace");
   add(
       "workspace_device", [](Call& c) { c.o.workspace = on_cuda(c.make({64}, DType::kU8)); },
       K::kValue, "workspace");
@@ -619,9 +622,7 @@ std::vector<Rule> rules() {
       K::kValue, "workspace");
   add(
       "workspace_overlaps_out",
-      [](Call& c) {
-        c.o.workspace = TensorView(c.out.data(), DType::kU8, Device::cpu(), {64});
-      },
+      [](Call& c) { c.o.workspace = TensorView(c.out.data(), DType::kU8, Device::cpu(), {64}); },
       K::kValue, "workspace");
   add(
       "workspace_overlaps_an_input",

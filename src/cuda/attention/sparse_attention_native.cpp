@@ -88,9 +88,9 @@ Schedule schedule(const SparseAttentionParams& p) {
   // Splits partition the index entries in whole 64-token tiles; a count above the number of
   // tiles would only add empty splits (which the merge skips), so it is capped there.
   const int64_t tiles = std::max<int64_t>(1, (entries + entries_per_tile - 1) / entries_per_tile);
-  int64_t splits = p.num_splits > 0
-                       ? p.num_splits
-                       : choose_num_splits(p.rows, p.num_kv_heads, p.width, sm_count(p.device_index));
+  int64_t splits = p.num_splits > 0 ? p.num_splits
+                                    : choose_num_splits(p.rows, p.num_kv_heads, p.width,
+                                                        sm_count(p.device_index));
   splits = std::clamp<int64_t>(splits, 1, std::min<int64_t>(tiles, 65535));
   const int64_t tiles_per_split = (tiles + splits - 1) / splits;
   x.split_cols = tiles_per_split * entries_per_tile;

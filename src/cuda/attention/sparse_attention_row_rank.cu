@@ -1,4 +1,4 @@
-#include "cuda/attention/sparse_attention_kernel.cuh"
+#include "cuda/attention/sparse_attention_common.cuh"
 #include "cuda/attention/sparse_attention_launch.h"
 #include "cuda/common/check.h"
 

@@ -1,0 +1,201 @@
+// Device helpers shared by the sm90 sparse-attention kernels (the per-row gather kernel in
+// sparse_attention_kernel.cuh and the row-tile prefill kernel): element conversions, how a
+// query row resolves to its request / position / KV length, which index entries are valid
+// and where their K/V rows live, and the gated output store. The math is docs/qsa.md's.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "api/qsa_attention_params.h"
+#include "cuda/attention/sparse_attention_launch.h"
+
+namespace sparse_attn::cuda {
+
+template <typename T>
+struct ElementTraits;
+
+template <>
+struct ElementTraits<__nv_bfloat16> {
+  __device__ static uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return reinterpret_cast<uint32_t&>(v);
+  }
+  __device__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ static __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+};
+
+template <>
+struct ElementTraits<__half> {
+  __device__ static uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return reinterpret_cast<uint32_t&>(v);
+  }
+  __device__ static float to_float(__half x) { return __half2float(x); }
+  __device__ static __half from_float(float x) { return __float2half_rn(x); }
+};
+
+struct RowInfo {
+  int b = 0;              // request
+  int64_t pos = 0;        // causal position: tokens t > pos are masked
+  int64_t seq_len_k = 0;  // tokens t >= seq_len_k are masked
+  bool active = true;     // false for padding rows of padded queries
+};
+
+__device__ inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
+  return x < lo ? lo : (x > hi ? hi : x);
+}
+
+// The request of flattened row r: the last b with cu_seqlens_q[b] <= r (empty requests before
+// it share its offset). A blockDim-ary search: each round every thread probes one offset and
+// the count of probes <= r narrows the range blockDim-fold, so decode batches of up to 128
+// requests take one round of loads instead of log2(B) dependent ones. Called by the whole CTA.
+__device__ inline int find_request(const SparseAttentionParams& p, int64_t r) {
+  int lo = 0, hi = static_cast<int>(p.batch) - 1;  // invariant: the answer is in [lo, hi]
+  while (lo < hi) {
+    const int step = (hi - lo + static_cast<int>(blockDim.x)) / static_cast<int>(blockDim.x);
+    const int probe = lo + static_cast<int>(threadIdx.x) * step;
+    const bool at_or_before = probe <= hi && p.cu_seqlens_q[probe * p.cu_seqlens_q_stride] <= r;
+    // Offsets are nondecreasing, so the true probes are a prefix; at least the first one
+    // (cu_seqlens_q[lo] <= r), unless the promised contents are broken.
+    const int count = max(1, __syncthreads_count(at_or_before));
+    lo += (count - 1) * step;
+    hi = min(hi, lo + step - 1);
+  }
+  return lo;
+}
+
+// Request, position and KV length of row r (called by the whole CTA). Contents the caller promised
+// (request ids, monotonic offsets, lengths within capacity) are clamped so no access leaves its
+// tensor.
+__device__ inline RowInfo resolve_row(const SparseAttentionParams& p,
+                                      const SparseAttentionLaunch& x, int64_t r) {
+  RowInfo ri;
+  if (p.row_mapping == RowMapping::kNone) {
+    ri.pos = INT64_MAX;
+    ri.seq_len_k = p.total_kv;
+    return ri;
+  }
+  int64_t i = 0, rows_b = 0;  // request-local row index, rows of the request in the layout
+  switch (p.row_mapping) {
+    case RowMapping::kPadded:
+      ri.b = static_cast<int>(r / p.q_len);
+      i = r % p.q_len;
+      rows_b = p.q_len;
+      break;
+    case RowMapping::kCuSeqlens: {
+      ri.b = find_request(p, r);
+      const int64_t first = p.cu_seqlens_q[ri.b * p.cu_seqlens_q_stride];
+      i = r - first;
+      rows_b = p.cu_seqlens_q[(ri.b + 1) * p.cu_seqlens_q_stride] - first;
+      break;
+    }
+    case RowMapping::kTokenToReq:
+      ri.b = static_cast<int>(clamp64(p.token_to_req[r * p.token_to_req_stride], 0, p.batch - 1));
+      if (x.row_rank) {
+        i = x.row_rank[r];
+        rows_b = x.request_rows[ri.b];
+      } else {
+        // No rank pre-pass: query_positions give the position and no seq_lens_q masks rows,
+        // so the row is real (i = 0 of a one-row request, as far as the mask goes).
+        rows_b = 1;
+      }
+      break;
+    case RowMapping::kSingleRequest:
+      i = r;
+      rows_b = p.rows;
+      break;
+    case RowMapping::kNone:
+      break;
+  }
+  const int64_t seq_len_q =
+      p.seq_lens_q ? clamp64(p.seq_lens_q[ri.b * p.seq_lens_q_stride], 0, rows_b) : rows_b;
+  ri.active = i < seq_len_q;
+  ri.seq_len_k = p.seq_lens_k ? clamp64(p.seq_lens_k[ri.b * p.seq_lens_k_stride], 0, p.kv_capacity)
+                              : p.kv_capacity;
+  if (p.query_positions) {
+    ri.pos = p.row_mapping == RowMapping::kPadded
+                 ? p.query_positions[ri.b * p.query_positions_batch_stride +
+                                     i * p.query_positions_row_stride]
+                 : p.query_positions[r * p.query_positions_row_stride];
+  } else {
+    ri.pos = ri.seq_len_k - seq_len_q + i;
+  }
+  return ri;
+}
+
+// The page-table entry behind an index entry whose first token is `first`: an entry's tokens
+// share one page (one token, or a 4-aligned block with pages of a multiple of 4 tokens). The
+// read is unconditional (entry 0 for a token out of range), so that a pass issues all its
+// reads before it uses any; -1 for unpaged layouts.
+__device__ inline int32_t entry_page(const SparseAttentionParams& p, const RowInfo& ri,
+                                     int64_t first) {
+  if (p.kv_layout != KVLayout::kPaged) return -1;
+  const int page_idx = first >= 0 && first < ri.seq_len_k
+                           ? static_cast<int>(first) / static_cast<int>(p.page_size)
+                           : 0;
+  return p.block_table[ri.b * p.block_table_batch_stride + page_idx * p.block_table_page_stride];
+}
+
+// Whether token t of a row is read: inside the KV length, not after the position, and (paged)
+// on a page that exists.
+__device__ inline bool token_valid(const SparseAttentionParams& p, const RowInfo& ri, int64_t t,
+                                   int32_t page) {
+  if (t < 0 || t >= ri.seq_len_k || t > ri.pos) return false;
+  return p.kv_layout != KVLayout::kPaged || (page >= 0 && page < p.num_pages);
+}
+
+// K/V coordinates of a valid token: (page, slot), (request, token) or (0, physical row).
+__device__ inline int2 token_coords(const SparseAttentionParams& p, const RowInfo& ri, int64_t t,
+                                    int32_t page) {
+  switch (p.kv_layout) {
+    case KVLayout::kPaged:
+      return make_int2(page, static_cast<int>(t) % static_cast<int>(p.page_size));
+    case KVLayout::kPadded:
+      return make_int2(ri.b, static_cast<int>(t));
+    default:  // kPhysical: seq_len_k is total_kv and pos unbounded
+      return make_int2(0, static_cast<int>(t));
+  }
+}
+
+// The tokens behind index entry e of a row: [first, first + *count). Token path: the entry's
+// id. Block hint: block b is 4b .. 4b+3; entry num_blocks is the tail of the row's current
+// incomplete block, 4 * ((p + 1) / 4) .. p, derived from the position (0 to 3 tokens).
+__device__ inline int64_t entry_tokens(const SparseAttentionParams& p,
+                                       const SparseAttentionLaunch& x, const RowInfo& ri, int64_t e,
+                                       int32_t id, int* count) {
+  if (!x.block_hint) {
+    *count = 1;
+    return id;
+  }
+  if (e < p.num_blocks) {
+    *count = 4;
+    return 4 * static_cast<int64_t>(id);
+  }
+  const int64_t first = 4 * ((ri.pos + 1) / 4);
+  *count = ri.pos < 0 ? 0 : static_cast<int>(ri.pos - first + 1);
+  return first;
+}
+
+__device__ inline float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+// out[r, h, d] = round(round(attn) * sigmoid(gate)) (the unfused result), or round(attn).
+template <typename T>
+__device__ inline void store_output(const SparseAttentionParams& p, int64_t r, int64_t h, int d,
+                                    float attn) {
+  using E = ElementTraits<T>;
+  T o = E::from_float(attn);
+  if (p.gate_kind != GateKind::kNone) {
+    const T* g = static_cast<const T*>(p.gate) + r * p.gate_row_stride + h * p.gate_head_stride;
+    if (p.gate_kind == GateKind::kElementwise) g += d * p.gate_dim_stride;
+    o = E::from_float(E::to_float(o) * sigmoid(E::to_float(*g)));
+  }
+  static_cast<T*>(p.out)[r * p.out_row_stride + h * p.out_head_stride + d * p.out_dim_stride] = o;
+}
+
+// Swizzled 16-byte slot of (row, chunk) in a [rows][kChunks] tile.
+__device__ inline int swz(int row, int chunk) { return chunk ^ (row & 7); }
+
+}  // namespace sparse_attn::cuda
