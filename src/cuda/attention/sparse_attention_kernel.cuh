@@ -401,6 +401,7 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
         }
       }
       uint32_t pa[4];
+      float corr[2];
 #pragma unroll
       for (int hrow = 0; hrow < 2; ++hrow) {
         float mx = fmaxf(fmaxf(s[0][2 * hrow], s[0][2 * hrow + 1]),
@@ -409,19 +410,25 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = fmaxf(row_max[hrow], mx);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;  // all masked so far: no NaN
-        const float corr = exp2f(row_max[hrow] - m_use);
+        corr[hrow] = exp2f(row_max[hrow] - m_use);
         row_max[hrow] = m_new;
         float p00 = exp2f(s[0][2 * hrow] - m_use), p01 = exp2f(s[0][2 * hrow + 1] - m_use);
         float p10 = exp2f(s[1][2 * hrow] - m_use), p11 = exp2f(s[1][2 * hrow + 1] - m_use);
-        row_sum[hrow] = row_sum[hrow] * corr + (p00 + p01 + p10 + p11);
-#pragma unroll
-        for (int j = 0; j < S::kWarpDims / 8; ++j) {
-          o_acc[j][2 * hrow] *= corr;
-          o_acc[j][2 * hrow + 1] *= corr;
-        }
+        row_sum[hrow] = row_sum[hrow] * corr[hrow] + (p00 + p01 + p10 + p11);
         // P as the A operand of P V: k = tokens 0..7 from n8 tile 0, 8..15 from tile 1.
         pa[hrow] = E::pack(p00, p01);
         pa[2 + hrow] = E::pack(p10, p11);
+      }
+      // Once the row maxima settle (most tiles after the first few) every factor is exactly
+      // 1 and the rescale would change no bit: skip it unless some row of the warp moved.
+      if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+#pragma unroll
+        for (int j = 0; j < S::kWarpDims / 8; ++j) {
+          o_acc[j][0] *= corr[0];
+          o_acc[j][1] *= corr[0];
+          o_acc[j][2] *= corr[1];
+          o_acc[j][3] *= corr[1];
+        }
       }
 
       // O += P V: 16 heads x kWarpDims dims over this warp's 16 tokens
