@@ -87,6 +87,10 @@ struct SparseAttentionSmem {
     float o[C::kTokenGroups][C::kHeadRows][C::kHeadDim + C::kMergePad];
     float m[C::kTokenGroups][C::kHeadRows];  // running max, log2 units
     float l[C::kTokenGroups][C::kHeadRows];  // sum of exp2(s - m)
+    // Per head row: the groups' weights exp2(m_w - max), the max and the weighted sum of l.
+    float weight[C::kTokenGroups][C::kHeadRows];
+    float row_m[C::kHeadRows];
+    float row_l[C::kHeadRows];
   };
   union {
     Tiles tiles;

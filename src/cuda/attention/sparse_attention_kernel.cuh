@@ -478,20 +478,35 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
         make_float2(o_acc[j][2], o_acc[j][3]);
   }
   __syncthreads();
-
-  for (int e = tid; e < group * C::kHeadDim; e += S::kThreads) {
-    const int hr = e / C::kHeadDim, d = e % C::kHeadDim;
+  // Per head row, once instead of per feature: the maximum, each group's weight
+  // exp2(m_w - m) and the weighted sum l (the same operations in the same order as per feature,
+  // so the result does not change).
+  if (tid < C::kHeadRows) {
+    const int hr = tid;
     float m = -INFINITY;
 #pragma unroll
     for (int w = 0; w < C::kTokenGroups; ++w) m = fmaxf(m, sm.merge.m[w][hr]);
-    float l = 0.f, o = 0.f;
+    float l = 0.f;
     if (m != -INFINITY) {
 #pragma unroll
       for (int w = 0; w < C::kTokenGroups; ++w) {
         const float c = exp2f(sm.merge.m[w][hr] - m);
+        sm.merge.weight[w][hr] = c;
         l += c * sm.merge.l[w][hr];
-        o += c * sm.merge.o[w][hr][d];
       }
+    }
+    sm.merge.row_m[hr] = m;
+    sm.merge.row_l[hr] = l;
+  }
+  __syncthreads();
+
+  for (int e = tid; e < group * C::kHeadDim; e += S::kThreads) {
+    const int hr = e / C::kHeadDim, d = e % C::kHeadDim;
+    const float m = sm.merge.row_m[hr], l = sm.merge.row_l[hr];
+    float o = 0.f;
+    if (m != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < C::kTokenGroups; ++w) o += sm.merge.weight[w][hr] * sm.merge.o[w][hr][d];
     }
     const float attn = l > 0.f ? o / l : 0.f;
     const float lse2 = l > 0.f ? m + log2f(l) : -INFINITY;
