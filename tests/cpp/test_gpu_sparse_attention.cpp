@@ -765,8 +765,9 @@ TEST_P(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
 }
 
 // Caller-owned workspace (destination passing): the size is what the call needs (nonzero where
-// SplitKV or the row-rank pass runs), a poisoned buffer of that size gives the oracle's result,
-// and one byte less is refused naming the workspace and the size.
+// SplitKV or the row-rank pass runs), a poisoned buffer of that size, given or returned by a
+// workspace_allocator, gives the oracle's result, and one byte less is refused naming the
+// workspace and the size.
 struct WorkspaceCase {
   std::string name;
   Case c;
@@ -792,7 +793,27 @@ TEST_P(GpuSparseAttentionWorkspace, PoisonedCallerWorkspaceMatchesOracle) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   expect_matches(pb, dp, oracle(pb));
 
+  // The same from an allocator: asked once for exactly the size, and only when it is nonzero.
+  int calls = 0;
+  dp.opts.workspace.reset();
+  dp.opts.workspace_allocator = [&](size_t asked) {
+    ++calls;
+    EXPECT_EQ(asked, bytes);
+    poison_device(workspace.view());
+    return workspace.view();
+  };
+  poison_device(dp.out);
+  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, lse, dp.opts);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(calls, bytes > 0 ? 1 : 0);
+  expect_matches(pb, dp, oracle(pb));
+
   if (bytes == 0) return;
+  dp.opts.workspace_allocator = [&](size_t asked) {
+    return workspace.view().narrow(0, 0, static_cast<int64_t>(asked) - 1);
+  };
+  EXPECT_THROW(qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, lse, dp.opts), ValueError);
+  dp.opts.workspace_allocator = nullptr;
   dp.opts.workspace = workspace.view().narrow(0, 0, static_cast<int64_t>(bytes) - 1);
   try {
     qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, lse, dp.opts);
