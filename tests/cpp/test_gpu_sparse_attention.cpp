@@ -50,6 +50,9 @@ struct Case {
   bool token_to_req = false;  // flattened rows mapped by token_to_req instead of cu_seqlens
   bool views = false;         // sliced inputs with offsets, strided out with bytes around it
   bool dense_v = false;       // with views: V stays dense, so K and V strides differ
+  // Each row of a request repeats the previous row's ids with about 1 in 20 redrawn, as
+  // neighbouring prefill rows do (the row-tile kernel then gathers mostly shared tokens).
+  bool shared = false;
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) { return info.param.name; }
@@ -173,7 +176,8 @@ Problem make_problem(const Case& c, std::mt19937_64& rng) {
         t = std::uniform_int_distribution<int64_t>(0,
                                                    std::max<int64_t>(0, std::min(p, kl - 1)))(rng);
       }
-      ids[r * c.width + w] = static_cast<int32_t>(t);
+      const bool keep = c.shared && r > 0 && pb.row_req[r - 1] == pb.row_req[r] && u01(rng) > 0.05;
+      ids[r * c.width + w] = keep ? ids[(r - 1) * c.width + w] : static_cast<int32_t>(t);
     }
   }
   pb.idx = host_i32({pb.rows, c.width}, ids);
@@ -573,6 +577,32 @@ std::vector<Case> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Forms, GpuSparseAttention, ::testing::ValuesIn(cases()), case_name);
 
+// The row-tile kernel runs when there is one split and at least 4 rows per request on average
+// (sparse_attention_native.cpp): every form above that has the rows, with one split, on its
+// random selections (little sharing between rows) and on shared ones (mostly the same tokens,
+// the case the kernel is for).
+std::vector<Case> row_tile_cases() {
+  std::vector<Case> v;
+  for (const Case& base : cases()) {
+    const int64_t batch = static_cast<int64_t>(base.q_rows.size());
+    const int64_t rows = base.padded_q
+                             ? batch * *std::max_element(base.q_rows.begin(), base.q_rows.end())
+                             : std::accumulate(base.q_rows.begin(), base.q_rows.end(), int64_t{0});
+    if (rows < 4 * batch) continue;
+    for (bool shared : {false, true}) {
+      Case c = base;
+      c.num_splits = 1;
+      c.shared = shared;
+      c.name += shared ? "_rowtiles_shared" : "_rowtiles";
+      v.push_back(c);
+    }
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(RowTiles, GpuSparseAttention, ::testing::ValuesIn(row_tile_cases()),
+                         case_name);
+
 // The block hint with the compact-blocks contract and warp_specialized (canonical geometry):
 // the result is the token-only one, on the structured path (page sizes divisible by 4, with
 // and without SplitKV, the tail derived from the position) and where the hint is ignored (page
@@ -628,6 +658,7 @@ INSTANTIATE_TEST_SUITE_P(Pages, GpuSparseAttentionBlockHint,
                          ::testing::Values(HintCase{64, std::nullopt, {37, 5}, {3000, 203}},
                                            HintCase{16, 3, {1, 1, 1}, {5001, 2998, 401}},
                                            HintCase{64, 1, {9}, {58}},
+                                           HintCase{16, 1, {40, 13}, {3000, 900}},
                                            HintCase{6, std::nullopt, {7, 2}, {500, 66}}),
                          [](const ::testing::TestParamInfo<HintCase>& info) {
                            return "page" + std::to_string(info.param.page_size) + "_splits" +
@@ -658,9 +689,16 @@ TEST(GpuSparseAttentionRows, MoreThan65535Rows) {
 TEST(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = testing::make_rng();
-  for (int64_t splits : {1, 6}) {
+  // Decode with one and six splits (per-row kernel), and prefill rows with shared selections
+  // (row-tile kernel: its hash-table insertions race, its union order must not).
+  for (int64_t splits : {1, 6, 0}) {
     Case c = decode("det", 4);
-    c.num_splits = splits;
+    c.num_splits = splits == 0 ? 1 : splits;
+    if (splits == 0) {
+      c.q_rows = {70, 45};
+      c.k_lens = {3000, 2100};
+      c.shared = true;
+    }
     c.gate = Gate::kElementwise;
     const Problem pb = make_problem(c, rng);
     DeviceProblem dp = to_device_problem(pb, rng);
@@ -678,7 +716,10 @@ TEST(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
 
 // Physical ids into flattened K/V: no requests, no causal mask, duplicates counted, ids < 0
 // or >= total_kv masked, the lse buffer written; rows with nothing valid give 0 and -inf.
-TEST(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
+// With the heuristic's splits the per-row kernel runs; with one split the row-tile kernel.
+class GpuSparseAttentionPhysical : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = testing::make_rng();
   const int64_t rows = 9, hq = 24, hkv = 2, total = 3000, width = 2051;
@@ -698,6 +739,7 @@ TEST(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
   Tensor lse = testing::poisoned_device({rows, hq}, DType::kF32);
   SparseAttentionOptions o;
   o.selected_kv_indices = didx.view();
+  if (GetParam() > 0) o.num_splits = GetParam();
   qsa_sparse_attention(dq, dk, dv, std::nullopt, out, lse.view(), o);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
@@ -706,6 +748,11 @@ TEST(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
   EXPECT_TRUE(testing::all_close(Tensor::to_host(out.view()).view(), e.out, 1e-2, 1e-2));
   EXPECT_TRUE(testing::all_close(Tensor::to_host(lse.view()).view(), e.lse, 2e-3, 2e-3));
 }
+
+INSTANTIATE_TEST_SUITE_P(Splits, GpuSparseAttentionPhysical, ::testing::Values(0, 1),
+                         [](const ::testing::TestParamInfo<int64_t>& info) {
+                           return info.param ? "splits1_rowtiles" : "heuristic_splits";
+                         });
 
 // A captured graph reads the metadata current at replay: new ids, lengths and positions
 // written into the same buffers change the result accordingly.
