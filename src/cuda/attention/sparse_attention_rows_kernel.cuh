@@ -70,6 +70,8 @@ struct RowTileSmem {
     int32_t first[C::kHashSlots];    // smallest position holding the key
     int32_t dense[C::kHashSlots];    // the key's index in the union
     int16_t slot_of[C::kPositions];  // hash slot of each position, -1 for an invalid one
+    int32_t id_of[C::kPositions];    // each position's index entry (-1 outside the pass)
+    int32_t page_of[C::kPositions];  // and the page-table entry behind it (paged K/V)
   };
   union {
     Tiles tiles;
@@ -189,38 +191,78 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
       sm.u.first[i] = INT_MAX;
     }
     __syncthreads();
-#pragma unroll 1
-    for (int i = 0; i < C::kPerThread; ++i) {
+    // The loads of all 17 positions go out together: ids first, then the page-table entries
+    // behind them (two dependent memory latencies per pass instead of two per position); each
+    // batch lands in shared memory, since o_acc leaves no registers to hold them.
+    // Position pos is (row j, slot s): entry e0 + s / per_entry, token k = s % per_entry of it.
+    constexpr int kLoadBatch = 9;  // loads in flight per thread; more spill o_acc
+    auto position = [&](int i, int& j, int64_t& e, int& k) {
       const int pos = i * C::kThreads + tid;
-      const int j = pos / C::kRowSlots, s = pos % C::kRowSlots;
-      const int64_t e = e0 + s / per_entry;
-      const int k = s % per_entry;
-      const RowInfo& ri = sm.rows[j];
-      int slot = -1;
-      if (ri.active && e < e1) {
+      j = pos / C::kRowSlots;
+      const int s = pos % C::kRowSlots;
+      e = e0 + s / per_entry;
+      k = s % per_entry;
+    };
+#pragma unroll 1
+    for (int i0 = 0; i0 < C::kPerThread; i0 += kLoadBatch) {
+      int32_t batch[kLoadBatch];
+#pragma unroll
+      for (int b = 0; b < kLoadBatch; ++b) {
+        int j, k;
+        int64_t e;
+        position(i0 + b, j, e, k);
         const int64_t r = r0 + j;
-        int32_t id = -1;
-        if (!x.block_hint) {
-          id = p.token_indices[r * p.token_indices_row_stride + e * p.token_indices_col_stride];
-        } else if (e < p.num_blocks) {
-          id = p.block_indices[r * p.block_indices_row_stride + e * p.block_indices_col_stride];
-        }
-        int n;
-        const int64_t first = entry_tokens(p, x, ri, e, id, &n);
-        if (k < n) {
-          const int32_t page = entry_page(p, ri, first);
-          const int64_t t = first + k;
-          if (token_valid(p, ri, t, page)) {
-            const int32_t key = physical_key(p, ri, t, page);
-            slot = hash_slot(key);
-            for (;;) {
-              const int32_t prev = atomicCAS(&sm.u.key[slot], -1, key);
-              if (prev == -1 || prev == key) break;
-              slot = (slot + 1) & (C::kHashSlots - 1);
-            }
-            atomicMin(&sm.u.first[slot], pos);
+        batch[b] = -1;
+        if (i0 + b < C::kPerThread && sm.rows[j].active && e < e1) {
+          if (!x.block_hint) {
+            batch[b] =
+                p.token_indices[r * p.token_indices_row_stride + e * p.token_indices_col_stride];
+          } else if (e < p.num_blocks) {
+            batch[b] =
+                p.block_indices[r * p.block_indices_row_stride + e * p.block_indices_col_stride];
           }
         }
+      }
+#pragma unroll
+      for (int b = 0; b < kLoadBatch; ++b) {
+        if (i0 + b < C::kPerThread) sm.u.id_of[(i0 + b) * C::kThreads + tid] = batch[b];
+      }
+    }
+#pragma unroll 1
+    for (int i0 = 0; i0 < C::kPerThread; i0 += kLoadBatch) {
+      int32_t batch[kLoadBatch];
+#pragma unroll
+      for (int b = 0; b < kLoadBatch; ++b) {
+        int j, k, n;
+        int64_t e;
+        position(min(i0 + b, C::kPerThread - 1), j, e, k);
+        const int32_t id = sm.u.id_of[min(i0 + b, C::kPerThread - 1) * C::kThreads + tid];
+        batch[b] = entry_page(p, sm.rows[j], entry_tokens(p, x, sm.rows[j], e, id, &n));
+      }
+#pragma unroll
+      for (int b = 0; b < kLoadBatch; ++b) {
+        if (i0 + b < C::kPerThread) sm.u.page_of[(i0 + b) * C::kThreads + tid] = batch[b];
+      }
+    }
+#pragma unroll 1
+    for (int i = 0; i < C::kPerThread; ++i) {
+      int j, k, n;
+      int64_t e;
+      position(i, j, e, k);
+      const int pos = i * C::kThreads + tid;
+      const RowInfo& ri = sm.rows[j];
+      const int64_t t = entry_tokens(p, x, ri, e, sm.u.id_of[pos], &n) + k;
+      const int32_t page = sm.u.page_of[pos];
+      int slot = -1;
+      if (ri.active && e < e1 && k < n && token_valid(p, ri, t, page)) {
+        const int32_t key = physical_key(p, ri, t, page);
+        slot = hash_slot(key);
+        for (;;) {
+          const int32_t prev = atomicCAS(&sm.u.key[slot], -1, key);
+          if (prev == -1 || prev == key) break;
+          slot = (slot + 1) & (C::kHashSlots - 1);
+        }
+        atomicMin(&sm.u.first[slot], pos);
       }
       sm.u.slot_of[pos] = static_cast<int16_t>(slot);
     }
@@ -384,8 +426,10 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
         }
       }
 
-      // O_j += P V: 16 heads x 256 dims over the tile's 64 tokens, V fragments one step ahead.
-      uint32_t vb[2][4];
+      // O_j += P V: 16 heads x 256 dims over the tile's 64 tokens. A step is 2 MMAs, shorter
+      // than an ldmatrix's latency, so V fragments are loaded kAhead steps ahead.
+      constexpr int kAhead = 3;
+      uint32_t vb[kAhead + 1][4];
       auto load_v = [&](int step, uint32_t(&b)[4]) {
         const int kk = step / (C::kHeadDim / 16), dt = step % (C::kHeadDim / 16);
         const int row = kk * 16 + (lane % 8) + ((lane >> 3) & 1) * 8;
@@ -395,12 +439,13 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
             b[1], b[2], b[3]);
       };
       constexpr int kPvSteps = C::kTileTokens / 16 * (C::kHeadDim / 16);
-      load_v(0, vb[0]);
+#pragma unroll
+      for (int step = 0; step < kAhead; ++step) load_v(step, vb[step]);
 #pragma unroll
       for (int step = 0; step < kPvSteps; ++step) {
-        if (step + 1 < kPvSteps) load_v(step + 1, vb[(step + 1) & 1]);
+        if (step + kAhead < kPvSteps) load_v(step + kAhead, vb[(step + kAhead) % (kAhead + 1)]);
         const int kk = step / (C::kHeadDim / 16), dt = step % (C::kHeadDim / 16);
-        const uint32_t(&b)[4] = vb[step & 1];
+        const uint32_t(&b)[4] = vb[step % (kAhead + 1)];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float* acc = o_acc[2 * dt + h];
