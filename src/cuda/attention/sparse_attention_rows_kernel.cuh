@@ -7,6 +7,10 @@
 // on 16-token MMA steps. Here the gather, the index compaction and the ldmatrix of each K/V
 // tile serve four rows, and each warp runs full 64-token MMA steps.
 //
+// Warps: two per row, each taking 32 of a tile's 64 tokens with its own online softmax (8 warps,
+// two per scheduler, so one warp's MMA or ldmatrix latency has another to hide behind); the
+// pair merges once at the end.
+//
 // Per CTA = (row tile, KV head), for each pass over a window of index entries:
 //   1. every row's valid entries of the window (the per-row kernel's validity rules) become
 //      (row, slot) positions with a physical K/V key; a shared-memory hash table of the keys
@@ -17,8 +21,9 @@
 //      row count as often as they occur, as in the reference;
 //   3. the multiplicities become a per-(row, token) score bias log2(count) (-inf for a token
 //      the row did not select), and the union is gathered 64 tokens per stage with cp.async;
-//      warp j runs S = Q_j K^T + bias_j, the online softmax and O_j += P V over the tile, and
-//      skips tiles that hold none of its row's tokens (so unrelated rows cost no MMAs).
+//      row j's warps run S = Q_j K^T + bias_j, the online softmax and O_j += P V over their
+//      halves of the tile, and skip halves that hold none of the row's tokens (so unrelated
+//      rows cost no MMAs).
 // Every reduction has a fixed order, so reruns are bitwise equal; the union order, not the
 // caller's index order, fixes the summation order, which the docs allow (FP32 sums).
 #pragma once
@@ -43,18 +48,20 @@ struct RowTileConfig {
   static constexpr int kHeadDim = 256;
   static constexpr int kHeadRows = 16;  // MMA M of one warp: the group's query heads, padded
   static constexpr int kRows = 4;       // query rows per CTA
-  static constexpr int kWarps = kRows;  // warp j owns row j
+  static constexpr int kWarpsPerRow = 2;
+  static constexpr int kWarps = kRows * kWarpsPerRow;  // warp w: row w % kRows, half w / kRows
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kTileTokens = 64;  // gathered tokens per stage
-  static constexpr int kStages = 2;       // 128 KB: one tile in flight while one is consumed
+  static constexpr int kWarpTokens = kTileTokens / kWarpsPerRow;
+  static constexpr int kStages = 2;  // 128 KB: one tile in flight while one is consumed
   static constexpr int kChunks = kHeadDim * 2 / 16;  // 16-byte chunks per 256-element row
-  // (row, slot) positions of one pass: 17 per thread. A pass takes up to kRowSlots token
+  // (row, slot) positions of one pass: 9 per thread. A pass takes up to kRowSlots = 576 token
   // slots of every row (entries, or 4 slots per entry with the block hint), so the canonical
   // 2051-token selection takes 4 passes of about 513 slots.
-  static constexpr int kPerThread = 17;
+  static constexpr int kPerThread = 9;
   static constexpr int kPositions = kPerThread * kThreads;
   static constexpr int kRowSlots = kPositions / kRows;
-  static constexpr int kHashBits = 12;  // 4096 slots: load factor <= 0.53
+  static constexpr int kHashBits = 12;  // 4096 slots: load factor <= 0.57
   static constexpr int kHashSlots = 1 << kHashBits;
 };
 
@@ -73,9 +80,17 @@ struct RowTileSmem {
     int32_t id_of[C::kPositions];    // each position's index entry (-1 outside the pass)
     int32_t page_of[C::kPositions];  // and the page-table entry behind it (paged K/V)
   };
+  // The second half-warps' softmax states at the end, [element][lane] so that the pair's
+  // lanes (same fragment layout) meet without bank conflicts; also in the idle ring.
+  struct Merge {
+    float o[C::kRows][C::kHeadDim / 8 * 4][32];
+    float m[C::kRows][2][32];
+    float l[C::kRows][2][32];
+  };
   union {
     Tiles tiles;
     Union u;
+    Merge merge;
   };
   uint4 q[C::kRows][C::kHeadRows][C::kChunks];
   // Per (row, union token): first the multiplicity (int), then log2(multiplicity) or -inf.
@@ -128,6 +143,7 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
   auto& sm = *reinterpret_cast<RowTileSmem*>(smem_raw);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int row_j = warp % C::kRows, half = warp / C::kRows;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * C::kRows;
   const int kvh = blockIdx.y;
   const int group = static_cast<int>(p.group);
@@ -195,7 +211,7 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
     // behind them (two dependent memory latencies per pass instead of two per position); each
     // batch lands in shared memory, since o_acc leaves no registers to hold them.
     // Position pos is (row j, slot s): entry e0 + s / per_entry, token k = s % per_entry of it.
-    constexpr int kLoadBatch = 9;  // loads in flight per thread; more spill o_acc
+    constexpr int kLoadBatch = 5;  // loads in flight per thread; more spill o_acc
     auto position = [&](int i, int& j, int64_t& e, int& k) {
       const int pos = i * C::kThreads + tid;
       j = pos / C::kRowSlots;
@@ -335,14 +351,15 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
     };
     if (n_tiles > 0) load_tile(0, 0);
     cute::cp_async_fence();
-    const float* bias = sm.bias[warp];
+    const float* bias = sm.bias[row_j];
+    const int tok0 = half * C::kWarpTokens;  // this warp's tokens inside a tile
     for (int tile = 0; tile < n_tiles; ++tile) {
       cute::cp_async_wait<0>();
       __syncthreads();  // tile's data visible; every warp is done with the other stage
       if (tile + 1 < n_tiles) load_tile(tile + 1, (tile + 1) % C::kStages);
       cute::cp_async_fence();
       const int stage = tile % C::kStages;
-      const int n0 = tile * C::kTileTokens;
+      const int n0 = tile * C::kTileTokens + tok0;
 
       // This thread's bias columns are n-tile nt's columns 2 (lane % 4) and + 1; they are read
       // again in the softmax rather than held in registers across the S MMAs.
@@ -351,25 +368,25 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
       };
       bool mine = false;
 #pragma unroll
-      for (int nt = 0; nt < C::kTileTokens / 8; ++nt) {
+      for (int nt = 0; nt < C::kWarpTokens / 8; ++nt) {
         const float2 b = bias_at(nt);
         mine |= b.x != -INFINITY || b.y != -INFINITY;
       }
       if (!__any_sync(0xffffffffu, mine)) continue;  // warp-uniform: none of my row's tokens
 
-      // S = Q_j K^T: 16 heads x 64 tokens; the next K step's fragments are loaded before this
-      // step's MMAs (one warp per scheduler has no other warp to hide ldmatrix latency).
-      float s_acc[C::kTileTokens / 8][4] = {};
-      uint32_t qa[2][4], kb[2][C::kTileTokens / 16][4];
-      auto load_qk = [&](int ks, uint32_t(&a)[4], uint32_t(&b)[C::kTileTokens / 16][4]) {
+      // S = Q_j K^T: 16 heads x 32 tokens; the next K step's fragments are loaded before this
+      // step's MMAs.
+      float s_acc[C::kWarpTokens / 8][4] = {};
+      uint32_t qa[2][4], kb[2][C::kWarpTokens / 16][4];
+      auto load_qk = [&](int ks, uint32_t(&a)[4], uint32_t(&b)[C::kWarpTokens / 16][4]) {
         const int qrow = (lane % 8) + ((lane >> 3) & 1) * 8;
         const int qchunk = ks * 2 + (lane >> 4);
         cute::SM75_U32x4_LDSM_N::copy(
-            reinterpret_cast<const cute::uint128_t&>(sm.q[warp][qrow][swz(qrow, qchunk)]), a[0],
+            reinterpret_cast<const cute::uint128_t&>(sm.q[row_j][qrow][swz(qrow, qchunk)]), a[0],
             a[1], a[2], a[3]);
 #pragma unroll
-        for (int np = 0; np < C::kTileTokens / 16; ++np) {
-          const int krow = np * 16 + (lane % 8) + (lane >> 4) * 8;
+        for (int np = 0; np < C::kWarpTokens / 16; ++np) {
+          const int krow = tok0 + np * 16 + (lane % 8) + (lane >> 4) * 8;
           const int kchunk = ks * 2 + ((lane >> 3) & 1);
           cute::SM75_U32x4_LDSM_N::copy(
               reinterpret_cast<const cute::uint128_t&>(sm.tiles.k[stage][krow][swz(krow, kchunk)]),
@@ -382,7 +399,7 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
         if (ks + 1 < C::kHeadDim / 16) load_qk(ks + 1, qa[(ks + 1) & 1], kb[(ks + 1) & 1]);
         const uint32_t(&a)[4] = qa[ks & 1];
 #pragma unroll
-        for (int nt = 0; nt < C::kTileTokens / 8; ++nt) {
+        for (int nt = 0; nt < C::kWarpTokens / 8; ++nt) {
           const uint32_t(&b)[4] = kb[ks & 1][nt / 2];
           float* acc = s_acc[nt];
           Mma::fma(acc[0], acc[1], acc[2], acc[3], a[0], a[1], a[2], a[3], b[2 * (nt % 2)],
@@ -391,13 +408,13 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
       }
 
       // Online softmax (log2 domain) over the tile; the bias is log2(multiplicity) or -inf.
-      uint32_t pa[C::kTileTokens / 16][4];
+      uint32_t pa[C::kWarpTokens / 16][4];
 #pragma unroll
       for (int hrow = 0; hrow < 2; ++hrow) {
-        float s[C::kTileTokens / 8][2];
+        float s[C::kWarpTokens / 8][2];
         float mx = -INFINITY;
 #pragma unroll
-        for (int nt = 0; nt < C::kTileTokens / 8; ++nt) {
+        for (int nt = 0; nt < C::kWarpTokens / 8; ++nt) {
           const float2 b = bias_at(nt);
           s[nt][0] = s_acc[nt][2 * hrow] * p.scale_log2 + b.x;
           s[nt][1] = s_acc[nt][2 * hrow + 1] * p.scale_log2 + b.y;
@@ -411,7 +428,7 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
         row_max[hrow] = m_new;
         float sum = 0.f;
 #pragma unroll
-        for (int nt = 0; nt < C::kTileTokens / 8; ++nt) {
+        for (int nt = 0; nt < C::kWarpTokens / 8; ++nt) {
           const float p0 = exp2f(s[nt][0] - m_use), p1 = exp2f(s[nt][1] - m_use);
           sum += p0 + p1;
           // A operand of P V, k step nt / 2: regs {row g, k 0-7}, {g+8, 0-7}, {g, 8-15}, {g+8,
@@ -426,19 +443,19 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
         }
       }
 
-      // O_j += P V: 16 heads x 256 dims over the tile's 64 tokens. A step is 2 MMAs, shorter
+      // O_j += P V: 16 heads x 256 dims over the warp's 32 tokens. A step is 2 MMAs, shorter
       // than an ldmatrix's latency, so V fragments are loaded kAhead steps ahead.
       constexpr int kAhead = 3;
       uint32_t vb[kAhead + 1][4];
       auto load_v = [&](int step, uint32_t(&b)[4]) {
         const int kk = step / (C::kHeadDim / 16), dt = step % (C::kHeadDim / 16);
-        const int row = kk * 16 + (lane % 8) + ((lane >> 3) & 1) * 8;
+        const int row = tok0 + kk * 16 + (lane % 8) + ((lane >> 3) & 1) * 8;
         const int chunk = dt * 2 + (lane >> 4);
         cute::SM75_U16x8_LDSM_T::copy(
             reinterpret_cast<const cute::uint128_t&>(sm.tiles.v[stage][row][swz(row, chunk)]), b[0],
             b[1], b[2], b[3]);
       };
-      constexpr int kPvSteps = C::kTileTokens / 16 * (C::kHeadDim / 16);
+      constexpr int kPvSteps = C::kWarpTokens / 16 * (C::kHeadDim / 16);
 #pragma unroll
       for (int step = 0; step < kAhead; ++step) load_v(step, vb[step]);
 #pragma unroll
@@ -458,31 +475,52 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
     __syncthreads();  // the ring, loc and bias are free for the next pass
   }
 
-  // ----- output: warp j writes row j (gate applied, LSE exported) ---------------------------
-  const int64_t r = r0 + warp;
-  if (r >= p.rows) return;
-  const int g = lane / 4;
+  // ----- merge each row's two halves, then its first warp writes the row --------------------
 #pragma unroll
   for (int hrow = 0; hrow < 2; ++hrow) {
     row_sum[hrow] += __shfl_xor_sync(0xffffffffu, row_sum[hrow], 1);
     row_sum[hrow] += __shfl_xor_sync(0xffffffffu, row_sum[hrow], 2);
   }
+  if (half == 1) {
+#pragma unroll
+    for (int i = 0; i < C::kHeadDim / 8; ++i) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) sm.merge.o[row_j][i * 4 + c][lane] = o_acc[i][c];
+    }
+#pragma unroll
+    for (int hrow = 0; hrow < 2; ++hrow) {
+      sm.merge.m[row_j][hrow][lane] = row_max[hrow];
+      sm.merge.l[row_j][hrow][lane] = row_sum[hrow];
+    }
+  }
+  __syncthreads();
+  const int64_t r = r0 + row_j;
+  if (half == 1 || r >= p.rows) return;
+  const int g = lane / 4;
 #pragma unroll
   for (int hrow = 0; hrow < 2; ++hrow) {
+    const float m1 = sm.merge.m[row_j][hrow][lane];
+    const float m = fmaxf(row_max[hrow], m1);
+    const float m_use = m == -INFINITY ? 0.f : m;
+    const float c0 = exp2f(row_max[hrow] - m_use), c1 = exp2f(m1 - m_use);
+    const float l = c0 * row_sum[hrow] + c1 * sm.merge.l[row_j][hrow][lane];
     const int hr = g + 8 * hrow;
     if (hr >= group) continue;
     const int64_t h = static_cast<int64_t>(kvh) * group + hr;
-    const float l = row_sum[hrow];
     const float inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
     for (int i = 0; i < C::kHeadDim / 8; ++i) {
       const int d = i * 8 + (lane % 4) * 2;
-      store_output<T>(p, r, h, d, o_acc[i][2 * hrow] * inv);
-      store_output<T>(p, r, h, d + 1, o_acc[i][2 * hrow + 1] * inv);
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const float o =
+            c0 * o_acc[i][2 * hrow + c] + c1 * sm.merge.o[row_j][i * 4 + 2 * hrow + c][lane];
+        store_output<T>(p, r, h, d + c, o * inv);
+      }
     }
     if (lane % 4 == 0 && p.lse) {
       p.lse[r * p.lse_row_stride + h * p.lse_head_stride] =
-          l > 0.f ? (row_max[hrow] + log2f(l)) * 0.69314718055994531f : -INFINITY;
+          l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
     }
   }
 }
