@@ -54,6 +54,22 @@ Timing Timer::time(const std::function<void(cudaStream_t)>& launch, int warmup, 
   return {ms[ms.size() / 2], ms.front(), ms.back()};
 }
 
+Timing Timer::time_graph(const std::function<void(cudaStream_t)>& launch, int warmup, int reps) {
+  launch(stream_);
+  BENCH_CUDA(cudaStreamSynchronize(stream_));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  BENCH_CUDA(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  launch(stream_);
+  BENCH_CUDA(cudaStreamEndCapture(stream_, &graph));
+  BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  const Timing t =
+      time([&](cudaStream_t s) { BENCH_CUDA(cudaGraphLaunch(exec, s)); }, warmup, reps);
+  BENCH_CUDA(cudaGraphExecDestroy(exec));
+  BENCH_CUDA(cudaGraphDestroy(graph));
+  return t;
+}
+
 Ceilings measure_ceilings(Timer& timer) {
   Ceilings c{};
   {

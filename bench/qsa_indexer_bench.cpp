@@ -5,6 +5,13 @@
 //   decode (qsa_mqa_decode): B = 1, 32, 128 requests of 8K..128K tokens (uniform), page
 //     sizes 16 and 64, max_model_len = 128K / 4. Floor: K read + output write (+ Q, page
 //     table) at the copy ceiling. Goal: >= 80% for B >= 32.
+//   selection helpers (qsa_topk_blocks with k = 512, then qsa_expand_blocks with the block
+//     hint) on native qsa_mqa_prefill scores of random inputs, every row seeing the complete
+//     blocks before its position: prefill 16K and 64K (row r at position r), the last 4K
+//     rows of a 128K prefill, decode B = 1 and 128 at positions uniform in [8K, 128K) over 32K
+//     columns. Floor: scores read once plus ids written (top-k), ids read plus tokens and
+//     hint written (expansion), at the copy ceiling. No goal: the reference point is the
+//     attention that consumes the selection.
 // Usage: qsa_indexer_bench [results.csv] [--only NAME]. Prints a table last. --only runs one
 // benchmark (for a profiler run); the ceilings are still measured first.
 #include <fmt/format.h>
@@ -19,6 +26,7 @@
 
 #include "bench_util.h"
 #include "sparse_attn/qsa.h"
+#include "sparse_attn/qsa_select.h"
 
 using namespace sparse_attn;
 using namespace sparse_attn::bench;
@@ -125,6 +133,35 @@ Result bench_decode(Timer& timer, const Ceilings& c, int64_t batch, int64_t page
           memory_ms};
 }
 
+// Top-512 and expansion for query rows at `positions`, over `keys` score columns.
+std::vector<Result> bench_select(Timer& timer, const Ceilings& c, const std::string& tag,
+                                 const std::vector<int32_t>& positions, int64_t keys) {
+  constexpr int64_t kTopk = kQsaTopkBlocks, kWidth = 4 * kTopk + 3;
+  const int64_t rows = static_cast<int64_t>(positions.size());
+  std::vector<int32_t> starts(rows, 0), ends(rows);
+  for (int64_t r = 0; r < rows; ++r) ends[r] = (positions[r] + 1) / 4;
+  Tensor q = random_device({rows, 4, 128}, DType::kBF16, 31);
+  Tensor k = random_device({keys, 128}, DType::kBF16, 32);
+  Tensor ds = int32_device(starts, {rows}), de = int32_device(ends, {rows});
+  Tensor dp = int32_device(positions, {rows});
+  Tensor scores = Tensor::empty({rows, keys}, DType::kF32, Device::cuda());
+  qsa_mqa_prefill(q, k, ds, de, scores);
+  Tensor ids = Tensor::empty({rows, kTopk}, DType::kI32, Device::cuda());
+  Tensor tokens = Tensor::empty({rows, kWidth}, DType::kI32, Device::cuda());
+  Tensor blocks = Tensor::empty({rows, kTopk}, DType::kI32, Device::cuda());
+  const Timing tk = timer.time([&](cudaStream_t s) { qsa_topk_blocks(scores, kTopk, ids, s); });
+  const Timing te =
+      timer.time([&](cudaStream_t s) { qsa_expand_blocks(ids, dp, tokens, blocks.view(), s); });
+  const double topk_bytes = 4.0 * rows * keys + 4.0 * rows * kTopk;
+  const double expand_bytes = 4.0 * rows * (kTopk + 1) + 4.0 * rows * (kWidth + kTopk);
+  const auto result = [&](const std::string& name, const Timing& t, double bytes) {
+    const double floor_ms = bytes / (c.copy_tbps * 1e12) * 1e3;
+    return Result{name, t.median_ms, 0.0,     bytes / (t.median_ms * 1e-3) / 1e12, floor_ms, "hbm",
+                  0.0,  0.0,         floor_ms};
+  };
+  return {result("topk_" + tag, tk, topk_bytes), result("expand_" + tag, te, expand_bytes)};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -150,6 +187,35 @@ int main(int argc, char** argv) {
       if (wanted(fmt::format("decode_b{}_page{}", batch, page_size)))
         results.push_back(bench_decode(timer, c, batch, page_size));
 
+  struct SelectCase {
+    std::string tag;
+    std::vector<int32_t> positions;
+    int64_t keys;
+  };
+  const auto select_cases = [] {
+    std::vector<SelectCase> cases;
+    for (int64_t tokens : {16384, 65536}) {
+      std::vector<int32_t> pos(tokens);
+      std::iota(pos.begin(), pos.end(), 0);
+      cases.push_back({fmt::format("prefill_{}k", tokens / 1024), pos, tokens / 4});
+    }
+    std::vector<int32_t> chunk(4096);
+    std::iota(chunk.begin(), chunk.end(), 131072 - 4096);
+    cases.push_back({"prefill_128k_last4k", chunk, 131072 / 4});
+    std::mt19937_64 rng(77);
+    std::uniform_int_distribution<int32_t> ctx(8192, 131071);
+    for (int64_t batch : {1, 128}) {
+      std::vector<int32_t> decode(batch);
+      for (int32_t& p : decode) p = ctx(rng);
+      cases.push_back({fmt::format("decode_b{}", batch), decode, 131072 / 4});
+    }
+    return cases;
+  };
+  for (const SelectCase& sc : select_cases())
+    if (wanted("topk_" + sc.tag) || wanted("expand_" + sc.tag))
+      for (Result& r : bench_select(timer, c, sc.tag, sc.positions, sc.keys))
+        results.push_back(std::move(r));
+
   if (!csv_path.empty()) {
     std::FILE* f = std::fopen(csv_path.c_str(), "w");
     if (f == nullptr) {
@@ -165,11 +231,11 @@ int main(int argc, char** argv) {
                  r.memory_ms, r.floor_ms / r.ms, r.goal, c.copy_tbps, c.gemm_tflops);
     std::fclose(f);
   }
-  fmt::print("\n{:<20} {:>9} {:>8} {:>7} {:>9} {:>8} {:>6} {:>5}\n", "benchmark", "ms", "TFLOP/s",
+  fmt::print("\n{:<26} {:>9} {:>8} {:>7} {:>9} {:>8} {:>6} {:>5}\n", "benchmark", "ms", "TFLOP/s",
              "TB/s", "floor ms", "floor", "ratio", "goal");
   for (const Result& r : results) {
     const double ratio = r.floor_ms / r.ms;
-    fmt::print("{:<20} {:>9.4f} {:>8.1f} {:>7.2f} {:>9.4f} {:>8} {:>6.2f} {:>5}\n", r.name, r.ms,
+    fmt::print("{:<26} {:>9.4f} {:>8.1f} {:>7.2f} {:>9.4f} {:>8} {:>6.2f} {:>5}\n", r.name, r.ms,
                r.tflops, r.tbps, r.floor_ms, r.floor_kind, ratio,
                r.goal == 0 ? "-" : (ratio >= r.goal ? "met" : "MISS"));
   }

@@ -3,14 +3,26 @@
 //   decode: B = 1, 8, 32, 128 requests, contexts uniform in [8K, 128K], one query row each,
 //     2051-token selections (512 four-token blocks among the visible ones, plus the tail).
 //     Floor: the selected K/V rows read once, plus Q, O, the element-wise gate and the
-//     indices, at the copy ceiling measured in the same run.
+//     indices, at the copy ceiling measured in the same run. Each decode row is timed twice:
+//     eager (the call between the two events, host work included: validation, workspace,
+//     launches while the GPU idles) and graph (the call captured once into a CUDA graph and
+//     replayed, as an engine replays its decode step: the GPU time of the kernels). Rates and
+//     floor% use the graph time; floor% (eager) is next to it. Every batch runs under each
+//     variant of the forward kernel (cp.async or bulk gather, 4 or 8 warps: no suffix for the
+//     default cp.async 4-warp one, else _bulk4w, _cpasync8w, _bulk8w) with the heuristic
+//     split count, then with explicit split counts (_s<N>), graph-timed, for the heuristic.
 //   prefill: one request of 16K, 64K, 128K tokens, every row attending to its 2051-token
 //     structured selection: the 64 most recent complete blocks plus the 448 most important
 //     older ones under a fixed per-block importance, so neighbouring rows share most blocks
 //     (the mean Jaccard of consecutive rows' block sets is printed). The useful FLOP rate
 //     counts valid selected tokens only: 4 * tokens * Hq * D per row. 128K runs twice: token
-//     path, and structured path (block_indices hint). Dense cuDNN causal
+//     path, and structured path (block_indices hint); 16K structured also under the other
+//     kernel variants (_bulk4w, _cpasync8w, _bulk8w). Dense cuDNN causal
 //     attention of the same shape is bench/sdpa_baseline.py's (same device call).
+//   prefill_<n>k_indexer: the same timing over selections made the way an engine makes them,
+//     on the device: the structured workload's indexer inputs, native qsa_mqa_prefill, native
+//     top-512 and native expansion (their times are in the note; only the attention call is
+//     the row's time). 128K runs twice: token path and block hint (_hint).
 // Usage: qsa_sparse_attention_bench [results.csv]. Prints each row as it is measured.
 // BENCH_ONLY=<prefix> runs the rows whose name starts with it (for a profiler run).
 #include <fmt/format.h>
@@ -19,13 +31,17 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "bench_util.h"
+#include "cuda/attention/sparse_attention_heuristics.h"
 #include "sparse_attn/qsa.h"
+#include "sparse_attn/qsa_select.h"
+#include "sparse_attn/workload.h"
 
 using namespace sparse_attn;
 using namespace sparse_attn::bench;
@@ -37,9 +53,10 @@ constexpr int64_t kWidth = 4 * kBlocks + 3;
 
 struct Result {
   std::string name;
-  double ms;
-  double tflops;    // useful: valid selected tokens only
-  double tbps;      // counted bytes over time
+  double ms;        // eager call; 0 where only the graph was timed
+  double graph_ms;  // graph replay; 0 where not timed
+  double tflops;    // useful: valid selected tokens only (graph time where measured)
+  double tbps;      // counted bytes over time (graph time where measured)
   double floor_ms;  // HBM floor (decode); 0 where the floor is not a byte count
   std::string note;
 };
@@ -100,7 +117,23 @@ int64_t expand(const std::vector<int32_t>& blocks, int64_t p, int32_t* row) {
   return n;
 }
 
-Result bench_decode(Timer& timer, const Ceilings& c, int64_t batch) {
+using sparse_attn::cuda::FwdVariant;
+using sparse_attn::cuda::Gather;
+
+std::string variant_name(const FwdVariant& v) {
+  return (v.gather == Gather::kBulk ? "bulk" : "cpasync") + std::to_string(v.warps) + "w";
+}
+bool is_default(const FwdVariant& v) { return v.gather == Gather::kCpAsync && v.warps == 4; }
+
+// Decode runs of one batch: (variant, split count) pairs, 0 = the heuristic's count.
+struct DecodeRun {
+  FwdVariant variant;
+  int splits;
+  bool eager;  // also time the eager call
+};
+
+void bench_decode(Timer& timer, const Ceilings& c, int64_t batch,
+                  const std::vector<DecodeRun>& runs, const std::function<void(Result)>& add) {
   std::mt19937_64 rng(100 + batch);
   std::uniform_int_distribution<int64_t> ctx(8192, 131072);
   std::vector<int64_t> lens(batch);
@@ -128,33 +161,63 @@ Result bench_decode(Timer& timer, const Ceilings& c, int64_t batch) {
   Tensor dl = int32_device(lens32, {batch}), dcu = int32_device(cu, {batch + 1});
   Tensor out = Tensor::empty({batch, kHq, kD}, DType::kBF16, Device::cuda());
   Tensor lse = Tensor::empty({batch, kHq}, DType::kF32, Device::cuda());
-  SparseAttentionOptions o;
-  o.block_table = table.view();
-  o.seq_lens_k = dl.view();
-  o.cu_seqlens_q = dcu.view();
-  o.gate = gate.view();
-  const Timing t = timer.time([&](cudaStream_t s) {
-    o.stream = s;
-    qsa_sparse_attention(q, k, v, idx.view(), out, lse.view(), o);
-  });
   const double bytes = 2.0 * valid * kHkv * kD * 2 + 3.0 * batch * kHq * kD * 2 +
                        4.0 * batch * kWidth + 4.0 * batch * kHq;
-  const double sec = t.median_ms * 1e-3;
-  return {fmt::format("decode_b{}", batch),    t.median_ms,
-          4.0 * valid * kHq * kD / sec / 1e12, bytes / sec / 1e12,
-          bytes / (c.copy_tbps * 1e12) * 1e3,  "heuristic splits, gate, lse"};
+  const double floor_ms = bytes / (c.copy_tbps * 1e12) * 1e3;
+  for (const DecodeRun& run : runs) {
+    SparseAttentionOptions o;
+    o.block_table = table.view();
+    o.seq_lens_k = dl.view();
+    o.cu_seqlens_q = dcu.view();
+    o.gate = gate.view();
+    if (run.splits > 0) o.num_splits = run.splits;
+    sparse_attn::cuda::set_sparse_attention_variant(run.variant);
+    auto call = [&](cudaStream_t s) {
+      o.stream = s;
+      qsa_sparse_attention(q, k, v, idx.view(), out, lse.view(), o);
+    };
+    const double eager_ms = run.eager ? timer.time(call).median_ms : 0.0;
+    const double graph_ms = timer.time_graph(call).median_ms;
+    const double sec = graph_ms * 1e-3;
+    add({fmt::format("decode_b{}{}{}", batch,
+                     is_default(run.variant) ? "" : "_" + variant_name(run.variant),
+                     run.splits > 0 ? fmt::format("_s{}", run.splits) : ""),
+         eager_ms, graph_ms, 4.0 * valid * kHq * kD / sec / 1e12, bytes / sec / 1e12, floor_ms,
+         fmt::format("{}, {} splits, gate, lse", variant_name(run.variant),
+                     run.splits > 0 ? fmt::format("{}", run.splits) : "heuristic")});
+  }
+  sparse_attn::cuda::set_sparse_attention_variant(FwdVariant{});
 }
 
-Result bench_prefill(Timer& timer, int64_t tokens, bool structured, bool hint) {
+// A prefill selection on the device, one row per token of the request.
+struct PrefillSelection {
+  Tensor idx;        // int32 [tokens, kWidth]
+  Tensor blocks;     // int32 [tokens, kBlocks], the block_indices hint
+  double valid = 0;  // valid token ids over all rows
+  double jaccard = 1;
+  std::string note;  // what made it
+};
+
+// Jaccard index of two sorted block sets.
+double jaccard_of(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+  std::vector<int32_t> inter;
+  std::set_intersection(a.begin(), a.end(), b.begin(), b.end(), std::back_inserter(inter));
+  return double(inter.size()) / double(a.size() + b.size() - inter.size());
+}
+
+// Synthetic selections made on the host: structured (recent blocks plus a fixed importance
+// order) or uniformly random.
+PrefillSelection synthetic_selection(int64_t tokens, bool structured) {
   std::mt19937_64 rng(7 + tokens);
   const int64_t nblocks = tokens / 4;
   // Importance order of blocks: a fixed random permutation (first = most important).
   std::vector<int32_t> order(nblocks);
   std::iota(order.begin(), order.end(), 0);
   std::shuffle(order.begin(), order.end(), rng);
-  std::vector<int32_t> ids(tokens * kWidth), hint_blocks(hint ? tokens * kBlocks : 1, -1);
+  std::vector<int32_t> ids(tokens * kWidth), hint_blocks(tokens * kBlocks, -1);
   std::vector<int32_t> blocks, prev;
-  double valid = 0, jaccard = 0;
+  PrefillSelection sel;
+  double jaccard = 0;
   int64_t jaccard_rows = 0;
   for (int64_t p = 0; p < tokens; ++p) {
     const int64_t visible = (p + 1) / 4;
@@ -179,44 +242,149 @@ Result bench_prefill(Timer& timer, int64_t tokens, bool structured, bool hint) {
     }
     std::sort(blocks.begin(), blocks.end());
     if (visible > kBlocks && p % 97 == 0 && !prev.empty()) {
-      std::vector<int32_t> inter;
-      std::set_intersection(blocks.begin(), blocks.end(), prev.begin(), prev.end(),
-                            std::back_inserter(inter));
-      jaccard += double(inter.size()) / double(blocks.size() + prev.size() - inter.size());
+      jaccard += jaccard_of(blocks, prev);
       ++jaccard_rows;
     }
     prev = blocks;
-    if (hint) std::copy(blocks.begin(), blocks.end(), &hint_blocks[p * kBlocks]);
-    valid += double(expand(blocks, p, &ids[p * kWidth]));
+    std::copy(blocks.begin(), blocks.end(), &hint_blocks[p * kBlocks]);
+    sel.valid += double(expand(blocks, p, &ids[p * kWidth]));
   }
+  sel.idx = int32_device(ids, {tokens, kWidth});
+  sel.blocks = int32_device(hint_blocks, {tokens, kBlocks});
+  sel.jaccard = jaccard_rows ? jaccard / jaccard_rows : 1.0;
+  sel.note = structured ? "structured" : "random";
+  return sel;
+}
+
+// Selections as a serving engine makes them, all on the device: the structured workload's
+// indexer inputs (include/sparse_attn/workload.h: sinks, heavy hitters, needles, local
+// segments), native qsa_mqa_prefill scores of each row against the complete blocks before it,
+// native top-512 and native expansion. Rows go through the indexer and top-k in chunks so the
+// FP32 score matrix stays at most 2 GB. The pipeline runs twice; the second run's stages are
+// timed with events (sums over the chunks) and reported in the note.
+PrefillSelection indexer_selection(Timer& timer, int64_t tokens) {
+  WorkloadOptions wo;  // structured, seed 0, indexer 4 x 128 over 4-token blocks
+  wo.seq_len = tokens;
+  // The indexer inputs have their own projections and noise streams and do not depend on the
+  // attention geometry, so a 1-head, 2-dim attention part gives the same ones without drawing
+  // the 24/2/256 Q/K/V on the host; the timed attention reads random pools (values do not
+  // change its speed).
+  wo.num_q_heads = 1;
+  wo.num_kv_heads = 1;
+  wo.head_dim = 2;
+  wo.device = Device::cuda();
+  const Workload w = make_workload(wo);
+  const int64_t nb = w.index_key.shape()[1];
+  const TensorView q = w.index_query.view().select(0, 0);  // [tokens, 4, 128]
+  const TensorView k = w.index_key.view().select(0, 0);    // [nb, 128]
+  // Row p (position p) sees the complete blocks [0, (p + 1) / 4).
+  std::vector<int32_t> starts(tokens, 0), ends(tokens), pos(tokens);
+  for (int64_t p = 0; p < tokens; ++p) {
+    ends[p] = static_cast<int32_t>((p + 1) / 4);
+    pos[p] = static_cast<int32_t>(p);
+  }
+  const Tensor d_starts = int32_device(starts, {tokens});
+  const Tensor d_ends = int32_device(ends, {tokens});
+  const Tensor d_pos = int32_device(pos, {tokens});
+  const int64_t chunk = std::min<int64_t>(tokens, 16384);
+  const Tensor scores = Tensor::empty({chunk, nb}, DType::kF32, Device::cuda());
+  const Tensor top = Tensor::empty({tokens, kBlocks}, DType::kI32, Device::cuda());
+  PrefillSelection sel;
+  sel.idx = Tensor::empty({tokens, kWidth}, DType::kI32, Device::cuda());
+  sel.blocks = Tensor::empty({tokens, kBlocks}, DType::kI32, Device::cuda());
+
+  const cudaStream_t s = timer.stream();
+  cudaEvent_t ev[4];
+  for (cudaEvent_t& e : ev) BENCH_CUDA(cudaEventCreate(&e));
+  const auto elapsed = [](cudaEvent_t a, cudaEvent_t b) {
+    float ms = 0;
+    BENCH_CUDA(cudaEventSynchronize(b));
+    BENCH_CUDA(cudaEventElapsedTime(&ms, a, b));
+    return double(ms);
+  };
+  double score_ms = 0, topk_ms = 0, expand_ms = 0;
+  for (int run = 0; run < 2; ++run) {
+    score_ms = topk_ms = 0;
+    for (int64_t r0 = 0; r0 < tokens; r0 += chunk) {
+      const int64_t n = std::min(chunk, tokens - r0);
+      const TensorView sc = scores.view().narrow(0, 0, n);
+      MqaScoreOptions so;
+      so.stream = s;
+      BENCH_CUDA(cudaEventRecord(ev[0], s));
+      qsa_mqa_prefill(q.narrow(0, r0, n), k, d_starts.view().narrow(0, r0, n),
+                      d_ends.view().narrow(0, r0, n), sc, so);
+      BENCH_CUDA(cudaEventRecord(ev[1], s));
+      qsa_topk_blocks(sc, kBlocks, top.view().narrow(0, r0, n), s);
+      BENCH_CUDA(cudaEventRecord(ev[2], s));
+      score_ms += elapsed(ev[0], ev[1]);
+      topk_ms += elapsed(ev[1], ev[2]);
+    }
+    BENCH_CUDA(cudaEventRecord(ev[2], s));
+    qsa_expand_blocks(top, d_pos, sel.idx, sel.blocks.view(), s);
+    BENCH_CUDA(cudaEventRecord(ev[3], s));
+    expand_ms = elapsed(ev[2], ev[3]);
+  }
+  for (cudaEvent_t e : ev) BENCH_CUDA(cudaEventDestroy(e));
+
+  // Valid ids and the consecutive-row Jaccard of the kept block sets, from the hint.
+  const Tensor hb = Tensor::to_host(sel.blocks.view());
+  std::vector<int32_t> blocks, prev;
+  double jaccard = 0;
+  int64_t jaccard_rows = 0;
+  for (int64_t p = 0; p < tokens; ++p) {
+    const int32_t* row = hb.data_as<int32_t>() + p * kBlocks;
+    blocks.assign(row, std::find(row, row + kBlocks, -1));
+    std::sort(blocks.begin(), blocks.end());
+    sel.valid += double(4 * blocks.size() + (p + 1) % 4);
+    if (p / 4 > kBlocks) {  // this row and the previous one have full selections
+      jaccard += jaccard_of(blocks, prev);
+      ++jaccard_rows;
+    }
+    prev = blocks;
+  }
+  sel.jaccard = jaccard_rows ? jaccard / jaccard_rows : 1.0;
+  sel.note = fmt::format(
+      "indexer selection (native indexer {:.2f} ms, top-k {:.2f} ms, expansion {:.2f} ms)",
+      score_ms, topk_ms, expand_ms);
+  return sel;
+}
+
+// Times qsa_sparse_attention alone over a selection (token path, or with the block hint).
+Result time_prefill(Timer& timer, int64_t tokens, const PrefillSelection& sel, bool hint,
+                    const std::string& name) {
+  std::mt19937_64 rng(11 + tokens);
   const std::vector<int64_t> lens{tokens};
   const Pages pg = make_pages(lens, rng);
   Tensor q = random_pool({tokens, kHq, kD}, 5);
   Tensor k = random_pool({pg.pool, kPage, kHkv, kD}, 6);
   Tensor v = random_pool({pg.pool, kPage, kHkv, kD}, 7);
-  Tensor idx = int32_device(ids, {tokens, kWidth});
   Tensor table = int32_device(pg.table, {1, pg.max_pages});
   Tensor out = Tensor::empty({tokens, kHq, kD}, DType::kBF16, Device::cuda());
-  Tensor bidx = int32_device(hint_blocks, {hint ? tokens : 1, hint ? kBlocks : 1});
   SparseAttentionOptions o;
   o.block_table = table.view();
-  if (hint) o.block_indices = bidx.view();
+  if (hint) o.block_indices = sel.blocks.view();
   const Timing t = timer.time(
       [&](cudaStream_t s) {
         o.stream = s;
-        qsa_sparse_attention(q, k, v, idx.view(), out, std::nullopt, o);
+        qsa_sparse_attention(q, k, v, sel.idx.view(), out, std::nullopt, o);
       },
       1, 5);
   const double sec = t.median_ms * 1e-3;
-  const double bytes = 2.0 * valid * kHkv * kD * 2 + 2.0 * tokens * kHq * kD * 2;
-  return {fmt::format("prefill_{}k_{}{}", tokens / 1024, structured ? "structured" : "random",
-                      hint ? "_hint" : ""),
+  const double bytes = 2.0 * sel.valid * kHkv * kD * 2 + 2.0 * tokens * kHq * kD * 2;
+  return {name,
           t.median_ms,
-          4.0 * valid * kHq * kD / sec / 1e12,
+          0.0,
+          4.0 * sel.valid * kHq * kD / sec / 1e12,
           bytes / sec / 1e12,
           0.0,
-          fmt::format("mean valid {:.0f}/row, consecutive-row Jaccard {:.3f}", valid / tokens,
-                      jaccard_rows ? jaccard / jaccard_rows : 1.0)};
+          fmt::format("{}, mean valid {:.0f}/row, consecutive-row Jaccard {:.3f}", sel.note,
+                      sel.valid / tokens, sel.jaccard)};
+}
+
+Result bench_prefill(Timer& timer, int64_t tokens, bool structured, bool hint) {
+  return time_prefill(timer, tokens, synthetic_selection(tokens, structured), hint,
+                      fmt::format("prefill_{}k_{}{}", tokens / 1024,
+                                  structured ? "structured" : "random", hint ? "_hint" : ""));
 }
 
 }  // namespace
@@ -231,26 +399,57 @@ int main(int argc, char** argv) {
       timer.time([&](cudaStream_t s) { BENCH_CUDA(cudaMemsetAsync(tiny, 0, 4, s)); }).median_ms;
   fmt::print("one launch (4-byte memset, same timing): {:.4f} ms\n", launch_ms);
   // Each row is printed as soon as it is measured, so a failure later keeps the earlier ones.
-  fmt::print("\n{:<30} {:>9} {:>8} {:>7} {:>9} {:>6}  {}\n", "benchmark", "ms", "TFLOP/s", "TB/s",
-             "floor ms", "floor%", "note");
+  fmt::print("\n{:<30} {:>9} {:>9} {:>8} {:>7} {:>9} {:>6} {:>7}  {}\n", "benchmark", "ms",
+             "graph ms", "TFLOP/s", "TB/s", "floor ms", "floor%", "(eager)", "note");
   std::vector<Result> results;
+  auto ms_or_dash = [](double ms) { return ms > 0 ? fmt::format("{:.4f}", ms) : "-"; };
+  auto pct = [](double floor_ms, double ms) {
+    return floor_ms > 0 && ms > 0 ? fmt::format("{:.0f}%", 100 * floor_ms / ms) : "-";
+  };
   auto add = [&](Result r) {
-    fmt::print("{:<30} {:>9.4f} {:>8.1f} {:>7.2f} {:>9.4f} {:>6}  {}\n", r.name, r.ms, r.tflops,
-               r.tbps, r.floor_ms,
-               r.floor_ms > 0 ? fmt::format("{:.0f}%", 100 * r.floor_ms / r.ms) : "-", r.note);
+    const double timed = r.graph_ms > 0 ? r.graph_ms : r.ms;
+    fmt::print("{:<30} {:>9} {:>9} {:>8.1f} {:>7.2f} {:>9.4f} {:>6} {:>7}  {}\n", r.name,
+               ms_or_dash(r.ms), ms_or_dash(r.graph_ms), r.tflops, r.tbps, r.floor_ms,
+               pct(r.floor_ms, timed), pct(r.floor_ms, r.ms), r.note);
     std::fflush(stdout);
     results.push_back(std::move(r));
   };
   const char* only_env = std::getenv("BENCH_ONLY");
   const std::string only = only_env ? only_env : "";
   auto want = [&](const std::string& name) { return name.rfind(only, 0) == 0; };
-  for (int64_t b : {1, 8, 32, 128})
-    if (want(fmt::format("decode_b{}", b))) add(bench_decode(timer, c, b));
+  const FwdVariant variants[] = {
+      {Gather::kCpAsync, 4}, {Gather::kBulk, 4}, {Gather::kCpAsync, 8}, {Gather::kBulk, 8}};
+  for (int64_t b : {1, 8, 32, 128}) {
+    if (!want(fmt::format("decode_b{}", b))) continue;
+    std::vector<DecodeRun> runs;
+    for (const FwdVariant& v : variants) runs.push_back({v, 0, true});
+    for (const FwdVariant& v : variants)
+      for (int splits : {1, 2, 4, 8, 16, 33}) runs.push_back({v, splits, false});
+    bench_decode(timer, c, b, runs, add);
+  }
   for (int64_t n : {16384, 65536, 131072})
     if (want(fmt::format("prefill_{}k_structured", n / 1024)))
       add(bench_prefill(timer, n, true, false));
   if (want("prefill_16k_random")) add(bench_prefill(timer, 16384, false, false));
+  for (const FwdVariant& v : variants) {
+    const std::string name = "prefill_16k_structured_" + variant_name(v);
+    if (is_default(v) || !want(name)) continue;
+    sparse_attn::cuda::set_sparse_attention_variant(v);
+    Result r = bench_prefill(timer, 16384, true, false);
+    sparse_attn::cuda::set_sparse_attention_variant(FwdVariant{});
+    r.name = name;
+    r.note += ", " + variant_name(v);
+    add(std::move(r));
+  }
   if (want("prefill_128k_structured_hint")) add(bench_prefill(timer, 131072, true, true));
+  for (int64_t n : {16384, 65536, 131072}) {
+    const std::string name = fmt::format("prefill_{}k_indexer", n / 1024);
+    const bool hint = n == 131072 && want(name + "_hint");
+    if (!want(name) && !hint) continue;
+    const PrefillSelection sel = indexer_selection(timer, n);
+    if (want(name)) add(time_prefill(timer, n, sel, false, name));
+    if (hint) add(time_prefill(timer, n, sel, true, name + "_hint"));
+  }
 
   if (argc > 1) {
     std::FILE* f = std::fopen(argv[1], "w");
@@ -258,10 +457,10 @@ int main(int argc, char** argv) {
       fmt::print(stderr, "cannot write {}\n", argv[1]);
       return 2;
     }
-    fmt::print(f, "name,ms,useful_tflops,tbps,floor_ms,note,copy_tbps,gemm_tflops\n");
+    fmt::print(f, "name,ms,graph_ms,useful_tflops,tbps,floor_ms,note,copy_tbps,gemm_tflops\n");
     for (const Result& r : results)
-      fmt::print(f, "{},{:.5f},{:.2f},{:.3f},{:.5f},\"{}\",{:.3f},{:.1f}\n", r.name, r.ms, r.tflops,
-                 r.tbps, r.floor_ms, r.note, c.copy_tbps, c.gemm_tflops);
+      fmt::print(f, "{},{:.5f},{:.5f},{:.2f},{:.3f},{:.5f},\"{}\",{:.3f},{:.1f}\n", r.name, r.ms,
+                 r.graph_ms, r.tflops, r.tbps, r.floor_ms, r.note, c.copy_tbps, c.gemm_tflops);
     std::fclose(f);
   }
   return 0;

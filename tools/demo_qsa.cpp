@@ -206,8 +206,8 @@ MethodResult run_qsa_demo(const DemoOptions& opt, const Workload& w, const RunDe
   res.recall = recall_sum / std::max<int64_t>(recall_n, 1);
   res.rel_error = std::sqrt(err2 / std::max(ref2, 1e-300));
   res.stages = {{fmt::format("indexer scores ({})", b_index), t_index},
-                {"top-k blocks (host)", t_topk},
-                {"expand to tokens (host)", t_expand},
+                {fmt::format("top-k blocks ({})", dev.is_cuda() ? "native" : "host"), t_topk},
+                {fmt::format("expand to tokens ({})", dev.is_cuda() ? "native" : "host"), t_expand},
                 {fmt::format("sparse attention ({})", b_attn), t_attn}};
   res.dense_label = fmt::format("dense attention ({} evaluated rows, host loop)", E * o.batch);
 

@@ -3,13 +3,16 @@
 // qsa_expand_blocks turns them into the token_indices (and block_indices hint) that
 // qsa_sparse_attention takes. docs/qsa.md ("## Selection helpers") states the exact rules.
 //
-// Both run on the CPU (OpenMP over rows). CUDA tensors are accepted and staged through the host
-// synchronously, so on the GPU they are correct but slow and outside graph capture.
+// Host tensors run on the CPU (OpenMP over rows); CUDA tensors run native CUDA kernels on
+// `stream` (nullptr: the legacy default stream), asynchronously, with no host staging and no
+// allocation except for selections above 16384 blocks per row (see docs/qsa.md). Both give the
+// same ids, bit for bit.
 #pragma once
 
 #include <cstdint>
 #include <optional>
 
+#include "sparse_attn/common.h"
 #include "sparse_attn/tensor.h"
 
 namespace sparse_attn {
@@ -25,7 +28,8 @@ Shape qsa_topk_blocks_shape(const TensorView& scores, int64_t k = kQsaTopkBlocks
 // -inf, +inf and NaN are never selected), in descending score order, ties broken by the lower
 // block id. Fewer than k visible blocks: all of them, then -1. Any k >= 1; k > N_B pads with -1.
 // out: int32 with the shape above, positive strides, not overlapping scores.
-void qsa_topk_blocks(const TensorView& scores, int64_t k, const TensorView& out);
+void qsa_topk_blocks(const TensorView& scores, int64_t k, const TensorView& out,
+                     StreamHandle stream = nullptr);
 
 // block_ids: int32 [rows, k] or [B, Q, k] (e.g. qsa_topk_blocks' output).
 // Returns block_ids.shape[:-1] + [4 * k + 3] (2051 for k = 512).
@@ -42,6 +46,7 @@ Shape qsa_expand_blocks_token_shape(const TensorView& block_ids);
 // overlap with the inputs or each other.
 void qsa_expand_blocks(const TensorView& block_ids, const TensorView& query_positions,
                        const TensorView& token_indices,
-                       const std::optional<TensorView>& block_indices = std::nullopt);
+                       const std::optional<TensorView>& block_indices = std::nullopt,
+                       StreamHandle stream = nullptr);
 
 }  // namespace sparse_attn

@@ -1,4 +1,5 @@
-// API boundary of the selection helpers: validation (metadata only), host staging, params.
+// API boundary of the selection helpers: validation (metadata only), params, and the backend:
+// native kernels for CUDA tensors, the reference loops for host tensors.
 #include "sparse_attn/qsa_select.h"
 
 #include <climits>
@@ -6,7 +7,6 @@
 
 #include "api/check.h"
 #include "api/qsa_select_params.h"
-#include "api/staging.h"
 #include "reference/qsa_select_ref.h"
 
 namespace sparse_attn {
@@ -55,7 +55,8 @@ Shape qsa_topk_blocks_shape(const TensorView& scores, int64_t k) {
   return with_last(scores, k);
 }
 
-void qsa_topk_blocks(const TensorView& scores, int64_t k, const TensorView& out) {
+void qsa_topk_blocks(const TensorView& scores, int64_t k, const TensorView& out,
+                     StreamHandle stream) {
   const Shape shape = qsa_topk_blocks_shape(scores, k);
   detail::check_dtype(scores, "scores", {DType::kF32});
   detail::check_data(scores, "scores");
@@ -65,26 +66,28 @@ void qsa_topk_blocks(const TensorView& scores, int64_t k, const TensorView& out)
   check_int32_out(out, "out", shape, "scores.shape[:-1] + [k]", scores.device(), "scores");
   detail::check_no_overlap(out, "out", scores, "scores");
 
-  detail::HostStaging host;
-  const TensorView s = host.input(scores);
-  const TensorView o = host.output(out);
-  const Strides3 ss = strides3(s);
-  const Strides3 os = strides3(o);
+  const Strides3 ss = strides3(scores);
+  const Strides3 os = strides3(out);
   detail::TopkBlocksParams p{};
-  p.batch = s.dim() == 3 ? s.size(0) : 1;
-  p.rows = s.size(-2);
-  p.num_blocks = s.size(-1);
+  p.batch = scores.dim() == 3 ? scores.size(0) : 1;
+  p.rows = scores.size(-2);
+  p.num_blocks = scores.size(-1);
   p.k = k;
-  p.scores = s.data_as<const float>();
+  p.scores = scores.data_as<const float>();
   p.scores_batch_stride = ss.batch;
   p.scores_row_stride = ss.row;
   p.scores_col_stride = ss.col;
-  p.out = o.data_as<int32_t>();
+  p.out = out.data_as<int32_t>();
   p.out_batch_stride = os.batch;
   p.out_row_stride = os.row;
   p.out_col_stride = os.col;
-  detail::reference_topk_blocks(p);
-  host.commit();
+  p.device_index = scores.device().is_cuda() ? scores.device().index : 0;
+  p.stream = stream;
+  if (scores.device().is_cuda()) {
+    detail::native_topk_blocks(p);
+  } else {
+    detail::reference_topk_blocks(p);
+  }
 }
 
 Shape qsa_expand_blocks_token_shape(const TensorView& block_ids) {
@@ -100,7 +103,7 @@ Shape qsa_expand_blocks_token_shape(const TensorView& block_ids) {
 
 void qsa_expand_blocks(const TensorView& block_ids, const TensorView& query_positions,
                        const TensorView& token_indices,
-                       const std::optional<TensorView>& block_indices) {
+                       const std::optional<TensorView>& block_indices, StreamHandle stream) {
   const Shape token_shape = qsa_expand_blocks_token_shape(block_ids);
   const Device dev = block_ids.device();
   const Shape rows_shape(token_shape.begin(), token_shape.end() - 1);
@@ -120,37 +123,37 @@ void qsa_expand_blocks(const TensorView& block_ids, const TensorView& query_posi
     detail::check_no_overlap(*block_indices, "block_indices", token_indices, "token_indices");
   }
 
-  detail::HostStaging host;
-  const TensorView ids = host.input(block_ids);
-  const TensorView pos = host.input(query_positions);
-  const TensorView tok = host.output(token_indices);
-  const std::optional<TensorView> blk = host.output(block_indices);
-  const Strides3 is = strides3(ids);
-  const Strides3 ts = strides3(tok);
+  const Strides3 is = strides3(block_ids);
+  const Strides3 ts = strides3(token_indices);
   detail::ExpandBlocksParams p{};
-  p.batch = ids.dim() == 3 ? ids.size(0) : 1;
-  p.rows = ids.size(-2);
-  p.k = ids.size(-1);
-  p.block_ids = ids.data_as<const int32_t>();
+  p.batch = block_ids.dim() == 3 ? block_ids.size(0) : 1;
+  p.rows = block_ids.size(-2);
+  p.k = block_ids.size(-1);
+  p.block_ids = block_ids.data_as<const int32_t>();
   p.block_ids_batch_stride = is.batch;
   p.block_ids_row_stride = is.row;
   p.block_ids_col_stride = is.col;
-  p.query_positions = pos.data_as<const int32_t>();
-  p.query_positions_batch_stride = pos.dim() == 2 ? pos.stride(0) : 0;
-  p.query_positions_row_stride = pos.stride(-1);
-  p.token_indices = tok.data_as<int32_t>();
+  p.query_positions = query_positions.data_as<const int32_t>();
+  p.query_positions_batch_stride = query_positions.dim() == 2 ? query_positions.stride(0) : 0;
+  p.query_positions_row_stride = query_positions.stride(-1);
+  p.token_indices = token_indices.data_as<int32_t>();
   p.token_indices_batch_stride = ts.batch;
   p.token_indices_row_stride = ts.row;
   p.token_indices_col_stride = ts.col;
-  if (blk) {
-    const Strides3 bs = strides3(*blk);
-    p.block_indices = blk->data_as<int32_t>();
+  if (block_indices) {
+    const Strides3 bs = strides3(*block_indices);
+    p.block_indices = block_indices->data_as<int32_t>();
     p.block_indices_batch_stride = bs.batch;
     p.block_indices_row_stride = bs.row;
     p.block_indices_col_stride = bs.col;
   }
-  detail::reference_expand_blocks(p);
-  host.commit();
+  p.device_index = dev.is_cuda() ? dev.index : 0;
+  p.stream = stream;
+  if (dev.is_cuda()) {
+    detail::native_expand_blocks(p);
+  } else {
+    detail::reference_expand_blocks(p);
+  }
 }
 
 }  // namespace sparse_attn

@@ -5,12 +5,14 @@
 
 #include <cstdint>
 
+#include "sparse_attn/common.h"
+
 namespace sparse_attn::detail {
 
 struct TopkBlocksParams {
   int64_t batch;
   int64_t rows;        // per batch entry
-  int64_t num_blocks;  // N_B
+  int64_t num_blocks;  // N_B, at most INT32_MAX (checked at the API)
   int64_t k;
   const float* scores;  // [batch, rows, num_blocks]
   int64_t scores_batch_stride;
@@ -20,6 +22,8 @@ struct TopkBlocksParams {
   int64_t out_batch_stride;
   int64_t out_row_stride;
   int64_t out_col_stride;
+  int device_index;     // native only: the CUDA device of every pointer
+  StreamHandle stream;  // native only
 };
 
 struct ExpandBlocksParams {
@@ -41,6 +45,16 @@ struct ExpandBlocksParams {
   int64_t block_indices_batch_stride;
   int64_t block_indices_row_stride;
   int64_t block_indices_col_stride;
+  int device_index;     // native only: the CUDA device of every pointer
+  StreamHandle stream;  // native only
 };
+
+// Native (CUDA) entry points, used by the API for CUDA tensors. A CUDA build defines them in
+// src/cuda/select; a CPU-only build (which cannot hold CUDA tensors) defines them to raise
+// NotSupportedError (src/api/qsa_select_native_cpu_only.cpp). They accept every params value
+// the API's checks let through, zero-sized dimensions included, and match the reference
+// (src/reference/qsa_select_ref.cpp) bit for bit.
+void native_topk_blocks(const TopkBlocksParams& params);
+void native_expand_blocks(const ExpandBlocksParams& params);
 
 }  // namespace sparse_attn::detail

@@ -1,6 +1,7 @@
 // Native qsa_sparse_attention on the GPU against an independent double-precision oracle
 // written here: every query/KV layout, SplitKV counts, gates, LSE, strided and sliced views,
-// physical ids, invalid ids, very many rows, determinism and CUDA graph replay.
+// physical ids, invalid ids, very many rows, determinism and CUDA graph replay, each under
+// every variant of the forward kernel (cp.async or bulk-copy gather, 4 or 8 warps).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -13,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/attention/sparse_attention_heuristics.h"
 #include "gpu_test_util.h"
 #include "sparse_attn/qsa.h"
 #include "sparse_attn/tensor.h"
@@ -26,6 +28,29 @@ using testing::to_vector;
 
 constexpr int64_t kD = 256;
 constexpr double kInf = std::numeric_limits<double>::infinity();
+
+using cuda::FwdVariant;
+using cuda::Gather;
+const FwdVariant kVariants[] = {
+    {Gather::kCpAsync, 4}, {Gather::kBulk, 4}, {Gather::kCpAsync, 8}, {Gather::kBulk, 8}};
+
+std::string variant_name(const FwdVariant& v) {
+  return (v.gather == Gather::kBulk ? "bulk" : "cpasync") + std::to_string(v.warps) + "w";
+}
+
+// Runs the enclosing scope under one forward-kernel variant and restores the previous one.
+class VariantScope {
+ public:
+  explicit VariantScope(const FwdVariant& v) : before_(cuda::sparse_attention_variant()) {
+    cuda::set_sparse_attention_variant(v);
+  }
+  ~VariantScope() { cuda::set_sparse_attention_variant(before_); }
+  VariantScope(const VariantScope&) = delete;
+  VariantScope& operator=(const VariantScope&) = delete;
+
+ private:
+  FwdVariant before_;
+};
 
 enum class Gate { kNone, kElementwise, kPerHead };
 
@@ -53,6 +78,7 @@ struct Case {
   // Each row of a request repeats the previous row's ids with about 1 in 20 redrawn, as
   // neighbouring prefill rows do (the row-tile kernel then gathers mostly shared tokens).
   bool shared = false;
+  FwdVariant variant;
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) { return info.param.name; }
@@ -396,6 +422,7 @@ class GpuSparseAttention : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GpuSparseAttention, MatchesOracle) {
   SPARSE_ATTN_REQUIRE_GPU();
+  VariantScope scope(GetParam().variant);
   auto rng = testing::make_rng();
   const Problem pb = make_problem(GetParam(), rng);
   DeviceProblem dp = to_device_problem(pb, rng);
@@ -572,6 +599,16 @@ std::vector<Case> cases() {
     c.gate = hq % 2 ? Gate::kPerHead : Gate::kNone;
     v.push_back(c);
   }
+  // Every form again under the other variants (the first is the default).
+  const size_t n = v.size();
+  for (size_t k = 1; k < std::size(kVariants); ++k) {
+    for (size_t i = 0; i < n; ++i) {
+      Case c = v[i];
+      c.name += "_" + variant_name(kVariants[k]);
+      c.variant = kVariants[k];
+      v.push_back(c);
+    }
+  }
   return v;
 }
 
@@ -584,6 +621,8 @@ INSTANTIATE_TEST_SUITE_P(Forms, GpuSparseAttention, ::testing::ValuesIn(cases())
 std::vector<Case> row_tile_cases() {
   std::vector<Case> v;
   for (const Case& base : cases()) {
+    if (base.variant.gather != kVariants[0].gather || base.variant.warps != kVariants[0].warps)
+      continue;  // the row-tile kernel has no variants
     const int64_t batch = static_cast<int64_t>(base.q_rows.size());
     const int64_t rows = base.padded_q
                              ? batch * *std::max_element(base.q_rows.begin(), base.q_rows.end())
@@ -612,12 +651,14 @@ struct HintCase {
   int64_t page_size;
   std::optional<int64_t> num_splits;
   std::vector<int64_t> q_rows, k_lens;
+  FwdVariant variant;
 };
 
 class GpuSparseAttentionBlockHint : public ::testing::TestWithParam<HintCase> {};
 
 TEST_P(GpuSparseAttentionBlockHint, HintAndProducerContractGiveTheTokenResult) {
   SPARSE_ATTN_REQUIRE_GPU();
+  VariantScope scope(GetParam().variant);
   auto rng = testing::make_rng();
   constexpr int64_t kNb = 100;
   Case c;
@@ -654,22 +695,33 @@ TEST_P(GpuSparseAttentionBlockHint, HintAndProducerContractGiveTheTokenResult) {
   expect_matches(pb, dp, oracle(pb));
 }
 
-INSTANTIATE_TEST_SUITE_P(Pages, GpuSparseAttentionBlockHint,
-                         ::testing::Values(HintCase{64, std::nullopt, {37, 5}, {3000, 203}},
-                                           HintCase{16, 3, {1, 1, 1}, {5001, 2998, 401}},
-                                           HintCase{64, 1, {9}, {58}},
-                                           HintCase{16, 1, {40, 13}, {3000, 900}},
-                                           HintCase{6, std::nullopt, {7, 2}, {500, 66}}),
+INSTANTIATE_TEST_SUITE_P(Pages, GpuSparseAttentionBlockHint, ::testing::ValuesIn([] {
+                           std::vector<HintCase> v;
+                           for (const FwdVariant& g : kVariants) {
+                             v.push_back({64, std::nullopt, {37, 5}, {3000, 203}, g});
+                             v.push_back({16, 3, {1, 1, 1}, {5001, 2998, 401}, g});
+                             v.push_back({64, 1, {9}, {58}, g});
+                             v.push_back({6, std::nullopt, {7, 2}, {500, 66}, g});
+                           }
+                           // The row-tile kernel (one split, rows per request >= 4), which
+                           // has no variants.
+                           v.push_back({16, 1, {40, 13}, {3000, 900}, kVariants[0]});
+                           return v;
+                         }()),
                          [](const ::testing::TestParamInfo<HintCase>& info) {
                            return "page" + std::to_string(info.param.page_size) + "_splits" +
                                   (info.param.num_splits ? std::to_string(*info.param.num_splits)
                                                          : "auto") +
-                                  "_rows" + std::to_string(info.param.q_rows.size());
+                                  "_rows" + std::to_string(info.param.q_rows.size()) + "_" +
+                                  variant_name(info.param.variant);
                          });
 
 // More rows than a grid's y/z limit: rows run on gridDim.x.
-TEST(GpuSparseAttentionRows, MoreThan65535Rows) {
+class GpuSparseAttentionRows : public ::testing::TestWithParam<FwdVariant> {};
+
+TEST_P(GpuSparseAttentionRows, MoreThan65535Rows) {
   SPARSE_ATTN_REQUIRE_GPU();
+  VariantScope scope(GetParam());
   auto rng = testing::make_rng();
   Case c;
   c.hq = 2;
@@ -686,8 +738,11 @@ TEST(GpuSparseAttentionRows, MoreThan65535Rows) {
 }
 
 // Same inputs, same bits, for the SplitKV path and the single-split path.
-TEST(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
+class GpuSparseAttentionDeterminism : public ::testing::TestWithParam<FwdVariant> {};
+
+TEST_P(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
   SPARSE_ATTN_REQUIRE_GPU();
+  VariantScope scope(GetParam());
   auto rng = testing::make_rng();
   // Decode with one and six splits (per-row kernel), and prefill rows with shared selections
   // (row-tile kernel: its hash-table insertions race, its union order must not).
@@ -717,10 +772,11 @@ TEST(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
 // Physical ids into flattened K/V: no requests, no causal mask, duplicates counted, ids < 0
 // or >= total_kv masked, the lse buffer written; rows with nothing valid give 0 and -inf.
 // With the heuristic's splits the per-row kernel runs; with one split the row-tile kernel.
-class GpuSparseAttentionPhysical : public ::testing::TestWithParam<int64_t> {};
+class GpuSparseAttentionPhysical : public ::testing::TestWithParam<FwdVariant> {};
 
 TEST_P(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
   SPARSE_ATTN_REQUIRE_GPU();
+  VariantScope scope(GetParam());
   auto rng = testing::make_rng();
   const int64_t rows = 9, hq = 24, hkv = 2, total = 3000, width = 2051;
   Tensor q = testing::random_tensor({rows, hq, kD}, DType::kBF16, rng, -2.f, 2.f);
@@ -737,27 +793,29 @@ TEST_P(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
   Tensor dq = to_device(q), dk = to_device(k), dv = to_device(v), didx = to_device(idx);
   Tensor out = testing::poisoned_device({rows, hq, kD}, DType::kBF16);
   Tensor lse = testing::poisoned_device({rows, hq}, DType::kF32);
-  SparseAttentionOptions o;
-  o.selected_kv_indices = didx.view();
-  if (GetParam() > 0) o.num_splits = GetParam();
-  qsa_sparse_attention(dq, dk, dv, std::nullopt, out, lse.view(), o);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-
   const testing::AttentionExpectation e =
       testing::expected_physical_attention(q.view(), k.view(), v.view(), ids, width, 1.0 / 16.0);
-  EXPECT_TRUE(testing::all_close(Tensor::to_host(out.view()).view(), e.out, 1e-2, 1e-2));
-  EXPECT_TRUE(testing::all_close(Tensor::to_host(lse.view()).view(), e.lse, 2e-3, 2e-3));
+  for (std::optional<int64_t> splits : {std::optional<int64_t>{}, std::optional<int64_t>{1}}) {
+    SparseAttentionOptions o;
+    o.selected_kv_indices = didx.view();
+    o.num_splits = splits;
+    poison_device(out.view());
+    poison_device(lse.view());
+    qsa_sparse_attention(dq, dk, dv, std::nullopt, out, lse.view(), o);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_TRUE(testing::all_close(Tensor::to_host(out.view()).view(), e.out, 1e-2, 1e-2))
+        << (splits ? "one split (row tiles)" : "heuristic splits");
+    EXPECT_TRUE(testing::all_close(Tensor::to_host(lse.view()).view(), e.lse, 2e-3, 2e-3));
+  }
 }
-
-INSTANTIATE_TEST_SUITE_P(Splits, GpuSparseAttentionPhysical, ::testing::Values(0, 1),
-                         [](const ::testing::TestParamInfo<int64_t>& info) {
-                           return info.param ? "splits1_rowtiles" : "heuristic_splits";
-                         });
 
 // A captured graph reads the metadata current at replay: new ids, lengths and positions
 // written into the same buffers change the result accordingly.
-TEST(GpuSparseAttentionGraph, ReplayReadsCurrentMetadata) {
+class GpuSparseAttentionGraph : public ::testing::TestWithParam<FwdVariant> {};
+
+TEST_P(GpuSparseAttentionGraph, ReplayReadsCurrentMetadata) {
   SPARSE_ATTN_REQUIRE_GPU();
+  VariantScope scope(GetParam());
   auto rng = testing::make_rng();
   Case c = decode("graph", 4);
   c.gate = Gate::kElementwise;
@@ -798,6 +856,18 @@ TEST(GpuSparseAttentionGraph, ReplayReadsCurrentMetadata) {
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
+
+std::string variant_param_name(const ::testing::TestParamInfo<FwdVariant>& info) {
+  return variant_name(info.param);
+}
+INSTANTIATE_TEST_SUITE_P(Variants, GpuSparseAttentionRows, ::testing::ValuesIn(kVariants),
+                         variant_param_name);
+INSTANTIATE_TEST_SUITE_P(Variants, GpuSparseAttentionDeterminism, ::testing::ValuesIn(kVariants),
+                         variant_param_name);
+INSTANTIATE_TEST_SUITE_P(Variants, GpuSparseAttentionPhysical, ::testing::ValuesIn(kVariants),
+                         variant_param_name);
+INSTANTIATE_TEST_SUITE_P(Variants, GpuSparseAttentionGraph, ::testing::ValuesIn(kVariants),
+                         variant_param_name);
 
 }  // namespace
 }  // namespace sparse_attn

@@ -1,10 +1,18 @@
 #include "cuda/attention/sparse_attention_heuristics.h"
 
 #include <algorithm>
+#include <atomic>
 
 #include "cuda/attention/sparse_attention_config.h"
 
 namespace sparse_attn::cuda {
+
+namespace {
+std::atomic<FwdVariant> g_variant{FwdVariant{}};
+}  // namespace
+
+void set_sparse_attention_variant(FwdVariant v) { g_variant.store(v, std::memory_order_relaxed); }
+FwdVariant sparse_attention_variant() { return g_variant.load(std::memory_order_relaxed); }
 
 // A CTA (one row, one KV head, one split) holds a whole SM (216 KB of shared memory), so the
 // schedule is a sequence of waves of num_sms CTAs. A CTA costs a fixed latency L (resolve the

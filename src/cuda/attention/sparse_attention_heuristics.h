@@ -3,7 +3,20 @@
 
 #include <cstdint>
 
+#include "cuda/attention/sparse_attention_config.h"
+
 namespace sparse_attn::cuda {
+
+// The forward kernel's variant, process-wide: its gather (config.h) and its warps per CTA
+// (FwdShape: 4, or 8 splitting D in pairs). The benchmark sets it to compare the variants in
+// one run and the GPU suite runs every form under each; the library never changes it (4-warp
+// cp.async until a measurement picks another).
+struct FwdVariant {
+  Gather gather = Gather::kCpAsync;
+  int warps = 4;
+};
+void set_sparse_attention_variant(FwdVariant v);
+FwdVariant sparse_attention_variant();
 
 // SplitKV count when the caller passes num_splits = None; see the .cpp for the model.
 int choose_num_splits(int64_t rows, int64_t kv_heads, int64_t width, int num_sms);

@@ -8,9 +8,11 @@
 //   2. read the split's index columns, keep the valid ones (0 <= t < seq_len_k, t <= p, page
 //      id in range; physical: 0 <= id < total_kv) and compact their K/V coordinates into
 //      shared memory, in index order; masked ids are never dereferenced;
-//   3. gather 64 compacted tokens per stage with cp.async (zero-filled past the end) and run
-//      S = Q K^T, online softmax and O += P V with m16n8k16 MMAs, 16 tokens per warp;
-//   4. merge the 4 warps' softmax states in a fixed order, then either store the output (gate
+//   3. gather 64 compacted tokens per stage (Gather: 16-byte cp.async chunks, or one 512-byte
+//      bulk copy per K/V row completing on the stage's mbarrier) and run S = Q K^T, online
+//      softmax and O += P V with m16n8k16 MMAs, 16 tokens per token group of 1 or 2 warps
+//      (with 2, both compute the scores and each accumulates half of D);
+//   4. merge the 4 groups' softmax states in a fixed order, then either store the output (gate
 //      applied, LSE exported) or, with SplitKV, the split's normalised FP32 partial and LSE.
 #pragma once
 
@@ -29,17 +31,74 @@
 
 namespace sparse_attn::cuda {
 
-template <typename T>
-__global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
+// mbarrier and bulk-copy primitives of the kBulk gather (sm90 PTX).
+__device__ inline uint32_t smem_addr(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+__device__ inline void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count)
+               : "memory");
+}
+// One arrival that also announces the bytes the phase's copies will deliver.
+__device__ inline void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ inline void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+__device__ inline void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+// Orders this thread's earlier generic-proxy shared-memory accesses before later async-proxy
+// (bulk copy) writes to the same bytes, once a barrier has passed between them.
+__device__ inline void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+template <typename T, Gather G, int W>
+__global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
     sparse_attention_fwd_kernel(const __grid_constant__ SparseAttentionParams p,
                                 const __grid_constant__ SparseAttentionLaunch x) {
   using C = SparseAttentionConfig;
+  using S = FwdShape<W>;
   using E = ElementTraits<T>;
+  using L = TileLayout<G>;
   using Mma = typename Sm80Mma<T>::Atom;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  auto& sm = *reinterpret_cast<SparseAttentionSmem*>(smem_raw);
+  auto& sm = *reinterpret_cast<SparseAttentionSmem<G, W>*>(smem_raw);
+
+  // The SplitKV merge kernel is launched as a programmatic dependent of this grid and waits
+  // for its completion in cudaGridDependencySynchronize, so it may be scheduled as soon as
+  // every CTA of this grid has started: its CTAs (no shared memory) then sit resident in that
+  // wait, and the merge starts the moment the last split is written instead of a launch later.
+  // Without a dependent launch this is a no-op.
+  cudaTriggerProgrammaticLaunchCompletion();
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  // This warp's token group (16 tokens of every tile) and its share of D in P V and O.
+  const int token_group = S::kDimSplit == 1 ? warp : warp % C::kTokenGroups;
+  const int dim0 = S::kDimSplit == 1 ? 0 : warp / C::kTokenGroups * S::kWarpDims;
+  if constexpr (G == Gather::kBulk) {
+    // Visible to every thread after the compaction's barriers, before the first copy.
+    if (tid == 0) {
+      for (int s = 0; s < C::kStages; ++s) mbar_init(&sm.stage_full[s], 1);
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+  }
   const int64_t r = blockIdx.x;
   const int kvh = blockIdx.y, split = blockIdx.z;
   const int group = static_cast<int>(p.group);
@@ -47,12 +106,9 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
   // Index entries: token ids, or with the block hint one block per entry plus the tail entry.
   // The first pass's entries do not depend on the row's metadata: load them first, so their
   // latency overlaps the Q tile and the request lookup.
-  constexpr int kPerThread = C::kPassTokens / C::kThreads;
-  static_assert(C::kBlockPassEntries <= kPerThread * C::kThreads &&
-                    4 * C::kBlockPassEntries <= C::kPassTokens + 4,
-                "a block-hint pass must fit the entry registers and the token list");
+  constexpr int kPerThread = S::kPerThread;
   const int64_t n_entries = x.block_hint ? p.num_blocks + 1 : p.width;
-  const int64_t pass_entries = x.block_hint ? C::kBlockPassEntries : C::kPassTokens;
+  const int64_t pass_entries = x.block_hint ? C::kBlockPassEntries : S::kPassTokens;
   const int64_t col_begin = static_cast<int64_t>(split) * x.split_cols;
   const int64_t split_end = min(n_entries, col_begin + x.split_cols);
   int32_t ids[kPerThread];
@@ -64,40 +120,49 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
     const int64_t stored = x.block_hint ? min(c1, p.num_blocks) : c1;  // the tail is not stored
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
-      const int64_t e = c0 + j * C::kThreads + tid;
+      const int64_t e = c0 + j * S::kThreads + tid;
       ids[j] = e < stored ? row[e * col_stride] : -1;
     }
   };
   load_ids(col_begin, min(split_end, col_begin + pass_entries));
 
   // ----- Q tile: the group's heads, zero rows past the group ------------------------------
+  // Vector layouts use cp.async (one group, waited for at the end of the first compaction),
+  // so this thread's chunks are in flight together and the request lookup below starts at
+  // once, instead of one load-to-store round trip per chunk before it.
   {
     const T* q = static_cast<const T*>(p.q) + r * p.q_row_stride +
                  static_cast<int64_t>(kvh) * group * p.q_head_stride;
     const bool vec =
         p.q_dim_stride == 1 && p.q_head_stride % 8 == 0 && reinterpret_cast<uintptr_t>(q) % 16 == 0;
-    for (int c = tid; c < C::kHeadRows * C::kChunks; c += C::kThreads) {
+    for (int c = tid; c < C::kHeadRows * C::kChunks; c += S::kThreads) {
       const int hr = c / C::kChunks, chunk = c % C::kChunks;
+      if (vec) {
+        // Rows past the group are zero-filled; their source address (row 0) is not read.
+        const T* src = q + (hr < group ? hr : 0) * p.q_head_stride + chunk * 8;
+        cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(*reinterpret_cast<const uint4*>(src),
+                                                           sm.q[hr][swz(hr, chunk)], hr < group);
+        continue;
+      }
       uint4 v = make_uint4(0, 0, 0, 0);
       if (hr < group) {
         const T* src = q + hr * p.q_head_stride + chunk * 8 * p.q_dim_stride;
-        if (vec) {
-          v = *reinterpret_cast<const uint4*>(src);
-        } else {
-          T e[8];
-          for (int j = 0; j < 8; ++j) e[j] = src[j * p.q_dim_stride];
-          v = *reinterpret_cast<uint4*>(e);
-        }
+        T e[8];
+        for (int j = 0; j < 8; ++j) e[j] = src[j * p.q_dim_stride];
+        v = *reinterpret_cast<uint4*>(e);
       }
       sm.q[hr][swz(hr, chunk)] = v;
     }
+    cute::cp_async_fence();
   }
   const RowInfo ri = resolve_row(p, x, r);
 
-  // Per-warp softmax state: rows g = lane / 4 and g + 8 of the head tile.
-  float o_acc[C::kHeadDim / 8][4];
+  // Per-warp softmax state: rows g = lane / 4 and g + 8 of the head tile, O columns
+  // dim0 .. dim0 + kWarpDims. The warps of one token group compute the same scores with the
+  // same instructions, so their row_max and row_sum are bitwise equal.
+  float o_acc[S::kWarpDims / 8][4];
 #pragma unroll
-  for (int j = 0; j < C::kHeadDim / 8; ++j)
+  for (int j = 0; j < S::kWarpDims / 8; ++j)
     o_acc[j][0] = o_acc[j][1] = o_acc[j][2] = o_acc[j][3] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
@@ -105,6 +170,7 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
   const T* k_head = static_cast<const T*>(p.k) + kvh * p.k_head_stride;
   const T* v_head = static_cast<const T*>(p.v) + kvh * p.v_head_stride;
   const int64_t col_end = ri.active ? split_end : col_begin;
+  int tile_seq = 0;
 
   for (int64_t c0 = col_begin; c0 < col_end; c0 += pass_entries) {
     const int64_t c1 = min(col_end, c0 + pass_entries);
@@ -122,15 +188,21 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
     // keeps registers for o_acc.
     int32_t* const page_buf = reinterpret_cast<int32_t*>(&sm.tiles);
     int32_t pages[kPerThread];
+    // Entry steps past the pass's end hold nothing: a split of a few tiles (small decode
+    // batches) stops after its first steps instead of running all kPerThread. The bound is
+    // uniform over the CTA and the same in the four loops below.
+    const int steps = static_cast<int>((c1 - c0 + S::kThreads - 1) / S::kThreads);
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
+      if (j >= steps) break;
       int count;
       pages[j] =
-          entry_page(p, ri, entry_tokens(p, x, ri, c0 + j * C::kThreads + tid, ids[j], &count));
+          entry_page(p, ri, entry_tokens(p, x, ri, c0 + j * S::kThreads + tid, ids[j], &count));
     }
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
-      const int64_t e = c0 + j * C::kThreads + tid;
+      if (j >= steps) break;
+      const int64_t e = c0 + j * S::kThreads + tid;
       int count;
       const int64_t first = entry_tokens(p, x, ri, e, ids[j], &count);
 #pragma unroll
@@ -139,12 +211,13 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
           bits |= 1ull << (per_entry * j + k);
         }
       }
-      page_buf[j * C::kThreads + tid] = pages[j];
+      page_buf[j * S::kThreads + tid] = pages[j];
     }
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
+      if (j >= steps) break;
       const int total = __reduce_add_sync(0xffffffffu, __popc(entry_mask(j)));
-      if (lane == 0) sm.warp_count[j * C::kWarps + warp] = total;
+      if (lane == 0) sm.warp_count[j * S::kWarps + warp] = total;
     }
     __syncthreads();
     // Token k of entry (j, warp, lane) goes after every valid token of earlier j, of earlier
@@ -152,9 +225,10 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
     int n_valid = 0;
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
+      if (j >= steps) break;
       int before_warp = 0, in_j = 0;
-      for (int w = 0; w < C::kWarps; ++w) {
-        const int cnt = sm.warp_count[j * C::kWarps + w];
+      for (int w = 0; w < S::kWarps; ++w) {
+        const int cnt = sm.warp_count[j * S::kWarps + w];
         if (w < warp) before_warp += cnt;
         in_j += cnt;
       }
@@ -168,50 +242,97 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
       before_lane -= __popc(mine);
       if (mine) {
         int count;
-        const int64_t first = entry_tokens(p, x, ri, c0 + j * C::kThreads + tid, ids[j], &count);
+        const int64_t first = entry_tokens(p, x, ri, c0 + j * S::kThreads + tid, ids[j], &count);
         int at = n_valid + before_warp + before_lane;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           if ((mine >> k) & 1u) {
-            sm.token_loc[at++] = token_coords(p, ri, first + k, page_buf[j * C::kThreads + tid]);
+            sm.token_loc[at++] = token_coords(p, ri, first + k, page_buf[j * S::kThreads + tid]);
           }
         }
       }
       n_valid += in_j;
     }
+    if constexpr (G == Gather::kBulk) fence_proxy_async_smem();  // page_buf before the copies
+    cute::cp_async_wait<0>();  // the Q tile's group (first pass; nothing pending after it)
     __syncthreads();
 
     // ----- gather tiles through the cp.async ring and attend -------------------------------
+    // Tiles of every pass go through the ring in one sequence (tile_seq counts the earlier
+    // passes' tiles), so a kBulk stage's mbarrier phase is (its uses so far) & 1.
     const int n_tiles = (n_valid + C::kBlockTokens - 1) / C::kBlockTokens;
-    auto load_tile = [&](int tile, int stage) {
+    auto stage_of = [&](int tile) { return (tile_seq + tile) % C::kStages; };
+    auto load_tile = [&](int tile) {
+      const int stage = stage_of(tile);
+      if constexpr (G == Gather::kCpAsync) {
+        // Rows past n_valid are zero-filled, so P V never meets stale bytes.
 #pragma unroll
-      for (int i = 0; i < C::kBlockTokens / C::kWarps; ++i) {
-        const int row = i * C::kWarps + warp;
-        const int n = tile * C::kBlockTokens + row;
-        const bool valid = n < n_valid;
-        const int2 loc = valid ? sm.token_loc[n] : make_int2(0, 0);
-        const T* ks = k_head + loc.x * p.k_batch_stride + loc.y * p.k_token_stride + lane * 8;
-        const T* vs = v_head + loc.x * p.v_batch_stride + loc.y * p.v_token_stride + lane * 8;
-        cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
-            *reinterpret_cast<const uint4*>(ks), sm.tiles.k[stage][row][swz(row, lane)], valid);
-        cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
-            *reinterpret_cast<const uint4*>(vs), sm.tiles.v[stage][row][swz(row, lane)], valid);
+        for (int i = 0; i < C::kBlockTokens / S::kWarps; ++i) {
+          const int row = i * S::kWarps + warp;
+          const int n = tile * C::kBlockTokens + row;
+          const bool valid = n < n_valid;
+          const int2 loc = valid ? sm.token_loc[n] : make_int2(0, 0);
+          const T* ks = k_head + loc.x * p.k_batch_stride + loc.y * p.k_token_stride + lane * 8;
+          const T* vs = v_head + loc.x * p.v_batch_stride + loc.y * p.v_token_stride + lane * 8;
+          cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
+              *reinterpret_cast<const uint4*>(ks), sm.tiles.k[stage][row][L::slot(row, lane)],
+              valid);
+          cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
+              *reinterpret_cast<const uint4*>(vs), sm.tiles.v[stage][row][L::slot(row, lane)],
+              valid);
+        }
+        cute::cp_async_fence();
+      } else {
+        // Thread t copies K row t (t < 64) or V row t - 64 of the tile (threads from 128 on
+        // copy nothing). Rows past n_valid get no copy: their scores are masked to -inf, and
+        // their V rows are zeroed here, so that P = 0 never multiplies stale bytes (0 * NaN
+        // would be NaN).
+        static_assert(S::kThreads >= 2 * C::kBlockTokens, "one thread per K or V row");
+        constexpr uint32_t kRowBytes = C::kHeadDim * sizeof(T);
+        const int rows = min(C::kBlockTokens, n_valid - tile * C::kBlockTokens);
+        const int row = tid % C::kBlockTokens;
+        const bool is_v = tid >= C::kBlockTokens;
+        const bool has_row = tid < 2 * C::kBlockTokens;
+        if (tid == 0) mbar_arrive_expect_tx(&sm.stage_full[stage], 2 * kRowBytes * rows);
+        if (has_row && row < rows) {
+          const int2 loc = sm.token_loc[tile * C::kBlockTokens + row];
+          const T* src = is_v ? v_head + loc.x * p.v_batch_stride + loc.y * p.v_token_stride
+                              : k_head + loc.x * p.k_batch_stride + loc.y * p.k_token_stride;
+          uint4* dst = is_v ? &sm.tiles.v[stage][row][0] : &sm.tiles.k[stage][row][0];
+          bulk_copy_g2s(dst, src, kRowBytes, &sm.stage_full[stage]);
+        } else if (has_row && is_v) {
+          for (int c = 0; c < C::kChunks; ++c) sm.tiles.v[stage][row][c] = make_uint4(0, 0, 0, 0);
+        }
       }
     };
 #pragma unroll
     for (int s = 0; s < C::kStages - 1; ++s) {
-      if (s < n_tiles) load_tile(s, s);
-      cute::cp_async_fence();
+      if (s < n_tiles) {
+        load_tile(s);
+      } else if constexpr (G == Gather::kCpAsync) {
+        cute::cp_async_fence();  // an empty group keeps the wait counts below uniform
+      }
     }
     for (int tile = 0; tile < n_tiles; ++tile) {
-      cute::cp_async_wait<C::kStages - 2>();
-      __syncthreads();  // tile's data visible; every warp is done with the stage reused next
+      const int stage = stage_of(tile);
+      if constexpr (G == Gather::kCpAsync) {
+        cute::cp_async_wait<C::kStages - 2>();
+      } else {
+        fence_proxy_async_smem();  // this thread's reads and zero rows before the next copies
+      }
+      __syncthreads();  // cp.async: tile's data visible; every warp is done with the stage
+                        // reused next
       const int next = tile + C::kStages - 1;
-      if (next < n_tiles) load_tile(next, next % C::kStages);
-      cute::cp_async_fence();
+      if (next < n_tiles) {
+        load_tile(next);
+      } else if constexpr (G == Gather::kCpAsync) {
+        cute::cp_async_fence();
+      }
+      if constexpr (G == Gather::kBulk) {
+        mbar_wait(&sm.stage_full[stage], ((tile_seq + tile) / C::kStages) & 1);
+      }
 
-      const int stage = tile % C::kStages;
-      const int tok0 = warp * C::kWarpTokens;  // this warp's 16 tokens inside the tile
+      const int tok0 = token_group * C::kWarpTokens;  // this warp's 16 tokens in the tile
       const int n_first = tile * C::kBlockTokens + tok0;
       if (n_first >= n_valid) continue;  // warp-uniform: only the last tile is partial
 
@@ -228,9 +349,9 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
             a[2], a[3]);
         const int krow = tok0 + (lane % 8) + (lane >> 4) * 8;
         const int kchunk = ks * 2 + ((lane >> 3) & 1);
-        cute::SM75_U32x4_LDSM_N::copy(
-            reinterpret_cast<const cute::uint128_t&>(sm.tiles.k[stage][krow][swz(krow, kchunk)]),
-            b[0], b[1], b[2], b[3]);
+        cute::SM75_U32x4_LDSM_N::copy(reinterpret_cast<const cute::uint128_t&>(
+                                          sm.tiles.k[stage][krow][L::slot(krow, kchunk)]),
+                                      b[0], b[1], b[2], b[3]);
       };
       load_qk(0, qa[0], kb[0]);
 #pragma unroll
@@ -247,14 +368,15 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
       }
 
       // V fragments for O += P V: the first one is loaded before the softmax, which hides its
-      // latency, and each next one before the current one's MMAs.
+      // latency, and each next one before the current one's MMAs. dt counts this warp's
+      // 16-column steps from dim0.
       uint32_t vb[2][4];
       auto load_v = [&](int dt, uint32_t(&b)[4]) {
         const int row = tok0 + (lane % 8) + ((lane >> 3) & 1) * 8;
-        const int chunk = dt * 2 + (lane >> 4);
+        const int chunk = (dim0 / 16 + dt) * 2 + (lane >> 4);
         cute::SM75_U16x8_LDSM_T::copy(
-            reinterpret_cast<const cute::uint128_t&>(sm.tiles.v[stage][row][swz(row, chunk)]), b[0],
-            b[1], b[2], b[3]);
+            reinterpret_cast<const cute::uint128_t&>(sm.tiles.v[stage][row][L::slot(row, chunk)]),
+            b[0], b[1], b[2], b[3]);
       };
       load_v(0, vb[0]);
 
@@ -283,7 +405,7 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
         float p10 = exp2f(s[1][2 * hrow] - m_use), p11 = exp2f(s[1][2 * hrow + 1] - m_use);
         row_sum[hrow] = row_sum[hrow] * corr + (p00 + p01 + p10 + p11);
 #pragma unroll
-        for (int j = 0; j < C::kHeadDim / 8; ++j) {
+        for (int j = 0; j < S::kWarpDims / 8; ++j) {
           o_acc[j][2 * hrow] *= corr;
           o_acc[j][2 * hrow + 1] *= corr;
         }
@@ -292,10 +414,10 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
         pa[2 + hrow] = E::pack(p10, p11);
       }
 
-      // O += P V: 16 heads x 256 dims over this warp's 16 tokens
+      // O += P V: 16 heads x kWarpDims dims over this warp's 16 tokens
 #pragma unroll
-      for (int dt = 0; dt < C::kHeadDim / 16; ++dt) {
-        if (dt + 1 < C::kHeadDim / 16) load_v(dt + 1, vb[(dt + 1) & 1]);
+      for (int dt = 0; dt < S::kWarpDims / 16; ++dt) {
+        if (dt + 1 < S::kWarpDims / 16) load_v(dt + 1, vb[(dt + 1) & 1]);
         const uint32_t(&b)[4] = vb[dt & 1];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -305,41 +427,44 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kThreads, 1)
         }
       }
     }
-    cute::cp_async_wait<0>();
+    if constexpr (G == Gather::kCpAsync) cute::cp_async_wait<0>();
     __syncthreads();  // the ring and token_loc are free for the next pass or the merge
+    tile_seq += n_tiles;
   }
+  cute::cp_async_wait<0>();  // a row without passes (padding) still has the Q group in flight
 
-  // ----- merge the warps' states in warp order (deterministic) -----------------------------
+  // ----- merge the token groups' states in group order (deterministic) ---------------------
   const int g = lane / 4;
 #pragma unroll
   for (int hrow = 0; hrow < 2; ++hrow) {
     row_sum[hrow] += __shfl_xor_sync(0xffffffffu, row_sum[hrow], 1);
     row_sum[hrow] += __shfl_xor_sync(0xffffffffu, row_sum[hrow], 2);
   }
-  if (lane % 4 == 0) {
-    sm.merge.m[warp][g] = row_max[0];
-    sm.merge.m[warp][g + 8] = row_max[1];
-    sm.merge.l[warp][g] = row_sum[0];
-    sm.merge.l[warp][g + 8] = row_sum[1];
+  if (lane % 4 == 0 && dim0 == 0) {  // one warp per group: the pair's statistics are equal
+    sm.merge.m[token_group][g] = row_max[0];
+    sm.merge.m[token_group][g + 8] = row_max[1];
+    sm.merge.l[token_group][g] = row_sum[0];
+    sm.merge.l[token_group][g + 8] = row_sum[1];
   }
 #pragma unroll
-  for (int j = 0; j < C::kHeadDim / 8; ++j) {
-    const int col = j * 8 + (lane % 4) * 2;
-    *reinterpret_cast<float2*>(&sm.merge.o[warp][g][col]) = make_float2(o_acc[j][0], o_acc[j][1]);
-    *reinterpret_cast<float2*>(&sm.merge.o[warp][g + 8][col]) =
+  for (int j = 0; j < S::kWarpDims / 8; ++j) {
+    const int col = dim0 + j * 8 + (lane % 4) * 2;
+    *reinterpret_cast<float2*>(&sm.merge.o[token_group][g][col]) =
+        make_float2(o_acc[j][0], o_acc[j][1]);
+    *reinterpret_cast<float2*>(&sm.merge.o[token_group][g + 8][col]) =
         make_float2(o_acc[j][2], o_acc[j][3]);
   }
   __syncthreads();
 
-  for (int e = tid; e < group * C::kHeadDim; e += C::kThreads) {
+  for (int e = tid; e < group * C::kHeadDim; e += S::kThreads) {
     const int hr = e / C::kHeadDim, d = e % C::kHeadDim;
     float m = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < C::kWarps; ++w) m = fmaxf(m, sm.merge.m[w][hr]);
+    for (int w = 0; w < C::kTokenGroups; ++w) m = fmaxf(m, sm.merge.m[w][hr]);
     float l = 0.f, o = 0.f;
     if (m != -INFINITY) {
 #pragma unroll
-      for (int w = 0; w < C::kWarps; ++w) {
+      for (int w = 0; w < C::kTokenGroups; ++w) {
         const float c = exp2f(sm.merge.m[w][hr] - m);
         l += c * sm.merge.l[w][hr];
         o += c * sm.merge.o[w][hr][d];
