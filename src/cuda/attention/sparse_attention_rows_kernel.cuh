@@ -408,39 +408,54 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
       }
 
       // Online softmax (log2 domain) over the tile; the bias is log2(multiplicity) or -inf.
-      uint32_t pa[C::kWarpTokens / 16][4];
+      // Once the running maxima settle, most tiles move none of the warp's 16, and the O
+      // rescale (128 multiplies a thread, by exactly 1) is skipped.
+      float s[2][C::kWarpTokens / 8][2];
+      float m_new[2], m_use[2];
+      bool moved = false;
 #pragma unroll
       for (int hrow = 0; hrow < 2; ++hrow) {
-        float s[C::kWarpTokens / 8][2];
         float mx = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < C::kWarpTokens / 8; ++nt) {
           const float2 b = bias_at(nt);
-          s[nt][0] = s_acc[nt][2 * hrow] * p.scale_log2 + b.x;
-          s[nt][1] = s_acc[nt][2 * hrow + 1] * p.scale_log2 + b.y;
-          mx = fmaxf(mx, fmaxf(s[nt][0], s[nt][1]));
+          s[hrow][nt][0] = s_acc[nt][2 * hrow] * p.scale_log2 + b.x;
+          s[hrow][nt][1] = s_acc[nt][2 * hrow + 1] * p.scale_log2 + b.y;
+          mx = fmaxf(mx, fmaxf(s[hrow][nt][0], s[hrow][nt][1]));
         }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(row_max[hrow], mx);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // all masked so far: no NaN
-        const float corr = exp2f(row_max[hrow] - m_use);
-        row_max[hrow] = m_new;
+        m_new[hrow] = fmaxf(row_max[hrow], mx);
+        m_use[hrow] = m_new[hrow] == -INFINITY ? 0.f : m_new[hrow];  // all masked so far: no NaN
+        moved |= m_new[hrow] != row_max[hrow];
+      }
+      if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+        for (int hrow = 0; hrow < 2; ++hrow) {
+          const float corr = exp2f(row_max[hrow] - m_use[hrow]);
+          row_sum[hrow] *= corr;
+#pragma unroll
+          for (int i = 0; i < C::kHeadDim / 8; ++i) {
+            o_acc[i][2 * hrow] *= corr;
+            o_acc[i][2 * hrow + 1] *= corr;
+          }
+        }
+      }
+      uint32_t pa[C::kWarpTokens / 16][4];
+#pragma unroll
+      for (int hrow = 0; hrow < 2; ++hrow) {
+        row_max[hrow] = m_new[hrow];
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < C::kWarpTokens / 8; ++nt) {
-          const float p0 = exp2f(s[nt][0] - m_use), p1 = exp2f(s[nt][1] - m_use);
+          const float p0 = exp2f(s[hrow][nt][0] - m_use[hrow]);
+          const float p1 = exp2f(s[hrow][nt][1] - m_use[hrow]);
           sum += p0 + p1;
-          // A operand of P V, k step nt / 2: regs {row g, k 0-7}, {g+8, 0-7}, {g, 8-15}, {g+8,
-          // 8-15}.
+          // A operand of P V, k step nt / 2: regs {row g, k 0-7}, {g+8, 0-7}, {g, 8-15},
+          // {g+8, 8-15}.
           pa[nt / 2][(nt % 2) * 2 + hrow] = E::pack(p0, p1);
         }
-        row_sum[hrow] = row_sum[hrow] * corr + sum;
-#pragma unroll
-        for (int i = 0; i < C::kHeadDim / 8; ++i) {
-          o_acc[i][2 * hrow] *= corr;
-          o_acc[i][2 * hrow + 1] *= corr;
-        }
+        row_sum[hrow] += sum;
       }
 
       // O_j += P V: 16 heads x 256 dims over the warp's 32 tokens. A step is 2 MMAs, shorter
