@@ -146,13 +146,14 @@ def main():
     measure("qsa_sparse_attention: binding", lambda: _C.qsa_sparse_attention(
         a["query"], a["key"], a["value"], a["token_indices"], attn_out, None, None,
         a["cu_seqlens_q"], None, None, None, None, a["seq_lens_k"], None, a["block_table"],
-        None, None, None, None, be, False, False, None, None, 1.0, 1.0, torch.bfloat16, stream))
+        None, None, None, None, be, False, False, None, None, 1.0, 1.0, torch.bfloat16, None,
+        stream))
     measure("qsa_sparse_attention: torch.ops",
             lambda: torch.ops.sparse_attn.qsa_sparse_attention(
                 a["query"], a["key"], a["value"], a["token_indices"], attn_out, None, None,
                 a["cu_seqlens_q"], None, None, None, None, a["seq_lens_k"], None,
                 a["block_table"], None, None, None, None, be, False, False, None, None, 1.0,
-                1.0, torch.bfloat16))
+                1.0, torch.bfloat16, None))
 
     measure("torch.empty (the attention output)",
             lambda: torch.empty(a["query"].shape, dtype=a["query"].dtype, device=device))

@@ -9,7 +9,7 @@
 //     replayed, as an engine replays its decode step: the GPU time of the kernels). Rates and
 //     floor% use the graph time; floor% (eager) is next to it. Every batch runs under each
 //     variant of the forward kernel (cp.async or bulk gather, 4 or 8 warps: no suffix for the
-//     default cp.async 4-warp one, else _bulk4w, _cpasync8w, _bulk8w) with the heuristic
+//     library's default one, else _cpasync4w, _bulk4w, _cpasync8w, _bulk8w) with the heuristic
 //     split count, then with explicit split counts (_s<N>), graph-timed, for the heuristic.
 //   prefill: one request of 16K, 64K, 128K tokens, every row attending to its 2051-token
 //     structured selection: the 64 most recent complete blocks plus the 448 most important
@@ -123,7 +123,7 @@ using sparse_attn::cuda::Gather;
 std::string variant_name(const FwdVariant& v) {
   return (v.gather == Gather::kBulk ? "bulk" : "cpasync") + std::to_string(v.warps) + "w";
 }
-bool is_default(const FwdVariant& v) { return v.gather == Gather::kCpAsync && v.warps == 4; }
+bool is_default(const FwdVariant& v) { return v == FwdVariant{}; }
 
 // Decode runs of one batch: (variant, split count) pairs, 0 = the heuristic's count.
 struct DecodeRun {

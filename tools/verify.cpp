@@ -36,6 +36,7 @@ double value_at(const Tensor& t, int64_t i) {
     case DType::kI64:
       return double(t.data_as<int64_t>()[i]);
     case DType::kBool:
+    case DType::kU8:
       return t.data_as<uint8_t>()[i];
     default:
       return load_as_float(t.data(), t.dtype(), i);

@@ -12,6 +12,7 @@
 // when they are broken, and native kernels clamp so that they never access out of bounds.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string_view>
@@ -135,11 +136,31 @@ struct SparseAttentionOptions {
   double v_scale = 1.0;
   DType compute_dtype = DType::kBF16;  // BF16 (or the query's dtype); FP8 is not enabled
   StreamHandle stream = nullptr;
+  // uint8 [n] scratch for the call, n >= qsa_sparse_attention_workspace_size(...): contiguous,
+  // 16-byte aligned, on the query's device, overlapping no input or output. The call may
+  // overwrite all of it (stream-ordered on `stream`); its contents need no initialisation and
+  // mean nothing afterwards. Omitted: the native backend takes its scratch from a library-owned
+  // stream-ordered pool (the convenience path); pass it to own every allocation, e.g. from a
+  // framework's caching allocator or a CUDA graph's memory.
+  std::optional<TensorView> workspace;
 };
 
 // The output has the query's shape and dtype; the LSE has query.shape[:-1], FP32.
 Shape qsa_sparse_attention_out_shape(const TensorView& query);
 Shape qsa_sparse_attention_lse_shape(const TensorView& query);
+
+// Bytes of scratch (options.workspace) that qsa_sparse_attention needs for these arguments;
+// 0 when it needs none: the reference backend, tensors that are not on a CUDA device, zero query
+// rows, a single KV split without the row-rank pass, and builds without CUDA. It takes the
+// call's inputs and options (options.workspace is ignored; outputs do not matter) and raises
+// what the call raises for them. Decided on the host from shapes, options and the device's
+// multiprocessor count, reading no tensor contents: calls with the same shapes and options on
+// the same device need the same size, so one buffer serves every step of a decode loop or a
+// captured CUDA graph.
+size_t qsa_sparse_attention_workspace_size(const TensorView& query, const TensorView& key,
+                                           const TensorView& value,
+                                           const std::optional<TensorView>& token_indices,
+                                           const SparseAttentionOptions& options = {});
 
 // token_indices: int32 [B, Q, W] (padded query) or [total_q, W], request-local ids, -1 pads;
 // nullopt only with options.selected_kv_indices. out: the query's shape and dtype, any

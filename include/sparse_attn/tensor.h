@@ -19,11 +19,12 @@
 
 namespace sparse_attn {
 
-enum class DType : uint8_t { kBF16, kF16, kF32, kI32, kI64, kBool };
+// kU8: raw bytes (workspace buffers).
+enum class DType : uint8_t { kBF16, kF16, kF32, kI32, kI64, kBool, kU8 };
 
 // Bytes per element.
 size_t dtype_size(DType dtype);
-// "bfloat16", "float16", "float32", "int32", "int64", "bool" (torch's names).
+// "bfloat16", "float16", "float32", "int32", "int64", "bool", "uint8" (torch's names).
 const char* dtype_name(DType dtype);
 
 enum class DeviceType : uint8_t { kCPU, kCUDA };

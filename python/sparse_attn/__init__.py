@@ -26,6 +26,7 @@ from .qsa import (  # noqa: E402
     qsa_mqa_decode,
     qsa_mqa_prefill,
     qsa_sparse_attention,
+    qsa_sparse_attention_workspace_size,
 )
 from .select import QSA_TOPK_BLOCKS, qsa_expand_blocks, qsa_topk_blocks  # noqa: E402
 from .xattn import (  # noqa: E402
@@ -53,6 +54,7 @@ __all__ = [
     "qsa_mqa_prefill",
     "qsa_expand_blocks",
     "qsa_sparse_attention",
+    "qsa_sparse_attention_workspace_size",
     "qsa_topk_blocks",
     "xattn_estimate",
 ]

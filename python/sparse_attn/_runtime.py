@@ -13,7 +13,8 @@ except ImportError:
 
 if torch is not None:
     _Tensor = torch.Tensor
-    _TORCH_DTYPES = {"float32": torch.float32, "int32": torch.int32, "bool": torch.bool}
+    _TORCH_DTYPES = {"float32": torch.float32, "int32": torch.int32, "bool": torch.bool,
+                     "uint8": torch.uint8}
     _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
     # The raw-stream getter is what torch's own compiled code calls: it skips building a
     # torch.cuda.Stream object on every call.
@@ -55,11 +56,7 @@ def empty(shape, like, name, dtype=None):
     """An uninitialised contiguous output of `shape` in the framework and on the device of
     `like`; dtype None means like's dtype, otherwise a name ("float32", "int32", "bool")."""
     if isinstance(like, _Tensor):
-        # new_empty / empty_like skip torch.empty's device argument parsing (~0.4 us per
-        # call on the development machine); the outputs stay contiguous either way.
-        if dtype is None and shape == like.shape:
-            return torch.empty_like(like, memory_format=torch.contiguous_format)
-        return like.new_empty(shape, dtype=None if dtype is None else _TORCH_DTYPES[dtype])
+        return torch_empty(shape, like, like.dtype if dtype is None else _TORCH_DTYPES[dtype])
     if numpy is not None and isinstance(like, numpy.ndarray):
         return numpy.empty(shape, dtype=like.dtype if dtype is None else dtype)
     namespace = getattr(like, "__array_namespace__", None)
@@ -73,6 +70,25 @@ def empty(shape, like, name, dtype=None):
         f"{name}: cannot allocate an output like a {describe(like)} (it has __dlpack__ but no "
         f"array namespace); pass out="
     )
+
+
+def torch_empty(shape, like, dtype):
+    """A contiguous torch tensor of `shape` and `dtype` on like's device. The sizes go in as
+    separate ints: torch parses them about 0.5 us faster than one tuple or torch.Size
+    (development machine, CPU)."""
+    if len(shape) == 0:
+        return torch.empty((), dtype=dtype, device=like.device)
+    return torch.empty(*shape, dtype=dtype, device=like.device)
+
+
+def workspace_allocator(like):
+    """What the binding calls, with a byte count, when a call needs scratch memory: a uint8
+    buffer in like's framework on like's device (for torch, the caching allocator, which
+    CUDA graph capture and torch.compile understand)."""
+    if isinstance(like, _Tensor):
+        device = like.device
+        return lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return lambda nbytes: empty((nbytes,), like, "workspace", "uint8")
 
 
 def torch_stream(tensor):

@@ -65,14 +65,18 @@ def _register():
         num_splits: Optional[int], backend: str, warp_specialized: bool,
         assume_compact_blocks: bool, selected_kv_indices: Optional[Tensor],
         softmax_scale: Optional[float], k_scale: float, v_scale: float,
-        compute_dtype: torch.dtype,
+        compute_dtype: torch.dtype, workspace: Optional[Tensor],
     ) -> None:
+        # Without a workspace the scratch comes from torch's allocator here, when the op runs
+        # (under CUDA graph capture: from the graph's private pool).
         _C.qsa_sparse_attention(
             query, key, value, token_indices, out, lse, block_indices, cu_seqlens_q,
             token_to_req, num_requests, cu_seqlens_k, seq_lens_q, seq_lens_k, query_positions,
             block_table, page_size, scale, gate, num_splits, backend, warp_specialized,
             assume_compact_blocks, selected_kv_indices, softmax_scale, k_scale, v_scale,
-            compute_dtype, rt.torch_stream(query))
+            compute_dtype,
+            rt.workspace_allocator(query) if workspace is None else workspace,
+            rt.torch_stream(query))
 
     def qsa_topk_blocks(scores: Tensor, k: int, out: Tensor) -> None:
         _C.qsa_topk_blocks(scores, k, out)
@@ -141,7 +145,7 @@ def _register():
     define("qsa_indexer_mqa_score", ("out",), qsa_indexer_mqa_score)
     define("qsa_mqa_prefill", ("out",), qsa_mqa_prefill)
     define("qsa_mqa_decode", ("out",), qsa_mqa_decode)
-    define("qsa_sparse_attention", ("out", "lse"), qsa_sparse_attention)
+    define("qsa_sparse_attention", ("out", "lse", "workspace"), qsa_sparse_attention)
     define("qsa_topk_blocks", ("out",), qsa_topk_blocks)
     define("qsa_expand_blocks", ("token_indices", "block_indices"), qsa_expand_blocks)
     define("xattn_estimate", ("attn_sums", "block_mask"), xattn_estimate)

@@ -15,6 +15,8 @@ try:
     import torch
 
     _BF16 = torch.bfloat16
+    _F32 = torch.float32
+    _empty = torch.empty
 except ImportError:
     _BF16 = "bfloat16"
 
@@ -106,11 +108,17 @@ def qsa_mqa_decode(q, k_cache, page_table, context_lens, max_model_len, score_sc
     context_len and those behind a missing page (-1 or out of range) are -inf.
     q [B, heads, dim] or [B, 1, heads, dim]; k_cache [pages, page_size, (1,) dim]."""
     if out is None:
-        if _rank(q) in (3, 4) and _is_int(max_model_len):
-            shape = (q.shape[0], max_model_len)
+        if (type(q) is rt._Tensor and type(max_model_len) is int and max_model_len >= 0
+                and q.dim() in (3, 4)):
+            # Eager torch, the serving path (0.4 us less than the general one).
+            out = _empty(q.shape[0], max_model_len, dtype=_F32, device=q.device)
         else:
-            shape = _C.qsa_mqa_decode_shape(q, max_model_len)
-        out = rt.empty(shape, q, "q", "float32")
+            # A negative width goes to the C++ shape function, which names it.
+            if _rank(q) in (3, 4) and _is_int(max_model_len) and max_model_len >= 0:
+                shape = (q.shape[0], max_model_len)
+            else:
+                shape = _C.qsa_mqa_decode_shape(q, max_model_len)
+            out = rt.empty(shape, q, "q", "float32")
     rt.run(_C.qsa_mqa_decode, "qsa_mqa_decode", q,
            (q, k_cache, page_table, context_lens, max_model_len, out, score_scale, scale,
             backend))
@@ -147,13 +155,43 @@ def qsa_sparse_attention(
     v_scale=1.0,
     compute_dtype=_BF16,
     lse=None,
+    workspace=None,
 ):
     """QSA core attention over each query row's selected tokens (request-local
     token_indices, -1 pads, shared by all query heads; or physical selected_kv_indices).
     Returns the query-shaped output (exactly `out` when given), or (out, lse) when
     return_lse; lse is FP32 query.shape[:-1], natural log, -inf for rows with no valid
-    token, and is written whenever given."""
-    rt.require_bool(return_lse, "return_lse")
+    token, and is written whenever given.
+
+    workspace (an extension of the seed's signature): a uint8 buffer of at least
+    qsa_sparse_attention_workspace_size(...) bytes on the query's device, for callers that
+    own every allocation. Omitted, the call allocates what it needs (SplitKV partials, the
+    row-rank pass; often nothing) with the query's framework: torch's caching allocator."""
+    if return_lse is not True and return_lse is not False:
+        rt.require_bool(return_lse, "return_lse")
+    if type(query) is rt._Tensor and not (rt.ops_registered and rt._is_compiling()):
+        # Eager torch, the serving path: allocate and call the binding directly (it checks
+        # every argument; a query of the wrong rank takes the general path for its error).
+        shape = query.shape
+        if len(shape) in (3, 4):
+            device = query.device
+            if out is None:
+                out = _empty(*shape, dtype=query.dtype, device=device)
+            if return_lse and lse is None:
+                lse = _empty(*shape[:-1], dtype=_F32, device=device)
+            if query.is_cuda:
+                stream = rt.torch_stream(query)
+                if workspace is None:
+                    workspace = lambda nbytes: _empty(nbytes, dtype=torch.uint8, device=device)  # noqa: E731
+            else:
+                stream = None
+            _C.qsa_sparse_attention(
+                query, key, value, token_indices, out, lse, block_indices, cu_seqlens_q,
+                token_to_req, num_requests, cu_seqlens_k, seq_lens_q, seq_lens_k,
+                query_positions, block_table, page_size, scale, gate, num_splits, backend,
+                warp_specialized, assume_compact_blocks, selected_kv_indices, softmax_scale,
+                k_scale, v_scale, compute_dtype, workspace, stream)
+            return (out, lse) if return_lse else out
     if out is None:
         shape = tuple(query.shape) if _rank(query) in (3, 4) else \
             _C.qsa_sparse_attention_out_shape(query)
@@ -162,10 +200,62 @@ def qsa_sparse_attention(
         shape = tuple(query.shape[:-1]) if _rank(query) in (3, 4) else \
             _C.qsa_sparse_attention_lse_shape(query)
         lse = rt.empty(shape, query, "query", "float32")
-    rt.run(_C.qsa_sparse_attention, "qsa_sparse_attention", query,
-           (query, key, value, token_indices, out, lse, block_indices, cu_seqlens_q,
+    args = (query, key, value, token_indices, out, lse, block_indices, cu_seqlens_q,
             token_to_req, num_requests, cu_seqlens_k, seq_lens_q, seq_lens_k, query_positions,
             block_table, page_size, scale, gate, num_splits, backend, warp_specialized,
             assume_compact_blocks, selected_kv_indices, softmax_scale, k_scale, v_scale,
-            compute_dtype))
+            compute_dtype)
+    if isinstance(query, rt._Tensor) and rt.ops_registered and rt._is_compiling():
+        # The custom op takes tensors only; it allocates a missing workspace when it runs.
+        torch.ops.sparse_attn.qsa_sparse_attention(*args, workspace)
+    else:
+        if workspace is None:
+            workspace = rt.workspace_allocator(query)
+        rt.run(_C.qsa_sparse_attention, "qsa_sparse_attention", query, (*args, workspace))
     return (out, lse) if return_lse else out
+
+
+def qsa_sparse_attention_workspace_size(
+    query,
+    key,
+    value,
+    token_indices=None,
+    *,
+    block_indices=None,
+    cu_seqlens_q=None,
+    token_to_req=None,
+    num_requests=None,
+    cu_seqlens_k=None,
+    seq_lens_q=None,
+    seq_lens_k=None,
+    query_positions=None,
+    block_table=None,
+    page_size=None,
+    scale=None,
+    gate=None,
+    num_splits=None,
+    backend="tilelang",
+    warp_specialized=False,
+    assume_compact_blocks=False,
+    selected_kv_indices=None,
+    softmax_scale=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    compute_dtype=_BF16,
+    return_lse=False,
+    out=None,
+    lse=None,
+    workspace=None,
+):
+    """Bytes of the `workspace=` a qsa_sparse_attention call with these arguments needs (0
+    when none: the reference backend, CPU tensors, no query rows, one KV split without the
+    row-rank pass). Decided from shapes and options on the host; the same for every call
+    with the same shapes and options on the same device, so one buffer serves a whole
+    decode loop or CUDA graph. Takes every keyword of qsa_sparse_attention, so that a
+    call's keywords can be reused as they are; return_lse, out, lse and workspace do not
+    change the size."""
+    return _C.qsa_sparse_attention_workspace_size(
+        query, key, value, token_indices, block_indices, cu_seqlens_q, token_to_req,
+        num_requests, cu_seqlens_k, seq_lens_q, seq_lens_k, query_positions, block_table,
+        page_size, scale, gate, num_splits, backend, warp_specialized, assume_compact_blocks,
+        selected_kv_indices, softmax_scale, k_scale, v_scale, compute_dtype)

@@ -109,21 +109,16 @@ Shape mqa_decode_shape(handle q, handle max_model_len) {
   return qsa_mqa_decode_shape(b.tensor(q, "q"), to_int(max_model_len, "max_model_len"));
 }
 
-void sparse_attention(handle query, handle key, handle value, handle token_indices, handle out,
-                      handle lse, handle block_indices, handle cu_seqlens_q, handle token_to_req,
-                      handle num_requests, handle cu_seqlens_k, handle seq_lens_q,
-                      handle seq_lens_k, handle query_positions, handle block_table,
-                      handle page_size, handle scale, handle gate, handle num_splits,
-                      handle backend, handle warp_specialized, handle assume_compact_blocks,
-                      handle selected_kv_indices, handle softmax_scale, handle k_scale,
-                      handle v_scale, handle compute_dtype, handle stream) {
-  Borrowed b;
-  const TensorView q = b.tensor(query, "query");
-  const TensorView k = b.tensor(key, "key");
-  const TensorView v = b.tensor(value, "value");
-  const std::optional<TensorView> ids = b.optional_tensor(token_indices, "token_indices");
-  const TensorView o = b.tensor(out, "out", true);
-  const std::optional<TensorView> l = b.optional_tensor(lse, "lse", true);
+// The options of qsa_sparse_attention from its Python arguments (tensors imported into `b`).
+SparseAttentionOptions attention_options(Borrowed& b, handle block_indices, handle cu_seqlens_q,
+                                         handle token_to_req, handle num_requests,
+                                         handle cu_seqlens_k, handle seq_lens_q, handle seq_lens_k,
+                                         handle query_positions, handle block_table,
+                                         handle page_size, handle scale, handle gate,
+                                         handle num_splits, handle backend, handle warp_specialized,
+                                         handle assume_compact_blocks, handle selected_kv_indices,
+                                         handle softmax_scale, handle k_scale, handle v_scale,
+                                         handle compute_dtype, handle stream) {
   SparseAttentionOptions opts;
   opts.block_indices = b.optional_tensor(block_indices, "block_indices");
   opts.cu_seqlens_q = b.optional_tensor(cu_seqlens_q, "cu_seqlens_q");
@@ -147,8 +142,69 @@ void sparse_attention(handle query, handle key, handle value, handle token_indic
   opts.v_scale = to_float(v_scale, "v_scale");
   opts.compute_dtype = to_dtype(compute_dtype, "compute_dtype");
   opts.stream = to_stream(stream);
+  return opts;
+}
+
+// workspace: None (the library's pool), a uint8 tensor, or a callable that allocates one:
+// called with the byte count, only when the call needs scratch (native backend, CUDA tensors,
+// SplitKV or the row-rank pass), so that the caller's framework owns the memory (torch's
+// caching allocator, which CUDA graph capture understands) at no cost to calls that need none.
+void sparse_attention(handle query, handle key, handle value, handle token_indices, handle out,
+                      handle lse, handle block_indices, handle cu_seqlens_q, handle token_to_req,
+                      handle num_requests, handle cu_seqlens_k, handle seq_lens_q,
+                      handle seq_lens_k, handle query_positions, handle block_table,
+                      handle page_size, handle scale, handle gate, handle num_splits,
+                      handle backend, handle warp_specialized, handle assume_compact_blocks,
+                      handle selected_kv_indices, handle softmax_scale, handle k_scale,
+                      handle v_scale, handle compute_dtype, handle workspace, handle stream) {
+  Borrowed b;
+  const TensorView q = b.tensor(query, "query");
+  const TensorView k = b.tensor(key, "key");
+  const TensorView v = b.tensor(value, "value");
+  const std::optional<TensorView> ids = b.optional_tensor(token_indices, "token_indices");
+  const TensorView o = b.tensor(out, "out", true);
+  const std::optional<TensorView> l = b.optional_tensor(lse, "lse", true);
+  SparseAttentionOptions opts = attention_options(
+      b, block_indices, cu_seqlens_q, token_to_req, num_requests, cu_seqlens_k, seq_lens_q,
+      seq_lens_k, query_positions, block_table, page_size, scale, gate, num_splits, backend,
+      warp_specialized, assume_compact_blocks, selected_kv_indices, softmax_scale, k_scale, v_scale,
+      compute_dtype, stream);
+  nb::object allocated;  // keeps a workspace from the callable alive through the call
+  if (PyCallable_Check(workspace.ptr())) {
+    if (opts.backend == Backend::kNative && q.device().is_cuda()) {
+      const size_t bytes = qsa_sparse_attention_workspace_size(q, k, v, ids, opts);
+      if (bytes > 0) {
+        allocated = workspace(bytes);
+        opts.workspace = b.tensor(allocated, "workspace", true);
+      }
+    }
+  } else {
+    opts.workspace = b.optional_tensor(workspace, "workspace", true);
+  }
   nb::gil_scoped_release release;
   qsa_sparse_attention(q, k, v, ids, o, l, opts);
+}
+
+size_t sparse_attention_workspace_size(handle query, handle key, handle value, handle token_indices,
+                                       handle block_indices, handle cu_seqlens_q,
+                                       handle token_to_req, handle num_requests,
+                                       handle cu_seqlens_k, handle seq_lens_q, handle seq_lens_k,
+                                       handle query_positions, handle block_table, handle page_size,
+                                       handle scale, handle gate, handle num_splits, handle backend,
+                                       handle warp_specialized, handle assume_compact_blocks,
+                                       handle selected_kv_indices, handle softmax_scale,
+                                       handle k_scale, handle v_scale, handle compute_dtype) {
+  Borrowed b;
+  const TensorView q = b.tensor(query, "query");
+  const TensorView k = b.tensor(key, "key");
+  const TensorView v = b.tensor(value, "value");
+  const std::optional<TensorView> ids = b.optional_tensor(token_indices, "token_indices");
+  const SparseAttentionOptions opts = attention_options(
+      b, block_indices, cu_seqlens_q, token_to_req, num_requests, cu_seqlens_k, seq_lens_q,
+      seq_lens_k, query_positions, block_table, page_size, scale, gate, num_splits, backend,
+      warp_specialized, assume_compact_blocks, selected_kv_indices, softmax_scale, k_scale, v_scale,
+      compute_dtype, nb::none());
+  return qsa_sparse_attention_workspace_size(q, k, v, ids, opts);
 }
 
 Shape sparse_attention_out_shape(handle query) {
@@ -180,7 +236,12 @@ void bind_qsa(nb::module_& m) {
       "lse", "block_indices", "cu_seqlens_q", "token_to_req", "num_requests", "cu_seqlens_k",
       "seq_lens_q", "seq_lens_k", "query_positions", "block_table", "page_size", "scale", "gate",
       "num_splits", "backend", "warp_specialized", "assume_compact_blocks", "selected_kv_indices",
-      "softmax_scale", "k_scale", "v_scale", "compute_dtype", "stream");
+      "softmax_scale", "k_scale", "v_scale", "compute_dtype", "workspace", "stream");
+  def(m, "qsa_sparse_attention_workspace_size", &sparse_attention_workspace_size, "query", "key",
+      "value", "token_indices", "block_indices", "cu_seqlens_q", "token_to_req", "num_requests",
+      "cu_seqlens_k", "seq_lens_q", "seq_lens_k", "query_positions", "block_table", "page_size",
+      "scale", "gate", "num_splits", "backend", "warp_specialized", "assume_compact_blocks",
+      "selected_kv_indices", "softmax_scale", "k_scale", "v_scale", "compute_dtype");
   def(m, "qsa_sparse_attention_out_shape", &sparse_attention_out_shape, "query");
   def(m, "qsa_sparse_attention_lse_shape", &sparse_attention_lse_shape, "query");
 }

@@ -55,6 +55,9 @@ DType dtype_of(dl::dtype dt, const char* name) {
         if (dt.bits == 32) return DType::kI32;
         if (dt.bits == 64) return DType::kI64;
         break;
+      case C::UInt:
+        if (dt.bits == 8) return DType::kU8;
+        break;
       case C::Bool:
         return DType::kBool;
       default:
@@ -63,7 +66,7 @@ DType dtype_of(dl::dtype dt, const char* name) {
   }
   throw TypeError(fmt::format(
       "{}: tensors of dtype {} are not supported (sparse_attn takes bfloat16, float16, float32, "
-      "int32, int64 and bool tensors)",
+      "int32, int64, bool and uint8 tensors)",
       name, dlpack_dtype_name(dt)));
 }
 
@@ -82,27 +85,34 @@ Device device_of(int type, int id, const char* name) {
   }
 }
 
-template <typename Array>
-TensorView view_of(const Array& a, const char* name) {
-  const int ndim = static_cast<int>(a.ndim());
+// The view of a DLPack tensor (data already includes any byte offset). Null strides mean
+// compact row-major, as DLPack defines them.
+TensorView view_of(void* data, dl::dtype dt, int32_t device_type, int32_t device_id, int ndim,
+                   const int64_t* sizes, const int64_t* strides_or_null, const char* name) {
   if (ndim > TensorView::kMaxDims) {
     throw ValueError(fmt::format("{}: expected at most {} dimensions, got a tensor with {}", name,
                                  TensorView::kMaxDims, ndim));
   }
-  Shape shape(ndim), strides(ndim);
-  for (int d = 0; d < ndim; ++d) {
-    shape[d] = a.shape_ptr()[d];
-    strides[d] = a.stride_ptr()[d];
+  Shape shape(sizes, sizes + ndim), strides(ndim);
+  int64_t compact = 1;
+  for (int d = ndim - 1; d >= 0; --d) {
+    strides[d] = strides_or_null ? strides_or_null[d] : compact;
+    compact *= shape[d];
     if (strides[d] < 0 && shape[d] > 1) {
       throw ValueError(
           fmt::format("{}: negative strides are not supported (stride[{}] is {}); pass a copy",
                       name, d, strides[d]));
     }
   }
-  const Device device = device_of(a.device_type(), a.device_id(), name);
-  const DType dtype = dtype_of(a.dtype(), name);
-  return TensorView(const_cast<void*>(static_cast<const void*>(a.data())), dtype, device, shape,
-                    strides);
+  const Device device = device_of(device_type, device_id, name);
+  const DType dtype = dtype_of(dt, name);
+  return TensorView(data, dtype, device, shape, strides);
+}
+
+template <typename Array>
+TensorView view_of(const Array& a, const char* name) {
+  return view_of(const_cast<void*>(static_cast<const void*>(a.data())), a.dtype(), a.device_type(),
+                 a.device_id(), static_cast<int>(a.ndim()), a.shape_ptr(), a.stride_ptr(), name);
 }
 
 bool has_attr(nb::handle obj, const char* attr) { return PyObject_HasAttrString(obj.ptr(), attr); }
@@ -139,17 +149,47 @@ bool has_attr(nb::handle obj, const char* attr) { return PyObject_HasAttrString(
 
 bool is_tensor_like(nb::handle obj) { return has_attr(obj, "__dlpack__"); }
 
-// torch's DLPack export in C (torch._C._to_dlpack). torch.Tensor.__dlpack__ is a Python method
-// whose argument checks cost about 5 us per tensor (measured on the CPU of the development
-// machine), most of a decode call's host budget with seven tensors; the C export costs about
-// 0.2 us. What the checks refuse, sparse_attn refuses too or does not meet: sparse layouts fail
-// the C export as well, conjugate views are complex-only, and a tensor that requires grad is
-// only read (no backward exists). Found once torch is imported; other producers take the
+// DLPack's C exchange API (dlpack.h 1.3, DLPackExchangeAPI), as torch >= 2.10 publishes it in
+// the capsule torch.Tensor.__dlpack_c_exchange_api__. Only the fields read here are named; the
+// layout is DLPack's stable ABI for major version 1.
+struct DLPackExchangeApi {
+  uint32_t major, minor;  // DLPackVersion
+  const void* prev_api;
+  const void* managed_tensor_allocator;
+  const void* managed_tensor_from_py_object_no_sync;
+  const void* managed_tensor_to_py_object_no_sync;
+  // Fills a non-owning DLTensor (shape and strides owned by the tensor) without a Python call or
+  // an allocation; 0 on success, -1 with a Python exception set. May be null.
+  int (*dltensor_from_py_object_no_sync)(void* py_object, dl::dltensor* out);
+  const void* current_work_stream;
+};
+
+// How torch tensors are imported. The exchange API costs about 0.02 us per tensor; without it
+// (torch < 2.10) the C export torch._C._to_dlpack costs about 0.25 us plus nanobind's capsule
+// import, and torch.Tensor.__dlpack__, a Python method whose argument checks cost about 5 us
+// per tensor (all measured on the CPU of the development machine), is avoided either way. What
+// the Python method's checks refuse, sparse_attn refuses too or does not meet: sparse layouts
+// fail the C exports as well, conjugate views are complex-only, and a tensor that requires grad
+// is only read (no backward exists). Found once torch is imported; other producers take the
 // __dlpack__ path.
 struct TorchExport {
-  PyTypeObject* tensor_type = nullptr;  // torch.Tensor
-  PyObject* to_dlpack = nullptr;        // torch._C._to_dlpack
+  PyTypeObject* tensor_type = nullptr;          // torch.Tensor
+  const DLPackExchangeApi* exchange = nullptr;  // null: this torch has no usable exchange API
+  PyObject* to_dlpack = nullptr;                // torch._C._to_dlpack
 };
+
+const DLPackExchangeApi* exchange_api_of(nb::handle tensor_type) {
+  if (!has_attr(tensor_type, "__dlpack_c_exchange_api__")) return nullptr;
+  nb::object capsule = tensor_type.attr("__dlpack_c_exchange_api__");
+  auto* api = static_cast<const DLPackExchangeApi*>(
+      PyCapsule_GetPointer(capsule.ptr(), "dlpack_exchange_api"));
+  if (api == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  // The capsule points at a table that lives as long as the process (DLPack's rule).
+  return api->major == 1 && api->dltensor_from_py_object_no_sync != nullptr ? api : nullptr;
+}
 
 const TorchExport& torch_export() {
   static TorchExport e;
@@ -158,20 +198,25 @@ const TorchExport& torch_export() {
     if (torch != nullptr) {
       nb::handle t(torch);
       if (has_attr(t, "Tensor") && has_attr(t, "_C") && has_attr(t.attr("_C"), "_to_dlpack")) {
+        nb::object tensor_type = t.attr("Tensor");
+        e.exchange = exchange_api_of(tensor_type);
         e.to_dlpack = nb::object(t.attr("_C").attr("_to_dlpack")).release().ptr();
-        e.tensor_type =
-            reinterpret_cast<PyTypeObject*>(nb::object(t.attr("Tensor")).release().ptr());
+        e.tensor_type = reinterpret_cast<PyTypeObject*>(tensor_type.release().ptr());
       }
     }
   }
   return e;
 }
 
+bool is_torch_tensor(const TorchExport& te, nb::handle obj) {
+  return te.tensor_type != nullptr && PyObject_TypeCheck(obj.ptr(), te.tensor_type);
+}
+
 // What to hand nanobind's DLPack import: torch tensors as a capsule from the C export, anything
 // else as it is (nanobind calls __dlpack__ or reads the buffer protocol).
 nb::object dlpack_source(nb::handle obj) {
   const TorchExport& te = torch_export();
-  if (te.tensor_type != nullptr && PyObject_TypeCheck(obj.ptr(), te.tensor_type)) {
+  if (is_torch_tensor(te, obj)) {
     PyObject* capsule = PyObject_CallOneArg(te.to_dlpack, obj.ptr());
     if (capsule != nullptr) return nb::steal(capsule);
     PyErr_Clear();  // the regular path below reports why
@@ -184,6 +229,17 @@ nb::object dlpack_source(nb::handle obj) {
 const char* py_type_name(nb::handle obj) { return Py_TYPE(obj.ptr())->tp_name; }
 
 TensorView Borrowed::tensor(nb::handle obj, const char* name, bool writable) {
+  const TorchExport& te = torch_export();
+  if (te.exchange != nullptr && is_torch_tensor(te, obj)) {
+    // Borrowed without a capsule: the caller's reference keeps the tensor alive for the call,
+    // and the shape and strides are copied into the view before anything else runs.
+    dl::dltensor t;
+    if (te.exchange->dltensor_from_py_object_no_sync(obj.ptr(), &t) == 0) {
+      return view_of(static_cast<char*>(t.data) + t.byte_offset, t.dtype, t.device.device_type,
+                     t.device.device_id, t.ndim, t.shape, t.strides, name);
+    }
+    PyErr_Clear();  // the regular path below reports why
+  }
   if (writable) {
     if (num_outputs_ == kCapacity) throw Error("sparse_attn binding: too many output tensors");
     nb::ndarray<>& slot = outputs_[num_outputs_];
@@ -332,6 +388,7 @@ DType to_dtype(nb::handle obj, const char* name) {
   if (s == "int32") return DType::kI32;
   if (s == "int64") return DType::kI64;
   if (s == "bool") return DType::kBool;
+  if (s == "uint8") return DType::kU8;
   if (s.find("float8") != std::string::npos) {
     throw NotSupportedError(
         fmt::format("{}: {} is not supported: FP8 compute is not enabled", name, s));

@@ -145,4 +145,28 @@ void check_positive_scalar(double v, std::string_view name) {
   }
 }
 
+void check_workspace(const TensorView& t, std::string_view name, Device device,
+                     std::string_view ref_name) {
+  check_dtype(t, name, {DType::kU8});
+  check_rank(t, name, {1});
+  check_device(t, name, device, ref_name);
+  if (t.size(0) > 1 && t.stride(0) != 1) {
+    throw_value_error("{}: expected a contiguous byte buffer (stride 1), got stride {}", name,
+                      t.stride(0));
+  }
+  check_data(t, name);
+  if (reinterpret_cast<uintptr_t>(t.data()) % kWorkspaceAlignment != 0) {
+    throw_value_error("{}: expected a {}-byte aligned data pointer, got {}", name,
+                      kWorkspaceAlignment, t.data());
+  }
+}
+
+void check_workspace_size(const TensorView& t, std::string_view name, size_t required,
+                          std::string_view size_fn) {
+  if (static_cast<uint64_t>(t.size(0)) < required) {
+    throw_value_error("{}: expected at least {} bytes ({} for these arguments), got {} bytes", name,
+                      required, size_fn, t.size(0));
+  }
+}
+
 }  // namespace sparse_attn::detail

@@ -79,4 +79,17 @@ void check_no_overlap(const TensorView& out, std::string_view out_name, const Te
 // ValueError unless the value is a positive finite number.
 void check_positive_scalar(double v, std::string_view name);
 
+// Byte alignment the scratch buffers of ops (workspace arguments) must have.
+constexpr size_t kWorkspaceAlignment = 16;
+
+// The scratch buffer of an op: TypeError unless uint8; ValueError unless one contiguous axis on
+// `device` (the device of `ref_name`), kWorkspaceAlignment-aligned. Overlap with the op's
+// tensors is the caller's check.
+void check_workspace(const TensorView& t, std::string_view name, Device device,
+                     std::string_view ref_name);
+// ValueError unless the scratch buffer holds at least `required` bytes (`size_fn` names the
+// function that tells the caller that size).
+void check_workspace_size(const TensorView& t, std::string_view name, size_t required,
+                          std::string_view size_fn);
+
 }  // namespace sparse_attn::detail

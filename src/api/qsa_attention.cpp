@@ -399,38 +399,59 @@ SparseAttentionParams validate(const Views& v, bool physical, const SparseAttent
     detail::check_row_view(g, "gate", nrow_axes);
   }
 
-  // ----- outputs --------------------------------------------------------------------------
-  const std::pair<const TensorView*, const char*> inputs[] = {
-      {&q, "query"},
-      {&k, "key"},
-      {&v.value, "value"},
-      {&v.indices, physical ? "selected_kv_indices" : "token_indices"}};
+  return p;
+}
+
+// Calls fn(view, name) for every input tensor of the call.
+template <typename Fn>
+void for_each_input(const Views& v, bool physical, Fn&& fn) {
+  fn(v.query, "query");
+  fn(v.key, "key");
+  fn(v.value, "value");
+  fn(v.indices, physical ? "selected_kv_indices" : "token_indices");
   const std::pair<const std::optional<TensorView>*, const char*> optional_inputs[] = {
       {&v.block_indices, "block_indices"},    {&v.gate, "gate"},
       {&v.cu_seqlens_q, "cu_seqlens_q"},      {&v.token_to_req, "token_to_req"},
       {&v.cu_seqlens_k, "cu_seqlens_k"},      {&v.block_table, "block_table"},
       {&v.seq_lens_q, "seq_lens_q"},          {&v.seq_lens_k, "seq_lens_k"},
       {&v.query_positions, "query_positions"}};
+  for (const auto& [in, in_name] : optional_inputs) {
+    if (in->has_value()) fn(**in, in_name);
+  }
+}
+
+// out and lse: dtype, shape, device, writable layouts, no overlap with any input or each other.
+void check_outputs(const Views& v, bool physical) {
+  const TensorView& q = v.query;
+  const int nrow_axes = q.dim() == 4 ? 2 : 1;
   auto check_output = [&](const TensorView& out, const char* name, DType dtype, const Shape& shape,
                           std::string_view what) {
     check_dtype(out, name, {dtype});
     check_shape(out, name, shape, what);
-    check_device(out, name, dev, "query");
+    check_device(out, name, q.device(), "query");
     check_data(out, name);
     detail::check_positive_strides(out, name);
     detail::check_no_self_overlap(out, name);
     detail::check_row_view(out, name, nrow_axes);
-    for (const auto& [in, in_name] : inputs) detail::check_no_overlap(out, name, *in, in_name);
-    for (const auto& [in, in_name] : optional_inputs) {
-      if (in->has_value()) detail::check_no_overlap(out, name, **in, in_name);
-    }
+    for_each_input(v, physical, [&](const TensorView& in, const char* in_name) {
+      detail::check_no_overlap(out, name, in, in_name);
+    });
   };
   check_output(v.out, "out", q.dtype(), q.shape(), "the query shape");
   if (v.lse) {
     check_output(*v.lse, "lse", DType::kF32, drop_last(q), "query.shape[:-1]");
     detail::check_no_overlap(*v.lse, "lse", v.out, "out");
   }
-  return p;
+}
+
+// options.workspace, except its size: it is written, so it overlaps nothing else.
+void check_workspace(const TensorView& w, const Views& v, bool physical) {
+  detail::check_workspace(w, "workspace", v.query.device(), "query");
+  for_each_input(v, physical, [&](const TensorView& in, const char* in_name) {
+    detail::check_no_overlap(w, "workspace", in, in_name);
+  });
+  detail::check_no_overlap(w, "workspace", v.out, "out");
+  if (v.lse) detail::check_no_overlap(w, "workspace", *v.lse, "lse");
 }
 
 // Native-only rules: CUDA tensors, and the combinations the native kernels implement.
@@ -586,23 +607,10 @@ Views stage(detail::HostStaging& s, const Views& v) {
   return h;
 }
 
-}  // namespace
-
-Shape qsa_sparse_attention_out_shape(const TensorView& query) {
-  check_rank(query, "query", {3, 4});
-  return query.shape();
-}
-
-Shape qsa_sparse_attention_lse_shape(const TensorView& query) {
-  check_rank(query, "query", {3, 4});
-  return drop_last(query);
-}
-
-void qsa_sparse_attention(const TensorView& query, const TensorView& key, const TensorView& value,
-                          const std::optional<TensorView>& token_indices, const TensorView& out,
-                          const std::optional<TensorView>& lse,
-                          const SparseAttentionOptions& options) {
-  const bool physical = options.selected_kv_indices.has_value();
+// The call's tensors; out stays empty for the workspace size (outputs do not change it).
+Views views_of(const TensorView& query, const TensorView& key, const TensorView& value,
+               const std::optional<TensorView>& token_indices, const SparseAttentionOptions& o) {
+  const bool physical = o.selected_kv_indices.has_value();
   if (physical && token_indices) {
     throw_value_error(
         "selected_kv_indices: mutually exclusive with token_indices; pass "
@@ -617,23 +625,65 @@ void qsa_sparse_attention(const TensorView& query, const TensorView& key, const 
   v.query = query;
   v.key = key;
   v.value = value;
-  v.out = out;
-  v.indices = physical ? *options.selected_kv_indices : *token_indices;
-  v.lse = lse;
-  v.block_indices = options.block_indices;
-  v.gate = options.gate;
-  v.cu_seqlens_q = options.cu_seqlens_q;
-  v.token_to_req = options.token_to_req;
-  v.cu_seqlens_k = options.cu_seqlens_k;
-  v.block_table = options.block_table;
-  v.seq_lens_q = options.seq_lens_q;
-  v.seq_lens_k = options.seq_lens_k;
-  v.query_positions = options.query_positions;
+  v.indices = physical ? *o.selected_kv_indices : *token_indices;
+  v.block_indices = o.block_indices;
+  v.gate = o.gate;
+  v.cu_seqlens_q = o.cu_seqlens_q;
+  v.token_to_req = o.token_to_req;
+  v.cu_seqlens_k = o.cu_seqlens_k;
+  v.block_table = o.block_table;
+  v.seq_lens_q = o.seq_lens_q;
+  v.seq_lens_k = o.seq_lens_k;
+  v.query_positions = o.query_positions;
+  return v;
+}
 
+}  // namespace
+
+Shape qsa_sparse_attention_out_shape(const TensorView& query) {
+  check_rank(query, "query", {3, 4});
+  return query.shape();
+}
+
+Shape qsa_sparse_attention_lse_shape(const TensorView& query) {
+  check_rank(query, "query", {3, 4});
+  return drop_last(query);
+}
+
+size_t qsa_sparse_attention_workspace_size(const TensorView& query, const TensorView& key,
+                                           const TensorView& value,
+                                           const std::optional<TensorView>& token_indices,
+                                           const SparseAttentionOptions& options) {
+  const Views v = views_of(query, key, value, token_indices, options);
+  const bool physical = options.selected_kv_indices.has_value();
   SparseAttentionParams params = validate(v, physical, options);
+  if (options.backend != Backend::kNative || !query.device().is_cuda()) return 0;
+  check_native(v, params);
+  fill_params(params, v);
+  return native_sparse_attention_workspace_size(params);
+}
+
+void qsa_sparse_attention(const TensorView& query, const TensorView& key, const TensorView& value,
+                          const std::optional<TensorView>& token_indices, const TensorView& out,
+                          const std::optional<TensorView>& lse,
+                          const SparseAttentionOptions& options) {
+  Views v = views_of(query, key, value, token_indices, options);
+  v.out = out;
+  v.lse = lse;
+  const bool physical = options.selected_kv_indices.has_value();
+  SparseAttentionParams params = validate(v, physical, options);
+  check_outputs(v, physical);
+  // The reference needs no scratch; a workspace given to it must still be a valid one.
+  if (options.workspace) check_workspace(*options.workspace, v, physical);
   if (options.backend == Backend::kNative) {
     check_native(v, params);
     fill_params(params, v);
+    if (options.workspace) {
+      detail::check_workspace_size(*options.workspace, "workspace",
+                                   native_sparse_attention_workspace_size(params),
+                                   "qsa_sparse_attention_workspace_size");
+      params.workspace = options.workspace->data();
+    }
     native_sparse_attention(params);
     return;
   }

@@ -11,4 +11,7 @@ void native_sparse_attention(const SparseAttentionParams&) {
       "has no CUDA support; pass backend='reference' to run the CPU reference");
 }
 
+// No native call runs in this build (it raises above), so none needs scratch.
+size_t native_sparse_attention_workspace_size(const SparseAttentionParams&) { return 0; }
+
 }  // namespace sparse_attn

@@ -17,6 +17,7 @@
 //   combinations exist.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "sparse_attn/tensor.h"
@@ -146,11 +147,18 @@ struct SparseAttentionParams {
 
   int device_index = 0;    // CUDA ordinal of every tensor (native); 0 on the CPU
   void* stream = nullptr;  // cudaStream_t; nullptr is the legacy default stream
+  // Native only: device scratch of at least native_sparse_attention_workspace_size(*this) bytes,
+  // 16-byte aligned (the caller's options.workspace); null: the backend allocates it from the
+  // library's stream-ordered pool.
+  void* workspace = nullptr;
 };
 
 // The native (CUDA) implementation. A CPU-only build defines it to raise NotSupportedError
 // (qsa_attention_native_cpu_only.cpp); the CUDA build defines it in src/cuda. It is called only
 // with params that passed validation and the native-only checks, all tensors on one CUDA device.
 void native_sparse_attention(const SparseAttentionParams& params);
+// Bytes of scratch native_sparse_attention needs for these params (the same builds define it):
+// computed from sizes, layouts and options alone (and the device's SM count), 0 when none.
+size_t native_sparse_attention_workspace_size(const SparseAttentionParams& params);
 
 }  // namespace sparse_attn

@@ -20,6 +20,7 @@ size_t dtype_size(DType dtype) {
     case DType::kI64:
       return 8;
     case DType::kBool:
+    case DType::kU8:
       return 1;
   }
   return 0;
@@ -39,6 +40,8 @@ const char* dtype_name(DType dtype) {
       return "int64";
     case DType::kBool:
       return "bool";
+    case DType::kU8:
+      return "uint8";
   }
   return "?";
 }

@@ -96,6 +96,7 @@ std::optional<FileDType> safetensors_dtype(std::string_view s) {
   if (s == "I32") return FileDType{DType::kI32, 4};
   if (s == "I64") return FileDType{DType::kI64, 8};
   if (s == "BOOL") return FileDType{DType::kBool, 1};
+  if (s == "U8") return FileDType{DType::kU8, 1};
   return std::nullopt;
 }
 
@@ -113,6 +114,8 @@ const char* safetensors_name(DType d) {
       return "I64";
     case DType::kBool:
       return "BOOL";
+    case DType::kU8:
+      return "U8";
   }
   return "?";
 }
@@ -200,6 +203,7 @@ std::optional<FileDType> npy_dtype(std::string_view d) {
   if (d == "<i4") return FileDType{DType::kI32, 4};
   if (d == "<i8") return FileDType{DType::kI64, 8};
   if (d == "|b1") return FileDType{DType::kBool, 1};
+  if (d == "|u1") return FileDType{DType::kU8, 1};
   return std::nullopt;
 }
 
@@ -361,6 +365,9 @@ void save_npy(const std::string& path, const TensorView& tensor) {
       break;
     case DType::kBool:
       descr = "|b1";
+      break;
+    case DType::kU8:
+      descr = "|u1";
       break;
     case DType::kBF16:
       throw TypeError(fmt::format("{}: numpy has no bfloat16; save it as safetensors", path));

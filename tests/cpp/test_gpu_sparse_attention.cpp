@@ -1,7 +1,8 @@
 // Native qsa_sparse_attention on the GPU against an independent double-precision oracle
 // written here: every query/KV layout, SplitKV counts, gates, LSE, strided and sliced views,
 // physical ids, invalid ids, very many rows, determinism and CUDA graph replay, each under
-// every variant of the forward kernel (cp.async or bulk-copy gather, 4 or 8 warps).
+// every variant of the forward kernel (cp.async or bulk-copy gather, 4 or 8 warps), and
+// caller-owned workspaces.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -16,6 +17,7 @@
 
 #include "cuda/attention/sparse_attention_heuristics.h"
 #include "gpu_test_util.h"
+#include "sparse_attn/errors.h"
 #include "sparse_attn/qsa.h"
 #include "sparse_attn/tensor.h"
 #include "test_util.h"
@@ -599,13 +601,14 @@ std::vector<Case> cases() {
     c.gate = hq % 2 ? Gate::kPerHead : Gate::kNone;
     v.push_back(c);
   }
-  // Every form again under the other variants (the first is the default).
+  // Every form again under the other variants (the cases above run the default).
   const size_t n = v.size();
-  for (size_t k = 1; k < std::size(kVariants); ++k) {
+  for (const FwdVariant& other : kVariants) {
+    if (other == FwdVariant{}) continue;
     for (size_t i = 0; i < n; ++i) {
       Case c = v[i];
-      c.name += "_" + variant_name(kVariants[k]);
-      c.variant = kVariants[k];
+      c.name += "_" + variant_name(other);
+      c.variant = other;
       v.push_back(c);
     }
   }
@@ -807,6 +810,129 @@ TEST_P(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
         << (splits ? "one split (row tiles)" : "heuristic splits");
     EXPECT_TRUE(testing::all_close(Tensor::to_host(lse.view()).view(), e.lse, 2e-3, 2e-3));
   }
+}
+
+// Caller-owned workspace (destination passing): the size is what the call needs (nonzero where
+// SplitKV or the row-rank pass runs), a poisoned buffer of that size gives the oracle's result,
+// and one byte less is refused naming the workspace and the size.
+struct WorkspaceCase {
+  std::string name;
+  Case c;
+  bool needs_workspace;
+};
+
+class GpuSparseAttentionWorkspace : public ::testing::TestWithParam<WorkspaceCase> {};
+
+TEST_P(GpuSparseAttentionWorkspace, PoisonedCallerWorkspaceMatchesOracle) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = testing::make_rng();
+  const Problem pb = make_problem(GetParam().c, rng);
+  DeviceProblem dp = to_device_problem(pb, rng);
+  const size_t bytes = qsa_sparse_attention_workspace_size(dp.q, dp.k, dp.v, dp.idx, dp.opts);
+  EXPECT_EQ(bytes > 0, GetParam().needs_workspace) << bytes;
+  // At least one byte, so that a zero-byte requirement still gets a (poisoned) buffer.
+  Tensor workspace =
+      testing::poisoned_device({static_cast<int64_t>(std::max<size_t>(bytes, 1))}, DType::kU8);
+  dp.opts.workspace = workspace.view();
+  std::optional<TensorView> lse;
+  if (pb.c.lse) lse = dp.lse;
+  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, lse, dp.opts);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  expect_matches(pb, dp, oracle(pb));
+
+  if (bytes == 0) return;
+  dp.opts.workspace = workspace.view().narrow(0, 0, static_cast<int64_t>(bytes) - 1);
+  try {
+    qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, lse, dp.opts);
+    FAIL() << "a workspace one byte short was accepted";
+  } catch (const ValueError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("workspace"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(std::to_string(bytes)), std::string::npos) << msg;
+  }
+}
+
+std::vector<WorkspaceCase> workspace_cases() {
+  std::vector<WorkspaceCase> v;
+  v.push_back({"decode_b1_heuristic_splits", decode("w", 1), true});
+  {
+    Case c = decode("w", 3);
+    c.num_splits = 4;
+    c.gate = Gate::kElementwise;
+    v.push_back({"decode_b3_splits4_gate", c, true});
+  }
+  {
+    Case c = decode("w", 2);
+    c.num_splits = 1;
+    v.push_back({"decode_b2_one_split_needs_none", c, false});
+  }
+  {
+    Case c;
+    c.token_to_req = true;
+    c.q_rows = {6, 5, 7};
+    c.q_real = {4, 5, 0};
+    c.k_lens = {120, 80, 300};
+    c.width = 67;
+    c.num_splits = 1;
+    v.push_back({"prefill_token_to_req_row_rank_only", c, true});
+  }
+  {
+    Case c;
+    c.token_to_req = true;
+    c.q_rows = {2, 1};
+    c.k_lens = {3000, 2500};
+    c.num_splits = 3;
+    v.push_back({"token_to_req_splits3_ranks_and_partials", c, true});
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Forms, GpuSparseAttentionWorkspace, ::testing::ValuesIn(workspace_cases()),
+                         [](const ::testing::TestParamInfo<WorkspaceCase>& info) {
+                           return info.param.name;
+                         });
+
+// A graph captured with a caller-owned workspace (no allocation node in it) replays correctly.
+TEST(GpuSparseAttentionWorkspaceGraph, CapturedWithCallerWorkspace) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = testing::make_rng();
+  Case c = decode("graph_workspace", 2);
+  c.positions = true;
+  Problem pb = make_problem(c, rng);
+  DeviceProblem dp = to_device_problem(pb, rng);
+  const size_t bytes = qsa_sparse_attention_workspace_size(dp.q, dp.k, dp.v, dp.idx, dp.opts);
+  ASSERT_GT(bytes, 0u);
+  Tensor workspace = testing::poisoned_device({static_cast<int64_t>(bytes)}, DType::kU8);
+  dp.opts.workspace = workspace.view();
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  dp.opts.stream = stream;
+  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);  // warm-up
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+
+  Problem next = make_problem(c, rng);
+  next.q = pb.q;
+  next.k = pb.k;
+  next.v = pb.v;
+  next.block_table = pb.block_table;
+  next.num_pages = pb.num_pages;
+  next.max_pages = pb.max_pages;
+  copy_into(dp.idx, next.idx.view());
+  copy_into(*dp.opts.query_positions, next.positions.view());
+  poison_device(dp.out);
+  poison_device(workspace.view());
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  expect_matches(next, dp, oracle(next));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
 }
 
 // A captured graph reads the metadata current at replay: new ids, lengths and positions

@@ -221,10 +221,10 @@ TEST(TensorFiles, MalformedSafetensorsFiles) {
     const auto path = write_file(std::string(c.name) + ".safetensors", c.bytes);
     expect_file_error<ValueError>([&] { list_safetensors(path); }, path, c.problem);
   }
-  const auto u8 = write_file(
-      "u8.safetensors",
-      safetensors_bytes(R"({"x":{"dtype":"U8","shape":[16],"data_offsets":[0,16]}})", data));
-  expect_file_error<TypeError>([&] { list_safetensors(u8); }, u8, "dtype U8");
+  const auto i8 = write_file(
+      "i8.safetensors",
+      safetensors_bytes(R"({"x":{"dtype":"I8","shape":[16],"data_offsets":[0,16]}})", data));
+  expect_file_error<TypeError>([&] { list_safetensors(i8); }, i8, "dtype I8");
 }
 
 // Truncations and random byte flips of good files: each load either succeeds or raises one of

@@ -595,6 +595,55 @@ std::vector<Rule> rules() {
         c.o.page_size = 4;
       },
       K::kValue, "page_size");
+  // ----- workspace (checked for every backend; its size only on the native path) ---------
+  add(
+      "workspace_dtype", [](Call& c) { c.o.workspace = c.make({64}, DType::kF32); }, K::kType,
+      "workspace");
+  add(
+      "workspace_rank",
+      [](Call& c) {
+        c.o.workspace = c.make({4, 16}, DType::kU8);
+      },
+      K::kValue, "workspace");
+  add(
+      "workspace_device", [](Call& c) { c.o.workspace = on_cuda(c.make({64}, DType::kU8)); },
+      K::kValue, "workspace");
+  add(
+      "workspace_not_contiguous",
+      [](Call& c) { c.o.workspace = c.make({128}, DType::kU8).as_strided({64}, {2}); }, K::kValue,
+      "workspace");
+  add(
+      "workspace_not_16_byte_aligned",
+      [](Call& c) { c.o.workspace = c.make({128}, DType::kU8).narrow(0, 8, 64); }, K::kValue,
+      "workspace");
+  add(
+      "workspace_null_data",
+      [](Call& c) { c.o.workspace = TensorView(nullptr, DType::kU8, Device::cpu(), {64}); },
+      K::kValue, "workspace");
+  add(
+      "workspace_overlaps_out",
+      [](Call& c) { c.o.workspace = TensorView(c.out.data(), DType::kU8, Device::cpu(), {64}); },
+      K::kValue, "workspace");
+  add(
+      "workspace_overlaps_an_input",
+      [](Call& c) {
+        c.o.workspace = TensorView(c.o.block_table->data(), DType::kU8, Device::cpu(), {16});
+      },
+      K::kValue, "workspace");
+  add(
+      "native_workspace_dtype",
+      [](Call& c) {
+        c.native();
+        c.o.workspace = on_cuda(c.make({64}, DType::kI32));
+      },
+      K::kType, "workspace");
+  add(
+      "native_workspace_on_the_host",
+      [](Call& c) {
+        c.native();
+        c.o.workspace = c.make({64}, DType::kU8);
+      },
+      K::kValue, "workspace");
   // ----- native only --------------------------------------------------------------------
   add(
       "native_needs_cuda_tensors", [](Call& c) { c.o.backend = Backend::kNative; },
@@ -733,6 +782,51 @@ TEST(SparseAttentionValidationBaseline, NativeCallReachesTheNativeEntry) {
   } catch (const NotSupportedError& e) {
     EXPECT_NE(std::string(e.what()).find("no CUDA support"), std::string::npos) << e.what();
   }
+#endif
+}
+
+// The workspace size: 0 wherever the call needs no scratch, the call's errors for bad inputs.
+TEST(SparseAttentionWorkspaceSize, ZeroForTheReferenceAndForHostTensors) {
+  Call c;
+  EXPECT_EQ(qsa_sparse_attention_workspace_size(c.q, c.k, c.v, c.token, c.o), 0u);
+  c.o.backend = Backend::kNative;  // the call itself raises NotSupportedError for host tensors
+  EXPECT_EQ(qsa_sparse_attention_workspace_size(c.q, c.k, c.v, c.token, c.o), 0u);
+  c.physical();
+  EXPECT_EQ(qsa_sparse_attention_workspace_size(c.q, c.k, c.v, c.token, c.o), 0u);
+}
+
+TEST(SparseAttentionWorkspaceSize, IgnoresTheWorkspaceAndTheOutputs) {
+  Call c;
+  c.o.workspace = c.make({3}, DType::kF32);  // would be refused by the call
+  c.out = c.make({1}, DType::kF32);
+  EXPECT_EQ(qsa_sparse_attention_workspace_size(c.q, c.k, c.v, c.token, c.o), 0u);
+}
+
+TEST(SparseAttentionWorkspaceSize, RaisesTheCallsErrorsNamingTheArgument) {
+  Call c;
+  c.q = c.make({24, 256}, DType::kBF16);
+  try {
+    qsa_sparse_attention_workspace_size(c.q, c.k, c.v, c.token, c.o);
+    FAIL() << "no error";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("query"), std::string::npos) << e.what();
+  }
+  Call t;
+  t.o.block_table = t.make({2, 3}, DType::kI64);
+  EXPECT_THROW(qsa_sparse_attention_workspace_size(t.q, t.k, t.v, t.token, t.o), TypeError);
+  Call p;
+  p.physical();
+  const std::optional<TensorView> both = p.make_i32({6, 5});  // token_indices as well
+  EXPECT_THROW(qsa_sparse_attention_workspace_size(p.q, p.k, p.v, both, p.o), ValueError);
+}
+
+TEST(SparseAttentionWorkspaceSize, NativeBuildWithoutCudaNeedsNone) {
+#ifdef SPARSE_ATTN_TEST_HAS_CUDA
+  GTEST_SKIP() << "a CUDA build asks the device for its SM count (tests/cpp/test_gpu_*)";
+#else
+  Call c;
+  c.native();
+  EXPECT_EQ(qsa_sparse_attention_workspace_size(c.q, c.k, c.v, c.token, c.o), 0u);
 #endif
 }
 

@@ -41,6 +41,8 @@ double load(const TensorView& v, int64_t off) {
       return static_cast<double>(v.data_as<int64_t>()[off]);
     case DType::kBool:
       return v.data_as<uint8_t>()[off] != 0;
+    case DType::kU8:
+      return v.data_as<uint8_t>()[off];
     default:
       return load_as_float(v.data(), v.dtype(), off);
   }
@@ -56,6 +58,9 @@ void store(const TensorView& v, int64_t off, double x) {
       break;
     case DType::kBool:
       v.data_as<uint8_t>()[off] = x != 0;
+      break;
+    case DType::kU8:
+      v.data_as<uint8_t>()[off] = static_cast<uint8_t>(x);
       break;
     default:
       store_from_float(v.data(), v.dtype(), off, static_cast<float>(x));
@@ -86,7 +91,9 @@ Tensor int32_tensor(const Shape& shape, const std::vector<int32_t>& values) {
 }
 
 void poison(const TensorView& view) {
-  const double p = (view.dtype() == DType::kI32 || view.dtype() == DType::kI64)
+  // uint8 (workspace bytes): 0xff everywhere, which reads back as NaN through any float view.
+  const double p = view.dtype() == DType::kU8 ? 0xff
+                   : (view.dtype() == DType::kI32 || view.dtype() == DType::kI64)
                        ? 0x7f7f7f7f
                        : std::numeric_limits<double>::quiet_NaN();
   for_each_element(view, [&](int64_t off, const auto&) { store(view, off, p); });

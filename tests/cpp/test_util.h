@@ -29,7 +29,7 @@ Tensor random_int32(const Shape& shape, std::mt19937_64& rng, int32_t lo, int32_
 Tensor int32_tensor(const Shape& shape, const std::vector<int32_t>& values);
 
 // Fills every byte of the view's elements with a poison pattern: NaN for floating dtypes,
-// 0x7f7f7f7f-style garbage for integers.
+// 0x7f7f7f7f-style garbage for integers, 0xff for uint8 (NaN when read as floats).
 void poison(const TensorView& view);
 
 // Element access through strides, as double.

@@ -50,7 +50,7 @@ def test_numpy_negative_strides_are_refused():
 
 
 @pytest.mark.parametrize("value,dtype_name", [(torch.zeros(2, dtype=torch.float64), "float64"),
-                                              (torch.zeros(2, dtype=torch.uint8), "uint8"),
+                                              (torch.zeros(2, dtype=torch.int8), "int8"),
                                               (np.zeros(2, dtype=np.int16), "int16")])
 def test_unsupported_dtypes_are_type_errors(value, dtype_name):
     with pytest.raises(TypeError, match=f"^tensor: tensors of dtype {dtype_name} are not"):

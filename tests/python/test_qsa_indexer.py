@@ -280,3 +280,10 @@ def test_tensor_requiring_grad_is_read_without_autograd():
     graded = sparse_attn.qsa_mqa_prefill(q.clone().requires_grad_(), k, starts, ends,
                                          backend="reference")
     assert torch.equal(plain, graded) and not graded.requires_grad
+
+
+def test_negative_max_model_len_is_a_value_error_naming_it():
+    q, k, starts, _ = _prefill_args()
+    with pytest.raises(ValueError, match="^max_model_len: expected a non-negative"):
+        sparse_attn.qsa_mqa_decode(q, k[None, :, None], torch.zeros((4, 1), dtype=torch.int32),
+                                   starts, -5, backend="reference")

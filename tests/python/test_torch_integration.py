@@ -49,7 +49,7 @@ def test_opcheck_decode_and_attention():
         torch.ops.sparse_attn.qsa_sparse_attention.default,
         (query, key, value, ids, out, lse, None, None, None, None, None, None, None, None, None,
          None, None, None, None, "reference", False, False, None, None, 1.0, 1.0,
-         torch.bfloat16))
+         torch.bfloat16, None))
 
 
 def test_opcheck_scores():
@@ -133,33 +133,129 @@ def test_compiled_out_argument_is_written():
 
 
 # ------------------------------------------------------------------------------------------
-# CUDA: streams and graphs
+# CUDA: streams and graphs, for every native op and every native sparse-attention schedule
+# (one split; SplitKV partials and the row-rank pass, whose scratch the wrapper allocates
+# with torch when the op runs)
 # ------------------------------------------------------------------------------------------
 
+def paged_decode_inputs(device, token_to_req):
+    """Two decode rows, canonical geometry, paged K/V: the split heuristic picks SplitKV
+    (4 CTAs per split on a GPU of 100+ SMs); token_to_req without positions adds the row-rank
+    pass."""
+    page, pages = 64, 12
+    lens = torch.tensor([700, 431], dtype=torch.int32, device=device)
+    query = randn((2, 24, 256), torch.bfloat16, device)
+    key = randn((2 * pages, page, 2, 256), torch.bfloat16, device)
+    value = randn((2 * pages, page, 2, 256), torch.bfloat16, device)
+    table = torch.randperm(2 * pages, dtype=torch.int32).view(2, pages).to(device)
+    ids = torch.randint(-1, 431, (2, 2051), dtype=torch.int32, device=device)
+    rows = torch.arange(2, dtype=torch.int32, device=device)
+    return query, key, value, ids, table, lens, rows
+
+
+def native_calls():
+    """(name, make_inputs(device), fn(*inputs), index of a K/V-like input the side-stream
+    test writes right before the call). fn runs the op on the native backend."""
+    def attention_padded():
+        return attention_inputs("cuda")
+
+    def run_attention_padded(q, k, v, i):
+        return sparse_attn.qsa_sparse_attention(q, k, v, i, backend="native", num_splits=1)
+
+    def run_attention_splitkv(q, k, v, i, table, lens, rows):
+        return sparse_attn.qsa_sparse_attention(q, k, v, i, block_table=table, seq_lens_k=lens,
+                                                cu_seqlens_q=torch.cat([rows, rows[-1:] + 1]),
+                                                backend="native")
+
+    def run_attention_row_rank(q, k, v, i, table, lens, rows):
+        return sparse_attn.qsa_sparse_attention(q, k, v, i, block_table=table, seq_lens_k=lens,
+                                                token_to_req=rows, backend="native")
+
+    def run_decode(q, cache, table, lens):
+        return sparse_attn.qsa_mqa_decode(q, cache, table, lens, 32, backend="native")
+
+    def indexer():
+        return (randn((1, 9, 4, 128), torch.bfloat16, "cuda"),
+                randn((1, 3, 128), torch.bfloat16, "cuda"))
+
+    def run_indexer(q, k):
+        return sparse_attn.qsa_indexer_mqa_score(q, k, backend="native")
+
+    def prefill():
+        return (randn((9, 4, 128), torch.bfloat16, "cuda"), randn((5, 128), torch.bfloat16, "cuda"),
+                torch.tensor([0, 0, 1, 0, 2, 3, 0, 4, 9], dtype=torch.int32, device="cuda"),
+                torch.tensor([1, 2, 3, 5, 4, 5, 0, 5, 9], dtype=torch.int32, device="cuda"))
+
+    def run_prefill(q, k, starts, ends):
+        return sparse_attn.qsa_mqa_prefill(q, k, starts, ends, backend="native")
+
+    return [
+        pytest.param(attention_padded, run_attention_padded, 2, id="attention_padded_one_split"),
+        pytest.param(lambda: paged_decode_inputs("cuda", False), run_attention_splitkv, 2,
+                     id="attention_paged_splitkv"),
+        pytest.param(lambda: paged_decode_inputs("cuda", True), run_attention_row_rank, 2,
+                     id="attention_token_to_req_row_rank"),
+        pytest.param(lambda: decode_inputs("cuda", "native")[:4], run_decode, 1,
+                     id="indexer_mqa_decode"),
+        pytest.param(indexer, run_indexer, 1, id="indexer_mqa_score"),
+        pytest.param(prefill, run_prefill, 1, id="indexer_mqa_prefill"),
+    ]
+
+
+def run_attention_reference(q, k, v, i):
+    return sparse_attn.qsa_sparse_attention(q, k, v, i, backend="reference")
+
+
 @needs_cuda
-@pytest.mark.parametrize("backend", ["reference", "native"])
-def test_work_on_a_side_stream(backend):
-    query, key, value, ids = attention_inputs("cuda")
-    expected = call_native_or_skip(
-        lambda: sparse_attn.qsa_sparse_attention(query, key, value, ids, backend=backend,
-                                                 num_splits=1),
-        backend)
+@pytest.mark.parametrize("make,fn,late", native_calls() + [
+    pytest.param(lambda: attention_inputs("cuda"), run_attention_reference, 2,
+                 id="attention_reference_backend")])
+def test_work_on_a_side_stream(make, fn, late):
+    inputs = list(make())
+    expected = call_native_or_skip(lambda: fn(*inputs), "native")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        # Inputs produced on the side stream right before the call: a call issued on any
+        # An input produced on the side stream right before the call: a call issued on any
         # other stream would race with these kernels.
-        late_value = torch.full_like(value, math.nan)
+        good = inputs[late]
+        inputs[late] = torch.full_like(good, math.nan)
         torch.cuda._sleep(50_000_000)
-        late_value.copy_(value)
-        out = sparse_attn.qsa_sparse_attention(query, key, late_value, ids, backend=backend,
-                                                num_splits=1)
+        inputs[late].copy_(good)
+        out = fn(*inputs)
     side.synchronize()
     assert torch.equal(out, expected)
 
 
 @needs_cuda
-def test_cuda_graph_capture_and_replay():
+@pytest.mark.parametrize("make,fn,late", native_calls())
+def test_cuda_graph_capture_and_replay(make, fn, late):
+    inputs = make()
+    call_native_or_skip(lambda: fn(*inputs), "native")
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm up outside capture
+            fn(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        # Output and scratch come from the graph's private pool.
+        out = fn(*inputs)
+    first = inputs[0]
+    before = fn(*inputs)
+    # Replay consumes the current contents of the inputs.
+    first.copy_(randn(first.shape, first.dtype, "cuda"))
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = fn(*inputs)
+    assert not torch.equal(expected, before)
+    assert torch.equal(out, expected)
+
+
+@needs_cuda
+def test_cuda_graph_replay_matches_the_reference():
     query, key, value, ids = attention_inputs("cuda")
     call_native_or_skip(
         lambda: sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native",
@@ -170,14 +266,13 @@ def test_cuda_graph_capture_and_replay():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):  # warm up outside capture
+        for _ in range(2):
             sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native",
                                              num_splits=1, out=out)
     torch.cuda.current_stream().wait_stream(side)
     with torch.cuda.graph(graph):
         sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native",
                                          num_splits=1, out=out)
-    # Replay consumes the current contents of the inputs.
     query.copy_(randn(query.shape, query.dtype, "cuda"))
     ids.copy_(torch.randint(-1, 32, ids.shape, dtype=torch.int32, device="cuda"))
     out.fill_(math.nan)
@@ -188,19 +283,21 @@ def test_cuda_graph_capture_and_replay():
 
 
 @needs_cuda
-def test_compiled_reduce_overhead_uses_cuda_graphs():
-    query, key, value, ids = attention_inputs("cuda")
-    call_native_or_skip(
-        lambda: sparse_attn.qsa_sparse_attention(query, key, value, ids, backend="native",
-                                                 num_splits=1),
-        "native")
+@pytest.mark.parametrize("make,fn,late", native_calls())
+def test_compiled_reduce_overhead_uses_cuda_graphs(make, fn, late):
+    inputs = make()
+    call_native_or_skip(lambda: fn(*inputs), "native")
 
-    def fn(q, k, v, i):
-        return sparse_attn.qsa_sparse_attention(q, k, v, i, backend="native", num_splits=1) * 2
+    def step(*args):
+        return fn(*args) * 2
 
     torch._dynamo.reset()
-    compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
     for _ in range(3):
-        got = compiled(query, key, value, ids)
-    expected = fn(query, key, value, ids)
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        got = compiled(*inputs)
+    expected = step(*inputs)
+    assert torch.equal(got, expected)
+    # A new step's inputs (same shapes) replay the graph, reading the new contents.
+    inputs[0].copy_(randn(inputs[0].shape, inputs[0].dtype, "cuda"))
+    got = compiled(*inputs).clone()
+    assert torch.equal(got, step(*inputs))

@@ -14,18 +14,25 @@ std::atomic<FwdVariant> g_variant{FwdVariant{}};
 void set_sparse_attention_variant(FwdVariant v) { g_variant.store(v, std::memory_order_relaxed); }
 FwdVariant sparse_attention_variant() { return g_variant.load(std::memory_order_relaxed); }
 
-// A CTA (one row, one KV head, one split) holds a whole SM (216 KB of shared memory), so the
-// schedule is a sequence of waves of num_sms CTAs. A CTA costs a fixed latency L (resolve the
-// row, read its index columns and page table, first gather) plus T per 64-token tile it
-// gathers; L is about two tiles' worth. For tiles-per-split n (splits = ceil(tiles / n)):
-//   cost(n) = waves(rows * kv_heads * splits) * (2 + n)   [in units of T]
-// and the cheapest n wins (ties: fewer splits, less merge traffic).
-// Worked example, decode with 2051 selected tokens (33 tiles), Hkv = 2, 132 SMs:
-//   B = 1:   2 CTAs per split. n = 1 -> 33 splits, 66 CTAs, 1 wave, cost 3 (best).
+// A CTA (one row, one KV head, one split) holds a whole SM (218 to 225 KB of shared memory in
+// every variant), so the schedule is a sequence of waves of num_sms CTAs. A CTA costs a fixed
+// latency L (resolve the row, read its index columns and page table, compact, first gather)
+// plus T per 64-token tile it gathers. For tiles-per-split n (splits = ceil(tiles / n)):
+//   cost(n) = waves(rows * kv_heads * splits) * (L/T + n)   [in units of T]
+// and the cheapest n wins (ties: fewer splits, less merge traffic). L/T = 2 was fitted to the
+// first kernel (T about 4 us); the bulk-gather and 8-warp variants shorten T more than L, i.e.
+// L/T of about 3 to 4, and the choices below are the same for any L/T from 2 to 4, so one
+// model serves every variant until a measured split sweep says otherwise.
+// Worked example, decode with 2051 selected tokens (33 tiles), Hkv = 2, 132 SMs, L/T = 2:
+//   B = 1:   2 CTAs per split. n = 1 -> 33 splits, 66 CTAs, 1 wave, cost 3 (best); n = 2 ->
+//            17 splits, 34 CTAs, cost 4.
 //   B = 8:   16 per split. n = 5 -> 7 splits, 112 CTAs, 1 wave, cost 7; n = 1 -> 528 CTAs,
 //            4 waves, cost 12; n = 3 -> 176 CTAs, 2 waves, cost 10. Picks 7 splits.
-//   B = 32:  64 per split. n = 17 -> 2 splits, 128 CTAs, cost 19; n = 33 -> 1 split, cost 35.
+//   B = 32:  64 per split. n = 17 -> 2 splits, 128 CTAs, cost 19; n = 33 -> 1 split, cost 35;
+//            n = 9 -> 4 splits, 256 CTAs, 2 waves, cost 22.
 //   B = 128: 256 per split. n = 33 -> 1 split, 2 waves, cost 70; 2 splits: 4 waves, cost 76.
+//   L/T = 4 picks the same: B = 1 costs 5 against 6 (n = 2), B = 8 9 against 10 (n = 6),
+//   B = 32 21 against 26 (n = 9).
 //   Prefill (thousands of rows): 1 split.
 int choose_num_splits(int64_t rows, int64_t kv_heads, int64_t width, int num_sms) {
   using C = SparseAttentionConfig;

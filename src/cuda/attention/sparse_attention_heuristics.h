@@ -9,11 +9,13 @@ namespace sparse_attn::cuda {
 
 // The forward kernel's variant, process-wide: its gather (config.h) and its warps per CTA
 // (FwdShape: 4, or 8 splitting D in pairs). The benchmark sets it to compare the variants in
-// one run and the GPU suite runs every form under each; the library never changes it (4-warp
-// cp.async until a measurement picks another).
+// one run and the GPU suite runs every form under each; the library never changes it. The
+// default (FwdVariant{}) is the member initializers below: 4-warp cp.async until a
+// measurement picks another.
 struct FwdVariant {
   Gather gather = Gather::kCpAsync;
   int warps = 4;
+  bool operator==(const FwdVariant& o) const { return gather == o.gather && warps == o.warps; }
 };
 void set_sparse_attention_variant(FwdVariant v);
 FwdVariant sparse_attention_variant();

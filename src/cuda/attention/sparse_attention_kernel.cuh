@@ -63,7 +63,7 @@ __device__ inline void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes,
       "l"(src), "r"(bytes), "r"(smem_addr(bar))
       : "memory");
 }
-// Orders this thread's earlier generic-proxy shared-memory accesses before later async-proxy
+// Orders this thread's earlier generic-proxy shared-memory writes before later async-proxy
 // (bulk copy) writes to the same bytes, once a barrier has passed between them.
 __device__ inline void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -102,6 +102,18 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
   const int64_t r = blockIdx.x;
   const int kvh = blockIdx.y, split = blockIdx.z;
   const int group = static_cast<int>(p.group);
+
+  // A decode-shaped call (one row per request) knows the row's request before the lookup
+  // below: pull its page-table row into L2 now (one 128-byte line per thread, all inside the
+  // row), so the page reads after the lookup hit L2 instead of HBM. Only a hint: a flattened
+  // layout whose requests do not hold one row each prefetches another request's row.
+  if (p.kv_layout == KVLayout::kPaged && p.block_table_page_stride == 1 && p.rows == p.batch &&
+      (p.row_mapping == RowMapping::kCuSeqlens || p.row_mapping == RowMapping::kPadded)) {
+    const int32_t* table_row = p.block_table + r * p.block_table_batch_stride;
+    for (int64_t i = static_cast<int64_t>(tid) * 32; i < p.max_pages; i += S::kThreads * 32) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(table_row + i));
+    }
+  }
 
   // Index entries: token ids, or with the block hint one block per entry plus the tail entry.
   // The first pass's entries do not depend on the row's metadata: load them first, so their
@@ -257,7 +269,7 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
     cute::cp_async_wait<0>();  // the Q tile's group (first pass; nothing pending after it)
     __syncthreads();
 
-    // ----- gather tiles through the cp.async ring and attend -------------------------------
+    // ----- gather tiles through the ring and attend ----------------------------------------
     // Tiles of every pass go through the ring in one sequence (tile_seq counts the earlier
     // passes' tiles), so a kBulk stage's mbarrier phase is (its uses so far) & 1.
     const int n_tiles = (n_valid + C::kBlockTokens - 1) / C::kBlockTokens;
@@ -302,6 +314,7 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
           bulk_copy_g2s(dst, src, kRowBytes, &sm.stage_full[stage]);
         } else if (has_row && is_v) {
           for (int c = 0; c < C::kChunks; ++c) sm.tiles.v[stage][row][c] = make_uint4(0, 0, 0, 0);
+          fence_proxy_async_smem();  // before a later bulk copy rewrites the row
         }
       }
     };
@@ -315,13 +328,10 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
     }
     for (int tile = 0; tile < n_tiles; ++tile) {
       const int stage = stage_of(tile);
-      if constexpr (G == Gather::kCpAsync) {
-        cute::cp_async_wait<C::kStages - 2>();
-      } else {
-        fence_proxy_async_smem();  // this thread's reads and zero rows before the next copies
-      }
-      __syncthreads();  // cp.async: tile's data visible; every warp is done with the stage
-                        // reused next
+      // cp.async: tile's data visible. Both: every warp is done with the stage reused next
+      // (a bulk copy after generic reads needs no proxy fence, only this ordering).
+      if constexpr (G == Gather::kCpAsync) cute::cp_async_wait<C::kStages - 2>();
+      __syncthreads();
       const int next = tile + C::kStages - 1;
       if (next < n_tiles) {
         load_tile(next);
@@ -434,6 +444,19 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
   cute::cp_async_wait<0>();  // a row without passes (padding) still has the Q group in flight
 
   // ----- merge the token groups' states in group order (deterministic) ---------------------
+  if (x.num_splits == 1 && p.gate_kind != GateKind::kNone) {
+    // store_output below reads one gate element per iteration, and as far as the compiler
+    // knows its store to out may alias the next iteration's gate, so those reads would run one
+    // memory latency each, in series (24 per thread with 4 warps). Fetch this thread's gate
+    // lines into L1 first, all in flight together, while the states are merged.
+    const T* gate = static_cast<const T*>(p.gate) + r * p.gate_row_stride;
+    for (int e = tid; e < group * C::kHeadDim; e += S::kThreads) {
+      const int64_t h = static_cast<int64_t>(kvh) * group + e / C::kHeadDim;
+      const int64_t d = p.gate_kind == GateKind::kElementwise ? e % C::kHeadDim : 0;
+      asm volatile(
+          "prefetch.global.L1 [%0];" ::"l"(gate + h * p.gate_head_stride + d * p.gate_dim_stride));
+    }
+  }
   const int g = lane / 4;
 #pragma unroll
   for (int hrow = 0; hrow < 2; ++hrow) {

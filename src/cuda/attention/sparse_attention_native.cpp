@@ -1,7 +1,7 @@
 // native_sparse_attention: the CUDA backend of qsa_sparse_attention. Validation (src/api) has
-// passed; this file picks the schedule, allocates the SplitKV workspace stream-ordered from
-// the library's pool (so a captured graph owns its allocation), and turns the runtime dtype
-// into the kernel's T.
+// passed; this file picks the schedule and the workspace layout that goes with it, takes the
+// workspace from the caller (options.workspace) or else stream-ordered from the library's pool
+// (so a captured graph owns its allocation), and turns the runtime dtype into the kernel's T.
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -74,8 +74,66 @@ bool use_row_tiles(const SparseAttentionParams& p, int num_splits) {
   }
 }
 
+// Where each scratch buffer of a call lives in its workspace (byte offsets, each kAlign-aligned)
+// and how many bytes the whole takes.
+struct WorkspaceLayout {
+  static constexpr size_t kAlign = 256;
+  size_t o_partial = 0, lse_partial = 0, row_rank = 0, bytes = 0;
+};
+
+// The launch schedule of a call (pointers unset) and its workspace layout: the one place that
+// decides both, so the size qsa_sparse_attention_workspace_size reports and the memory the
+// launcher carves up cannot disagree. Reads sizes, layouts and options only.
+struct Schedule {
+  SparseAttentionLaunch launch;
+  size_t partial_slots = 0;  // num_splits * rows * Hq with SplitKV, else 0
+  bool row_rank = false;     // the rank pre-pass runs (token_to_req without positions, or with
+                             // seq_lens_q)
+  WorkspaceLayout workspace;
+};
+
+Schedule schedule(const SparseAttentionParams& p) {
+  using C = SparseAttentionConfig;
+  Schedule s;
+  SparseAttentionLaunch& x = s.launch;
+  // The structured path reads block_indices (one entry per 4-token block, the tail derived
+  // from the position) when the hint is given and pages hold whole blocks.
+  x.block_hint = p.block_indices && (p.kv_layout != KVLayout::kPaged || p.page_size % 4 == 0);
+  const int64_t entries = x.block_hint ? p.num_blocks + 1 : p.width;
+  const int64_t entries_per_tile = x.block_hint ? C::kBlockTokens / 4 : C::kBlockTokens;
+
+  // Splits partition the index entries in whole 64-token tiles; a count above the number of
+  // tiles would only add empty splits (which the merge skips), so it is capped there.
+  const int64_t tiles = std::max<int64_t>(1, (entries + entries_per_tile - 1) / entries_per_tile);
+  int64_t splits = p.num_splits > 0 ? p.num_splits
+                                    : choose_num_splits(p.rows, p.num_kv_heads, p.width,
+                                                        sm_count(p.device_index));
+  splits = std::clamp<int64_t>(splits, 1, std::min<int64_t>(tiles, 65535));
+  const int64_t tiles_per_split = (tiles + splits - 1) / splits;
+  x.split_cols = tiles_per_split * entries_per_tile;
+  x.num_splits = static_cast<int>((tiles + tiles_per_split - 1) / tiles_per_split);
+
+  s.row_rank = p.row_mapping == RowMapping::kTokenToReq && (!p.query_positions || p.seq_lens_q);
+  s.partial_slots =
+      x.num_splits > 1 ? static_cast<size_t>(x.num_splits) * p.rows * p.num_q_heads : 0;
+  const auto align = [](size_t n) {
+    return (n + WorkspaceLayout::kAlign - 1) / WorkspaceLayout::kAlign * WorkspaceLayout::kAlign;
+  };
+  WorkspaceLayout& w = s.workspace;
+  w.o_partial = 0;
+  w.lse_partial = align(s.partial_slots * C::kHeadDim * sizeof(float));
+  w.row_rank = w.lse_partial + align(s.partial_slots * sizeof(float));
+  const size_t rank_ints = s.row_rank ? static_cast<size_t>(p.rows + p.batch) : 0;
+  w.bytes = w.row_rank + rank_ints * sizeof(int32_t);
+  return s;
+}
+
 }  // namespace
 }  // namespace cuda
+
+size_t native_sparse_attention_workspace_size(const SparseAttentionParams& p) {
+  return p.rows == 0 ? 0 : cuda::schedule(p).workspace.bytes;
+}
 
 void native_sparse_attention(const SparseAttentionParams& p) {
   using C = cuda::SparseAttentionConfig;
@@ -85,46 +143,24 @@ void native_sparse_attention(const SparseAttentionParams& p) {
   if (p.rows == 0) return;
   cuda::DeviceGuard guard(p.device_index);
   auto stream = static_cast<cudaStream_t>(p.stream);
+  const cuda::Schedule s = cuda::schedule(p);
+  cuda::SparseAttentionLaunch x = s.launch;
 
-  // The structured path reads block_indices (one entry per 4-token block, the tail derived
-  // from the position) when the hint is given and pages hold whole blocks.
-  cuda::SparseAttentionLaunch x;
-  x.block_hint = p.block_indices && (p.kv_layout != KVLayout::kPaged || p.page_size % 4 == 0);
-  const int64_t entries = x.block_hint ? p.num_blocks + 1 : p.width;
-  const int64_t entries_per_tile = x.block_hint ? C::kBlockTokens / 4 : C::kBlockTokens;
-
-  // Splits partition the index entries in whole 64-token tiles; a count above the number of
-  // tiles would only add empty splits (which the merge skips), so it is capped there.
-  const int64_t tiles = std::max<int64_t>(1, (entries + entries_per_tile - 1) / entries_per_tile);
-  int64_t splits = p.num_splits > 0 ? p.num_splits
-                                    : cuda::choose_num_splits(p.rows, p.num_kv_heads, p.width,
-                                                              cuda::sm_count(p.device_index));
-  splits = std::clamp<int64_t>(splits, 1, std::min<int64_t>(tiles, 65535));
-  const int64_t tiles_per_split = (tiles + splits - 1) / splits;
-  x.split_cols = tiles_per_split * entries_per_tile;
-  x.num_splits = static_cast<int>((tiles + tiles_per_split - 1) / tiles_per_split);
-
-  const bool need_rank =
-      p.row_mapping == RowMapping::kTokenToReq && (!p.query_positions || p.seq_lens_q);
-  const size_t partial_slots =
-      x.num_splits > 1 ? static_cast<size_t>(x.num_splits * p.rows * p.num_q_heads) : 0;
-  const size_t rank_ints = need_rank ? static_cast<size_t>(p.rows + p.batch) : 0;
-  const size_t bytes =
-      partial_slots * (C::kHeadDim + 1) * sizeof(float) + rank_ints * sizeof(int32_t);
-  void* workspace = nullptr;
-  if (bytes > 0) {
+  // The caller's workspace (validated to hold s.workspace.bytes), else one from the pool.
+  void* pooled = nullptr;
+  if (p.workspace == nullptr && s.workspace.bytes > 0) {
     cudaMemPool_t pool = cuda::workspace_pool(p.device_index);
-    SPARSE_ATTN_CUDA_CHECK(pool ? cudaMallocFromPoolAsync(&workspace, bytes, pool, stream)
-                                : cudaMallocAsync(&workspace, bytes, stream));
+    SPARSE_ATTN_CUDA_CHECK(pool ? cudaMallocFromPoolAsync(&pooled, s.workspace.bytes, pool, stream)
+                                : cudaMallocAsync(&pooled, s.workspace.bytes, stream));
   }
+  char* workspace = static_cast<char*>(p.workspace ? p.workspace : pooled);
   try {
-    auto* floats = static_cast<float*>(workspace);
-    if (partial_slots > 0) {
-      x.o_partial = floats;
-      x.lse_partial = floats + partial_slots * C::kHeadDim;
+    if (s.partial_slots > 0) {
+      x.o_partial = reinterpret_cast<float*>(workspace + s.workspace.o_partial);
+      x.lse_partial = reinterpret_cast<float*>(workspace + s.workspace.lse_partial);
     }
-    if (need_rank) {
-      auto* ints = reinterpret_cast<int32_t*>(floats + partial_slots * (C::kHeadDim + 1));
+    if (s.row_rank) {
+      auto* ints = reinterpret_cast<int32_t*>(workspace + s.workspace.row_rank);
       cuda::launch_sparse_attention_row_rank(p, ints, ints + p.rows, stream);
       x.row_rank = ints;
       x.request_rows = ints + p.rows;
@@ -138,10 +174,10 @@ void native_sparse_attention(const SparseAttentionParams& p) {
       }
     });
   } catch (...) {
-    if (workspace) cudaFreeAsync(workspace, stream);
+    if (pooled) cudaFreeAsync(pooled, stream);
     throw;
   }
-  if (workspace) SPARSE_ATTN_CUDA_CHECK(cudaFreeAsync(workspace, stream));
+  if (pooled) SPARSE_ATTN_CUDA_CHECK(cudaFreeAsync(pooled, stream));
 }
 
 }  // namespace sparse_attn

@@ -12,14 +12,21 @@ class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
     SPARSE_ATTN_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (device != previous_) SPARSE_ATTN_CUDA_CHECK(cudaSetDevice(device));
+    if (device != previous_) {
+      SPARSE_ATTN_CUDA_CHECK(cudaSetDevice(device));
+      switched_ = true;
+    }
   }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
+  // Restores only what it changed: a call on the current device costs no cudaSetDevice.
+  ~DeviceGuard() {
+    if (switched_) cudaSetDevice(previous_);
+  }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
   int previous_ = 0;
+  bool switched_ = false;
 };
 
 }  // namespace sparse_attn::cuda
