@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string_view>
 
@@ -139,10 +140,17 @@ struct SparseAttentionOptions {
   // uint8 [n] scratch for the call, n >= qsa_sparse_attention_workspace_size(...): contiguous,
   // 16-byte aligned, on the query's device, overlapping no input or output. The call may
   // overwrite all of it (stream-ordered on `stream`); its contents need no initialisation and
-  // mean nothing afterwards. Omitted: the native backend takes its scratch from a library-owned
-  // stream-ordered pool (the convenience path); pass it to own every allocation, e.g. from a
-  // framework's caching allocator or a CUDA graph's memory.
+  // mean nothing afterwards. Omitted (with no workspace_allocator): the native backend takes
+  // its scratch from a library-owned stream-ordered pool (the convenience path); pass it to own
+  // every allocation, e.g. from a framework's caching allocator or a CUDA graph's memory.
   std::optional<TensorView> workspace;
+  // The other way to own the scratch, for callers with an allocator (a framework's caching
+  // allocator): called once, with the byte count, only when the call needs scratch, after
+  // validation; returns a buffer under workspace's rules (checked the same way, errors name
+  // `workspace`) that stays valid until the work queued on `stream` has run. It saves the
+  // separate qsa_sparse_attention_workspace_size call and its second validation pass. Not
+  // together with `workspace`.
+  std::function<TensorView(size_t bytes)> workspace_allocator;
 };
 
 // The output has the query's shape and dtype; the LSE has query.shape[:-1], FP32.
@@ -152,7 +160,7 @@ Shape qsa_sparse_attention_lse_shape(const TensorView& query);
 // Bytes of scratch (options.workspace) that qsa_sparse_attention needs for these arguments;
 // 0 when it needs none: the reference backend, tensors that are not on a CUDA device, zero query
 // rows, a single KV split without the row-rank pass, and builds without CUDA. It takes the
-// call's inputs and options (options.workspace is ignored; outputs do not matter) and raises
+// call's inputs and options (the workspace options are ignored; outputs do not matter) and raises
 // what the call raises for them. Decided on the host from shapes, options and the device's
 // multiprocessor count, reading no tensor contents: calls with the same shapes and options on
 // the same device need the same size, so one buffer serves every step of a decode loop or a

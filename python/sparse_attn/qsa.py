@@ -164,9 +164,11 @@ def qsa_sparse_attention(
     token, and is written whenever given.
 
     workspace (an extension of the seed's signature): a uint8 buffer of at least
-    qsa_sparse_attention_workspace_size(...) bytes on the query's device, for callers that
-    own every allocation. Omitted, the call allocates what it needs (SplitKV partials, the
-    row-rank pass; often nothing) with the query's framework: torch's caching allocator."""
+    qsa_sparse_attention_workspace_size(...) bytes on the query's device, or a callable
+    that returns one given the byte count (called only when the call needs scratch), for
+    callers that own every allocation. Omitted, the call allocates what it needs (SplitKV
+    partials, the row-rank pass; often nothing) with the query's framework: torch's caching
+    allocator."""
     if return_lse is not True and return_lse is not False:
         rt.require_bool(return_lse, "return_lse")
     if type(query) is rt._Tensor and not (rt.ops_registered and rt._is_compiling()):

@@ -145,10 +145,15 @@ SparseAttentionOptions attention_options(Borrowed& b, handle block_indices, hand
   return opts;
 }
 
-// workspace: None (the library's pool), a uint8 tensor, or a callable that allocates one:
-// called with the byte count, only when the call needs scratch (native backend, CUDA tensors,
-// SplitKV or the row-rank pass), so that the caller's framework owns the memory (torch's
-// caching allocator, which CUDA graph capture understands) at no cost to calls that need none.
+// Raised out of a workspace allocator whose Python callable failed, once the Python error is
+// stored again; the binding turns it back into that error with the GIL held.
+struct PythonErrorPending {};
+
+// workspace: None (the library's pool), a uint8 tensor, or a callable that allocates one
+// (options.workspace_allocator): called with the byte count, only when the call needs scratch
+// (native backend, CUDA tensors, SplitKV or the row-rank pass), so that the caller's framework
+// owns the memory (torch's caching allocator, which CUDA graph capture understands) at no cost
+// to calls that need none.
 void sparse_attention(handle query, handle key, handle value, handle token_indices, handle out,
                       handle lse, handle block_indices, handle cu_seqlens_q, handle token_to_req,
                       handle num_requests, handle cu_seqlens_k, handle seq_lens_q,
@@ -171,18 +176,26 @@ void sparse_attention(handle query, handle key, handle value, handle token_indic
       compute_dtype, stream);
   nb::object allocated;  // keeps a workspace from the callable alive through the call
   if (PyCallable_Check(workspace.ptr())) {
-    if (opts.backend == Backend::kNative && q.device().is_cuda()) {
-      const size_t bytes = qsa_sparse_attention_workspace_size(q, k, v, ids, opts);
-      if (bytes > 0) {
+    // Runs inside the call, which has released the GIL.
+    opts.workspace_allocator = [&](size_t bytes) {
+      nb::gil_scoped_acquire gil;
+      try {
         allocated = workspace(bytes);
-        opts.workspace = b.tensor(allocated, "workspace", true);
+      } catch (nb::python_error& e) {
+        e.restore();
+        throw PythonErrorPending{};
       }
-    }
+      return b.tensor(allocated, "workspace", true);
+    };
   } else {
     opts.workspace = b.optional_tensor(workspace, "workspace", true);
   }
-  nb::gil_scoped_release release;
-  qsa_sparse_attention(q, k, v, ids, o, l, opts);
+  try {
+    nb::gil_scoped_release release;
+    qsa_sparse_attention(q, k, v, ids, o, l, opts);
+  } catch (const PythonErrorPending&) {
+    throw nb::python_error();
+  }
 }
 
 size_t sparse_attention_workspace_size(handle query, handle key, handle value, handle token_indices,

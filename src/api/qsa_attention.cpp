@@ -673,16 +673,27 @@ void qsa_sparse_attention(const TensorView& query, const TensorView& key, const 
   const bool physical = options.selected_kv_indices.has_value();
   SparseAttentionParams params = validate(v, physical, options);
   check_outputs(v, physical);
+  if (options.workspace && options.workspace_allocator) {
+    throw_value_error(
+        "workspace_allocator: pass a workspace or a workspace_allocator (or neither), not both");
+  }
   // The reference needs no scratch; a workspace given to it must still be a valid one.
   if (options.workspace) check_workspace(*options.workspace, v, physical);
   if (options.backend == Backend::kNative) {
     check_native(v, params);
     fill_params(params, v);
-    if (options.workspace) {
-      detail::check_workspace_size(*options.workspace, "workspace",
-                                   native_sparse_attention_workspace_size(params),
+    std::optional<TensorView> workspace = options.workspace;
+    const size_t bytes = workspace || options.workspace_allocator
+                             ? native_sparse_attention_workspace_size(params)
+                             : 0;
+    if (!workspace && bytes > 0 && options.workspace_allocator) {
+      workspace = options.workspace_allocator(bytes);
+      check_workspace(*workspace, v, physical);
+    }
+    if (workspace) {
+      detail::check_workspace_size(*workspace, "workspace", bytes,
                                    "qsa_sparse_attention_workspace_size");
-      params.workspace = options.workspace->data();
+      params.workspace = workspace->data();
     }
     native_sparse_attention(params);
     return;

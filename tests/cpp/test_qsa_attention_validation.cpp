@@ -631,6 +631,15 @@ std::vector<Rule> rules() {
       },
       K::kValue, "workspace");
   add(
+      "workspace_and_workspace_allocator",
+      [](Call& c) {
+        c.o.workspace = c.make({64}, DType::kU8);
+        c.o.workspace_allocator = [&c](size_t bytes) {
+          return c.make({static_cast<int64_t>(bytes)}, DType::kU8);
+        };
+      },
+      K::kValue, "workspace_allocator");
+  add(
       "native_workspace_dtype",
       [](Call& c) {
         c.native();
@@ -793,6 +802,17 @@ TEST(SparseAttentionWorkspaceSize, ZeroForTheReferenceAndForHostTensors) {
   EXPECT_EQ(qsa_sparse_attention_workspace_size(c.q, c.k, c.v, c.token, c.o), 0u);
   c.physical();
   EXPECT_EQ(qsa_sparse_attention_workspace_size(c.q, c.k, c.v, c.token, c.o), 0u);
+}
+
+TEST(SparseAttentionWorkspaceAllocator, NotCalledWhenTheCallNeedsNoScratch) {
+  Call c;
+  int calls = 0;
+  c.o.workspace_allocator = [&](size_t bytes) {
+    ++calls;
+    return c.make({static_cast<int64_t>(bytes)}, DType::kU8);
+  };
+  EXPECT_NO_THROW(c.invoke());  // the reference backend
+  EXPECT_EQ(calls, 0);
 }
 
 TEST(SparseAttentionWorkspaceSize, IgnoresTheWorkspaceAndTheOutputs) {

@@ -82,6 +82,14 @@ def test_size_of_a_query_of_the_wrong_rank():
 # workspace=: accepted where valid, refused naming it otherwise
 # ------------------------------------------------------------------------------------------
 
+def test_an_allocator_is_not_called_when_no_scratch_is_needed():
+    def fail(nbytes):
+        raise AssertionError("called")
+
+    args = small_call()
+    sparse_attn.qsa_sparse_attention(*args, backend="reference", workspace=fail)
+
+
 def test_a_workspace_leaves_the_result_unchanged():
     args = small_call()
     expected = sparse_attn.qsa_sparse_attention(*args, backend="reference")
@@ -153,6 +161,43 @@ def test_native_refuses_a_workspace_one_byte_short():
     short = torch.empty(size - 1, dtype=torch.uint8, device="cuda")
     with pytest.raises(ValueError, match=f"^workspace: expected at least {size} bytes"):
         sparse_attn.qsa_sparse_attention(*args, backend="native", workspace=short, **kwargs)
+
+
+@needs_cuda
+def test_an_allocator_is_asked_once_for_the_size():
+    args, kwargs = decode_call("cuda")
+    size = call_native_or_skip(lambda: sparse_attn.qsa_sparse_attention_workspace_size(
+        *args, backend="native", **kwargs), "native")
+    asked = []
+
+    def allocate(nbytes):
+        asked.append(nbytes)
+        return torch.full((nbytes,), 255, dtype=torch.uint8, device="cuda")
+
+    out = sparse_attn.qsa_sparse_attention(*args, backend="native", workspace=allocate,
+                                           **kwargs)
+    assert asked == [size]
+    assert torch.equal(out, sparse_attn.qsa_sparse_attention(*args, backend="native", **kwargs))
+    asked.clear()
+    sparse_attn.qsa_sparse_attention(*args, backend="native", workspace=allocate, num_splits=1,
+                                     **kwargs)
+    assert asked == []
+
+
+@needs_cuda
+def test_an_allocators_error_propagates():
+    args, kwargs = decode_call("cuda")
+    call_native_or_skip(lambda: sparse_attn.qsa_sparse_attention(*args, backend="native",
+                                                                 **kwargs), "native")
+
+    def fail(nbytes):
+        raise MemoryError(f"no {nbytes} bytes today")
+
+    with pytest.raises(MemoryError, match="no [0-9]+ bytes today"):
+        sparse_attn.qsa_sparse_attention(*args, backend="native", workspace=fail, **kwargs)
+    with pytest.raises(TypeError, match="^workspace: "):
+        sparse_attn.qsa_sparse_attention(*args, backend="native", workspace=lambda n: n,
+                                         **kwargs)
 
 
 @needs_cuda
