@@ -37,7 +37,10 @@ const FwdVariant kVariants[] = {
     {Gather::kCpAsync, 4}, {Gather::kBulk, 4}, {Gather::kCpAsync, 8}, {Gather::kBulk, 8}};
 
 std::string variant_name(const FwdVariant& v) {
-  return (v.gather == Gather::kBulk ? "bulk" : "cpasync") + std::to_string(v.warps) + "w";
+  return (v.gather == Gather::kBulk ? "bulk" : "cpasync") + std::to_string(v.warps) + "w" +
+         (v.merge == cuda::MergeLaunch::kPdl     ? "_pdl"
+          : v.merge == cuda::MergeLaunch::kPlain ? "_plain"
+                                                 : "");
 }
 
 // Runs the enclosing scope under one forward-kernel variant and restores the previous one.
@@ -626,6 +629,29 @@ std::vector<Case> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Forms, GpuSparseAttention, ::testing::ValuesIn(cases()), case_name);
 
+// The merge kernel's other launch modes (a programmatic launch triggered only by the forward
+// grid's end, and an ordinary launch), on SplitKV decode forms.
+const FwdVariant kMergeVariants[] = {{Gather::kCpAsync, 8, cuda::MergeLaunch::kPdl},
+                                     {Gather::kCpAsync, 8, cuda::MergeLaunch::kPlain}};
+
+std::vector<Case> merge_launch_cases() {
+  Case split5 = decode("decode_b3_splits5_gate_elementwise", 3);
+  split5.num_splits = 5;
+  split5.gate = Gate::kElementwise;
+  std::vector<Case> v;
+  for (const FwdVariant& mv : kMergeVariants) {
+    for (Case c : {decode("decode_b8_canonical_page64_heuristic", 8), split5}) {
+      c.name += "_" + variant_name(mv);
+      c.variant = mv;
+      v.push_back(c);
+    }
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(MergeLaunch, GpuSparseAttention, ::testing::ValuesIn(merge_launch_cases()),
+                         case_name);
+
 // The row-tile kernel runs when there is one split and at least 4 rows per request on average
 // (sparse_attention_native.cpp): every form above that has the rows, with one split, on its
 // random selections (little sharing between rows) and on shared ones (mostly the same tokens,
@@ -1023,6 +1049,10 @@ INSTANTIATE_TEST_SUITE_P(Variants, GpuSparseAttentionDeterminism, ::testing::Val
 INSTANTIATE_TEST_SUITE_P(Variants, GpuSparseAttentionPhysical, ::testing::ValuesIn(kVariants),
                          variant_param_name);
 INSTANTIATE_TEST_SUITE_P(Variants, GpuSparseAttentionGraph, ::testing::ValuesIn(kVariants),
+                         variant_param_name);
+INSTANTIATE_TEST_SUITE_P(MergeLaunch, GpuSparseAttentionDeterminism,
+                         ::testing::ValuesIn(kMergeVariants), variant_param_name);
+INSTANTIATE_TEST_SUITE_P(MergeLaunch, GpuSparseAttentionGraph, ::testing::ValuesIn(kMergeVariants),
                          variant_param_name);
 
 }  // namespace

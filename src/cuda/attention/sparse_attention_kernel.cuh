@@ -83,10 +83,10 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
 
   // The SplitKV merge kernel is launched as a programmatic dependent of this grid and waits
   // for its completion in cudaGridDependencySynchronize, so it may be scheduled as soon as
-  // every CTA of this grid has started: its CTAs (no shared memory) then sit resident in that
+  // every CTA of this grid has started: its CTAs (1 KB of shared memory) then sit resident in that
   // wait, and the merge starts the moment the last split is written instead of a launch later.
   // Without a dependent launch this is a no-op.
-  cudaTriggerProgrammaticLaunchCompletion();
+  if (x.trigger_merge_early) cudaTriggerProgrammaticLaunchCompletion();
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // This warp's token group (16 tokens of every tile) and its share of D in P V and O.

@@ -26,6 +26,9 @@ struct SparseAttentionLaunch {
   // null otherwise.
   const int32_t* row_rank = nullptr;
   const int32_t* request_rows = nullptr;
+  // The forward kernel triggers the merge's programmatic launch at its start (set by
+  // launch_sparse_attention from the variant, see FwdVariant::merge).
+  bool trigger_merge_early = true;
 };
 
 // Runs the forward kernel and, when x.num_splits > 1, the merge kernel on `stream`.
