@@ -11,7 +11,9 @@
 //     variant of the forward kernel (cp.async or bulk gather, 4 or 8 warps: no suffix for the
 //     library's default one, else _cpasync4w, _bulk4w, _cpasync8w, _bulk8w) with the heuristic
 //     split count, then with explicit split counts (_s<N>), graph-timed, for the heuristic,
-//     and with a caller-owned workspace (_ws: no pool allocation in the call or the graph).
+//     and with a caller-owned workspace (_ws: no pool allocation in the call or the graph);
+//     for the cp.async variants also with the merge launched otherwise (_pdl, _plain) and
+//     other L2 prefetch distances (_pf0, _pf1, _pf4; the default prefetches 2 tiles ahead).
 //   prefill: one request of 16K, 64K, 128K tokens, every row attending to its 2051-token
 //     structured selection: the 64 most recent complete blocks plus the 448 most important
 //     older ones under a fixed per-block importance, so neighbouring rows share most blocks
@@ -126,7 +128,10 @@ std::string variant_name(const FwdVariant& v) {
   return (v.gather == Gather::kBulk ? "bulk" : "cpasync") + std::to_string(v.warps) + "w" +
          (v.merge == MergeLaunch::kPdl     ? "_pdl"
           : v.merge == MergeLaunch::kPlain ? "_plain"
-                                           : "");
+                                           : "") +
+         (v.l2_prefetch_tiles != FwdVariant{}.l2_prefetch_tiles
+              ? "_pf" + std::to_string(v.l2_prefetch_tiles)
+              : "");
 }
 bool is_default(const FwdVariant& v) { return v == FwdVariant{}; }
 
@@ -447,6 +452,14 @@ int main(int argc, char** argv) {
         FwdVariant vm = v;
         vm.merge = m;
         runs.push_back({vm, 0, false, false});
+      }
+    }
+    // The L2 prefetch distance beyond the ring (default 2 tiles): off, 1 and 4.
+    for (const FwdVariant& v : {variants[0], variants[2]}) {
+      for (int pf : {0, 1, 4}) {
+        FwdVariant vp = v;
+        vp.l2_prefetch_tiles = pf;
+        runs.push_back({vp, 0, false, false});
       }
     }
     for (const FwdVariant& v : variants)

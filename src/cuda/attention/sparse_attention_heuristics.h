@@ -16,12 +16,17 @@ namespace sparse_attn::cuda {
 // launch that the forward grid triggers at its start (the merge CTAs wait resident); kPdl, the
 // same launch triggered only by the forward grid's completion; kPlain, an ordinary launch.
 enum class MergeLaunch { kEarly, kPdl, kPlain };
+// l2_prefetch_tiles: tiles beyond the ring (2 in flight) whose K/V rows the forward kernel
+// prefetches into L2 (one cp.async.bulk.prefetch per row), so that more gathered bytes are in
+// flight per SM than the ring's shared memory holds.
 struct FwdVariant {
   Gather gather = Gather::kCpAsync;
   int warps = 8;
   MergeLaunch merge = MergeLaunch::kEarly;
+  int l2_prefetch_tiles = 2;
   bool operator==(const FwdVariant& o) const {
-    return gather == o.gather && warps == o.warps && merge == o.merge;
+    return gather == o.gather && warps == o.warps && merge == o.merge &&
+           l2_prefetch_tiles == o.l2_prefetch_tiles;
   }
 };
 void set_sparse_attention_variant(FwdVariant v);

@@ -41,6 +41,7 @@ void launch_sparse_attention(const SparseAttentionParams& p, const SparseAttenti
   const FwdVariant v = sparse_attention_variant();
   SparseAttentionLaunch xv = x;
   xv.trigger_merge_early = v.merge == MergeLaunch::kEarly;
+  xv.prefetch_tiles = v.l2_prefetch_tiles;
   const bool bulk = v.gather == Gather::kBulk;
   if (v.warps == 8) {
     bulk ? launch_sparse_attention_fwd<T, Gather::kBulk, 8>(p, xv, stream)
