@@ -482,6 +482,15 @@ std::vector<Case> cases() {
     v.push_back(c);
   }
   {
+    // More splits than the merge kernel has threads: it walks its splits in chunks of 256.
+    Case c = decode("decode_b1_width17000_splits266_merge_chunks", 1);
+    c.k_lens = {20000};
+    c.width = 17000;
+    c.num_splits = 1000;  // capped at the 266 tiles
+    c.gate = Gate::kElementwise;
+    v.push_back(c);
+  }
+  {
     Case c = decode("decode_b4_page16_fp16_positions", 4);
     c.page_size = 16;
     c.dtype = DType::kF16;
