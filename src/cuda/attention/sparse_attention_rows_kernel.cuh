@@ -1,5 +1,5 @@
 // sm90 sparse attention, row-tile kernel for prefill: one CTA attends kRows consecutive query
-// rows (one warp each) for one KV head, and gathers each K/V tile once for all of them.
+// rows for one KV head, and gathers each K/V tile once for all of them.
 //
 // Why: neighbouring prefill rows select almost the same tokens (the structured workload's
 // consecutive-row Jaccard is 0.999), so the per-row kernel (sparse_attention_kernel.cuh) pulls
@@ -24,6 +24,7 @@
 //      row j's warps run S = Q_j K^T + bias_j, the online softmax and O_j += P V over their
 //      halves of the tile, and skip halves that hold none of the row's tokens (so unrelated
 //      rows cost no MMAs).
+//
 // Two ways to compute S (a template flag, chosen in launch_sparse_attention_rows): mma.sync
 // m16n8k16 per warp with ldmatrix fragments (the default), or wgmma m64n32k16 per warpgroup
 // with Q and K read straight from shared memory (warpgroup h computes all 4 rows' 16-head
