@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cuda/attention/sparse_attention_heuristics.h"
+#include "cuda/attention/sparse_attention_launch.h"
 #include "gpu_test_util.h"
 #include "sparse_attn/errors.h"
 #include "sparse_attn/qsa.h"
@@ -54,6 +55,20 @@ class VariantScope {
   FwdVariant before_;
 };
 
+// The same for the row-tile kernel's S product (mma.sync or wgmma).
+class RowTileScope {
+ public:
+  explicit RowTileScope(bool wgmma) : before_(cuda::row_tile_wgmma()) {
+    cuda::set_row_tile_wgmma(wgmma);
+  }
+  ~RowTileScope() { cuda::set_row_tile_wgmma(before_); }
+  RowTileScope(const RowTileScope&) = delete;
+  RowTileScope& operator=(const RowTileScope&) = delete;
+
+ private:
+  bool before_;
+};
+
 enum class Gate { kNone, kElementwise, kPerHead };
 
 struct Case {
@@ -77,7 +92,11 @@ struct Case {
   bool token_to_req = false;  // flattened rows mapped by token_to_req instead of cu_seqlens
   bool views = false;         // sliced inputs with offsets, strided out with bytes around it
   bool dense_v = false;       // with views: V stays dense, so K and V strides differ
+  // Each row of a request repeats the previous row's ids with about 1 in 20 redrawn, as
+  // neighbouring prefill rows do (the row-tile kernel then gathers mostly shared tokens).
+  bool shared = false;
   FwdVariant variant;
+  bool wgmma = false;  // the row-tile kernel's S by wgmma instead of mma.sync
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) { return info.param.name; }
@@ -201,7 +220,8 @@ Problem make_problem(const Case& c, std::mt19937_64& rng) {
         t = std::uniform_int_distribution<int64_t>(0,
                                                    std::max<int64_t>(0, std::min(p, kl - 1)))(rng);
       }
-      ids[r * c.width + w] = static_cast<int32_t>(t);
+      const bool keep = c.shared && r > 0 && pb.row_req[r - 1] == pb.row_req[r] && u01(rng) > 0.05;
+      ids[r * c.width + w] = keep ? ids[(r - 1) * c.width + w] : static_cast<int32_t>(t);
     }
   }
   pb.idx = host_i32({pb.rows, c.width}, ids);
@@ -421,6 +441,7 @@ class GpuSparseAttention : public ::testing::TestWithParam<Case> {};
 TEST_P(GpuSparseAttention, MatchesOracle) {
   SPARSE_ATTN_REQUIRE_GPU();
   VariantScope scope(GetParam().variant);
+  RowTileScope row_tiles(GetParam().wgmma);
   auto rng = testing::make_rng();
   const Problem pb = make_problem(GetParam(), rng);
   DeviceProblem dp = to_device_problem(pb, rng);
@@ -458,6 +479,15 @@ std::vector<Case> cases() {
     c.num_splits = 1000;
     c.gate = Gate::kPerHead;
     c.lse = false;
+    v.push_back(c);
+  }
+  {
+    // More splits than the merge kernel has threads: it walks its splits in chunks of 256.
+    Case c = decode("decode_b1_width17000_splits266_merge_chunks", 1);
+    c.k_lens = {20000};
+    c.width = 17000;
+    c.num_splits = 1000;  // capped at the 266 tiles
+    c.gate = Gate::kElementwise;
     v.push_back(c);
   }
   {
@@ -613,6 +643,37 @@ std::vector<Case> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Forms, GpuSparseAttention, ::testing::ValuesIn(cases()), case_name);
 
+// The row-tile kernel runs when there is one split and at least 4 rows per request on average
+// (sparse_attention_native.cpp): every form above that has the rows, with one split, on its
+// random selections (little sharing between rows) and on shared ones (mostly the same tokens,
+// the case the kernel is for).
+std::vector<Case> row_tile_cases() {
+  std::vector<Case> v;
+  for (const Case& base : cases()) {
+    if (base.variant.gather != kVariants[0].gather || base.variant.warps != kVariants[0].warps)
+      continue;  // the row-tile kernel has no variants
+    const int64_t batch = static_cast<int64_t>(base.q_rows.size());
+    const int64_t rows = base.padded_q
+                             ? batch * *std::max_element(base.q_rows.begin(), base.q_rows.end())
+                             : std::accumulate(base.q_rows.begin(), base.q_rows.end(), int64_t{0});
+    if (rows < 4 * batch) continue;
+    for (bool wgmma : {false, true}) {
+      for (bool shared : {false, true}) {
+        Case c = base;
+        c.num_splits = 1;
+        c.shared = shared;
+        c.wgmma = wgmma;
+        c.name += std::string(shared ? "_rowtiles_shared" : "_rowtiles") + (wgmma ? "_wgmma" : "");
+        v.push_back(c);
+      }
+    }
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(RowTiles, GpuSparseAttention, ::testing::ValuesIn(row_tile_cases()),
+                         case_name);
+
 // The block hint with the compact-blocks contract and warp_specialized (canonical geometry):
 // the result is the token-only one, on the structured path (page sizes divisible by 4, with
 // and without SplitKV, the tail derived from the position) and where the hint is ignored (page
@@ -674,6 +735,9 @@ INSTANTIATE_TEST_SUITE_P(Pages, GpuSparseAttentionBlockHint, ::testing::ValuesIn
                              v.push_back({64, 1, {9}, {58}, g});
                              v.push_back({6, std::nullopt, {7, 2}, {500, 66}, g});
                            }
+                           // The row-tile kernel (one split, rows per request >= 4), which
+                           // has no variants.
+                           v.push_back({16, 1, {40, 13}, {3000, 900}, kVariants[0]});
                            return v;
                          }()),
                          [](const ::testing::TestParamInfo<HintCase>& info) {
@@ -712,9 +776,18 @@ TEST_P(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
   SPARSE_ATTN_REQUIRE_GPU();
   VariantScope scope(GetParam());
   auto rng = testing::make_rng();
-  for (int64_t splits : {1, 6}) {
+  // Decode with one and six splits (per-row kernel), and prefill rows with shared selections
+  // (row-tile kernel, S by mma.sync (0) and by wgmma (-1): its hash-table insertions race,
+  // its union order must not).
+  for (int64_t splits : {1, 6, 0, -1}) {
+    RowTileScope row_tiles(splits < 0);
     Case c = decode("det", 4);
-    c.num_splits = splits;
+    c.num_splits = splits <= 0 ? 1 : splits;
+    if (splits <= 0) {
+      c.q_rows = {70, 45};
+      c.k_lens = {3000, 2100};
+      c.shared = true;
+    }
     c.gate = Gate::kElementwise;
     const Problem pb = make_problem(c, rng);
     DeviceProblem dp = to_device_problem(pb, rng);
@@ -732,6 +805,7 @@ TEST_P(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
 
 // Physical ids into flattened K/V: no requests, no causal mask, duplicates counted, ids < 0
 // or >= total_kv masked, the lse buffer written; rows with nothing valid give 0 and -inf.
+// With the heuristic's splits the per-row kernel runs; with one split the row-tile kernel.
 class GpuSparseAttentionPhysical : public ::testing::TestWithParam<FwdVariant> {};
 
 TEST_P(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
@@ -753,15 +827,20 @@ TEST_P(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
   Tensor dq = to_device(q), dk = to_device(k), dv = to_device(v), didx = to_device(idx);
   Tensor out = testing::poisoned_device({rows, hq, kD}, DType::kBF16);
   Tensor lse = testing::poisoned_device({rows, hq}, DType::kF32);
-  SparseAttentionOptions o;
-  o.selected_kv_indices = didx.view();
-  qsa_sparse_attention(dq, dk, dv, std::nullopt, out, lse.view(), o);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-
   const testing::AttentionExpectation e =
       testing::expected_physical_attention(q.view(), k.view(), v.view(), ids, width, 1.0 / 16.0);
-  EXPECT_TRUE(testing::all_close(Tensor::to_host(out.view()).view(), e.out, 1e-2, 1e-2));
-  EXPECT_TRUE(testing::all_close(Tensor::to_host(lse.view()).view(), e.lse, 2e-3, 2e-3));
+  for (std::optional<int64_t> splits : {std::optional<int64_t>{}, std::optional<int64_t>{1}}) {
+    SparseAttentionOptions o;
+    o.selected_kv_indices = didx.view();
+    o.num_splits = splits;
+    poison_device(out.view());
+    poison_device(lse.view());
+    qsa_sparse_attention(dq, dk, dv, std::nullopt, out, lse.view(), o);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_TRUE(testing::all_close(Tensor::to_host(out.view()).view(), e.out, 1e-2, 1e-2))
+        << (splits ? "one split (row tiles)" : "heuristic splits");
+    EXPECT_TRUE(testing::all_close(Tensor::to_host(lse.view()).view(), e.lse, 2e-3, 2e-3));
+  }
 }
 
 // Caller-owned workspace (destination passing): the size is what the call needs (nonzero where

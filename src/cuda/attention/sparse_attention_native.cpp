@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <climits>
 #include <cstdint>
 #include <mutex>
 
@@ -19,6 +20,13 @@
 
 namespace sparse_attn {
 namespace cuda {
+
+namespace {
+std::atomic<bool> g_row_tile_wgmma{false};
+}  // namespace
+
+void set_row_tile_wgmma(bool on) { g_row_tile_wgmma.store(on, std::memory_order_relaxed); }
+bool row_tile_wgmma() { return g_row_tile_wgmma.load(std::memory_order_relaxed); }
 
 namespace {
 
@@ -55,6 +63,22 @@ cudaMemPool_t workspace_pool(int device) {
     pools[device] = pool;
   }
   return pools[device];
+}
+
+// Whether the row-tile kernel runs: one split, and on average at least a tile's worth of
+// rows per request, because only rows of one request share tokens (decode batches have one
+// row per request and go to the per-row kernel). Its union keys are one int32 per K/V row.
+bool use_row_tiles(const SparseAttentionParams& p, int num_splits) {
+  constexpr int64_t kMaxKey = INT32_MAX;
+  if (num_splits != 1 || p.rows < 4 * std::max<int64_t>(p.batch, 1)) return false;
+  switch (p.kv_layout) {
+    case KVLayout::kPaged:
+      return p.num_pages * p.page_size <= kMaxKey;
+    case KVLayout::kPadded:
+      return p.batch * p.kv_capacity <= kMaxKey;
+    default:
+      return p.kv_layout == KVLayout::kPhysical;  // ids are int32 already
+  }
 }
 
 // Where each scratch buffer of a call lives in its workspace (byte offsets, each kAlign-aligned)
@@ -150,7 +174,11 @@ void native_sparse_attention(const SparseAttentionParams& p) {
     }
     cuda::dispatch_dtype(p.dtype, "qsa_sparse_attention", [&](auto tag) {
       using T = typename decltype(tag)::type;
-      cuda::launch_sparse_attention<T>(p, x, stream);
+      if (cuda::use_row_tiles(p, x.num_splits)) {
+        cuda::launch_sparse_attention_rows<T>(p, x, stream);
+      } else {
+        cuda::launch_sparse_attention<T>(p, x, stream);
+      }
     });
   } catch (...) {
     if (pooled) cudaFreeAsync(pooled, stream);
