@@ -19,15 +19,16 @@
 //     older ones under a fixed per-block importance, so neighbouring rows share most blocks
 //     (the mean Jaccard of consecutive rows' block sets is printed). The useful FLOP rate
 //     counts valid selected tokens only: 4 * tokens * Hq * D per row. 128K runs twice: token
-//     path, and structured path (block_indices hint); 16K structured also under the other
-//     kernel variants (_bulk4w, _cpasync8w, _bulk8w). Dense cuDNN causal
-//     attention of the same shape is bench/sdpa_baseline.py's (same device call).
+//     path, and structured path (block_indices hint). Prefill runs the row-tile kernel; every
+//     prefill row is timed with its S product by mma.sync and again by wgmma (_wgmma). Dense
+//     cuDNN causal attention of the same shape is bench/sdpa_baseline.py's (same device call).
 //   prefill_<n>k_indexer: the same timing over selections made the way an engine makes them,
 //     on the device: the structured workload's indexer inputs, native qsa_mqa_prefill, native
 //     top-512 and native expansion (their times are in the note; only the attention call is
 //     the row's time). 128K runs twice: token path and block hint (_hint).
 // Usage: qsa_sparse_attention_bench [results.csv]. Prints each row as it is measured.
-// BENCH_ONLY=<prefix> runs the rows whose name starts with it (for a profiler run).
+// BENCH_ONLY=<prefix> runs the rows whose name starts with it (for a profiler run);
+// BENCH_SWEEP=0 leaves out the explicit split-count rows.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -42,6 +43,7 @@
 
 #include "bench_util.h"
 #include "cuda/attention/sparse_attention_heuristics.h"
+#include "cuda/attention/sparse_attention_launch.h"
 #include "sparse_attn/qsa.h"
 #include "sparse_attn/qsa_select.h"
 #include "sparse_attn/workload.h"
@@ -437,6 +439,8 @@ int main(int argc, char** argv) {
   const char* only_env = std::getenv("BENCH_ONLY");
   const std::string only = only_env ? only_env : "";
   auto want = [&](const std::string& name) { return name.rfind(only, 0) == 0; };
+  const char* sweep_env = std::getenv("BENCH_SWEEP");
+  const bool sweep = sweep_env == nullptr || std::string(sweep_env) != "0";
   const FwdVariant variants[] = {
       {Gather::kCpAsync, 4}, {Gather::kBulk, 4}, {Gather::kCpAsync, 8}, {Gather::kBulk, 8}};
   for (int64_t b : {1, 8, 32, 128}) {
@@ -462,32 +466,41 @@ int main(int argc, char** argv) {
         runs.push_back({vp, 0, false, false});
       }
     }
-    for (const FwdVariant& v : variants)
-      for (int splits : {1, 2, 4, 8, 16, 33}) runs.push_back({v, splits, false, false});
+    if (sweep) {
+      for (const FwdVariant& v : variants)
+        for (int splits : {1, 2, 4, 8, 16, 33}) runs.push_back({v, splits, false, false});
+    }
     bench_decode(timer, c, b, runs, add);
   }
-  for (int64_t n : {16384, 65536, 131072})
-    if (want(fmt::format("prefill_{}k_structured", n / 1024)))
-      add(bench_prefill(timer, n, true, false));
-  if (want("prefill_16k_random")) add(bench_prefill(timer, 16384, false, false));
-  for (const FwdVariant& v : variants) {
-    const std::string name = "prefill_16k_structured_" + variant_name(v);
-    if (is_default(v) || !want(name)) continue;
-    sparse_attn::cuda::set_sparse_attention_variant(v);
-    Result r = bench_prefill(timer, 16384, true, false);
-    sparse_attn::cuda::set_sparse_attention_variant(FwdVariant{});
-    r.name = name;
-    r.note += ", " + variant_name(v);
-    add(std::move(r));
+  // Prefill runs the row-tile kernel (the per-row variants above do not apply to it); each
+  // prefill row is timed with its S product by mma.sync and again by wgmma ("_wgmma").
+  auto both_mmas = [&](const std::string& name, const std::function<Result()>& run) {
+    for (bool wgmma : {false, true}) {
+      const std::string full = name + (wgmma ? "_wgmma" : "");
+      if (!want(full)) continue;
+      sparse_attn::cuda::set_row_tile_wgmma(wgmma);
+      Result r = run();
+      sparse_attn::cuda::set_row_tile_wgmma(false);
+      r.name = full;
+      r.note += wgmma ? ", S by wgmma" : ", S by mma.sync";
+      add(std::move(r));
+    }
+  };
+  for (int64_t n : {16384, 65536, 131072}) {
+    both_mmas(fmt::format("prefill_{}k_structured", n / 1024),
+              [&] { return bench_prefill(timer, n, true, false); });
   }
-  if (want("prefill_128k_structured_hint")) add(bench_prefill(timer, 131072, true, true));
+  both_mmas("prefill_16k_random", [&] { return bench_prefill(timer, 16384, false, false); });
+  both_mmas("prefill_128k_structured_hint",
+            [&] { return bench_prefill(timer, 131072, true, true); });
   for (int64_t n : {16384, 65536, 131072}) {
     const std::string name = fmt::format("prefill_{}k_indexer", n / 1024);
-    const bool hint = n == 131072 && want(name + "_hint");
-    if (!want(name) && !hint) continue;
+    if (!want(name)) continue;
     const PrefillSelection sel = indexer_selection(timer, n);
-    if (want(name)) add(time_prefill(timer, n, sel, false, name));
-    if (hint) add(time_prefill(timer, n, sel, true, name + "_hint"));
+    both_mmas(name, [&] { return time_prefill(timer, n, sel, false, name); });
+    if (n == 131072) {
+      both_mmas(name + "_hint", [&] { return time_prefill(timer, n, sel, true, name + "_hint"); });
+    }
   }
 
   if (argc > 1) {

@@ -58,6 +58,10 @@ class TensorView {
   TensorView(void* data, DType dtype, Device device, const Shape& shape);
   // Strided view; strides in elements.
   TensorView(void* data, DType dtype, Device device, const Shape& shape, const Shape& strides);
+  // The same from arrays of `ndim` sizes and strides (a DLPack import's), without building
+  // vectors on a per-call path.
+  TensorView(void* data, DType dtype, Device device, int ndim, const int64_t* shape,
+             const int64_t* strides);
 
   void* data() const { return data_; }
   template <typename T>

@@ -54,7 +54,8 @@ def require_bool(value, name):
 
 def empty(shape, like, name, dtype=None):
     """An uninitialised contiguous output of `shape` in the framework and on the device of
-    `like`; dtype None means like's dtype, otherwise a name ("float32", "int32", "bool")."""
+    `like`; dtype None means like's dtype, otherwise a name ("float32", "int32", "bool",
+    "uint8")."""
     if isinstance(like, _Tensor):
         return torch_empty(shape, like, like.dtype if dtype is None else _TORCH_DTYPES[dtype])
     if numpy is not None and isinstance(like, numpy.ndarray):

@@ -93,12 +93,12 @@ TensorView view_of(void* data, dl::dtype dt, int32_t device_type, int32_t device
     throw ValueError(fmt::format("{}: expected at most {} dimensions, got a tensor with {}", name,
                                  TensorView::kMaxDims, ndim));
   }
-  Shape shape(sizes, sizes + ndim), strides(ndim);
+  std::array<int64_t, TensorView::kMaxDims> strides{};
   int64_t compact = 1;
   for (int d = ndim - 1; d >= 0; --d) {
     strides[d] = strides_or_null ? strides_or_null[d] : compact;
-    compact *= shape[d];
-    if (strides[d] < 0 && shape[d] > 1) {
+    compact *= sizes[d];
+    if (strides[d] < 0 && sizes[d] > 1) {
       throw ValueError(
           fmt::format("{}: negative strides are not supported (stride[{}] is {}); pass a copy",
                       name, d, strides[d]));
@@ -106,7 +106,7 @@ TensorView view_of(void* data, dl::dtype dt, int32_t device_type, int32_t device
   }
   const Device device = device_of(device_type, device_id, name);
   const DType dtype = dtype_of(dt, name);
-  return TensorView(data, dtype, device, shape, strides);
+  return TensorView(data, dtype, device, ndim, sizes, strides.data());
 }
 
 template <typename Array>

@@ -72,6 +72,16 @@ void check_rank(size_t ndim) {
   }
 }
 
+// The rank of a view given as a shape and a strides vector, which must agree.
+int common_rank(const Shape& shape, const Shape& strides) {
+  check_rank(shape.size());
+  if (strides.size() != shape.size()) {
+    throw ValueError("TensorView: shape " + sparse_attn::shape_str(shape) + " and strides " +
+                     sparse_attn::shape_str(strides) + " differ in length");
+  }
+  return static_cast<int>(shape.size());
+}
+
 Shape contiguous_strides(const Shape& shape) {
   Shape strides(shape.size());
   int64_t s = 1;
@@ -89,15 +99,16 @@ TensorView::TensorView(void* data, DType dtype, Device device, const Shape& shap
 
 TensorView::TensorView(void* data, DType dtype, Device device, const Shape& shape,
                        const Shape& strides)
-    : data_(data), dtype_(dtype), device_(device), ndim_(static_cast<int>(shape.size())) {
-  check_rank(shape.size());
-  if (strides.size() != shape.size()) {
-    throw ValueError("TensorView: shape " + sparse_attn::shape_str(shape) + " and strides " +
-                     sparse_attn::shape_str(strides) + " differ in length");
-  }
+    : TensorView(data, dtype, device, common_rank(shape, strides), shape.data(), strides.data()) {}
+
+TensorView::TensorView(void* data, DType dtype, Device device, int ndim, const int64_t* shape,
+                       const int64_t* strides)
+    : data_(data), dtype_(dtype), device_(device), ndim_(ndim) {
+  if (ndim < 0) throw ValueError("TensorView: negative rank " + std::to_string(ndim));
+  check_rank(static_cast<size_t>(ndim));
   for (int i = 0; i < ndim_; ++i) {
     if (shape[i] < 0) {
-      throw ValueError("TensorView: negative size in shape " + sparse_attn::shape_str(shape));
+      throw ValueError("TensorView: negative size in shape " + sparse_attn::shape_str(shape, ndim));
     }
     shape_[i] = shape[i];
     strides_[i] = strides[i];

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cuda/attention/sparse_attention_heuristics.h"
+#include "cuda/attention/sparse_attention_launch.h"
 #include "gpu_test_util.h"
 #include "sparse_attn/errors.h"
 #include "sparse_attn/qsa.h"
@@ -60,6 +61,20 @@ class VariantScope {
   FwdVariant before_;
 };
 
+// The same for the row-tile kernel's S product (mma.sync or wgmma).
+class RowTileScope {
+ public:
+  explicit RowTileScope(bool wgmma) : before_(cuda::row_tile_wgmma()) {
+    cuda::set_row_tile_wgmma(wgmma);
+  }
+  ~RowTileScope() { cuda::set_row_tile_wgmma(before_); }
+  RowTileScope(const RowTileScope&) = delete;
+  RowTileScope& operator=(const RowTileScope&) = delete;
+
+ private:
+  bool before_;
+};
+
 enum class Gate { kNone, kElementwise, kPerHead };
 
 struct Case {
@@ -87,6 +102,7 @@ struct Case {
   // neighbouring prefill rows do (the row-tile kernel then gathers mostly shared tokens).
   bool shared = false;
   FwdVariant variant;
+  bool wgmma = false;  // the row-tile kernel's S by wgmma instead of mma.sync
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) { return info.param.name; }
@@ -431,6 +447,7 @@ class GpuSparseAttention : public ::testing::TestWithParam<Case> {};
 TEST_P(GpuSparseAttention, MatchesOracle) {
   SPARSE_ATTN_REQUIRE_GPU();
   VariantScope scope(GetParam().variant);
+  RowTileScope row_tiles(GetParam().wgmma);
   auto rng = testing::make_rng();
   const Problem pb = make_problem(GetParam(), rng);
   DeviceProblem dp = to_device_problem(pb, rng);
@@ -671,12 +688,15 @@ std::vector<Case> row_tile_cases() {
                              ? batch * *std::max_element(base.q_rows.begin(), base.q_rows.end())
                              : std::accumulate(base.q_rows.begin(), base.q_rows.end(), int64_t{0});
     if (rows < 4 * batch) continue;
-    for (bool shared : {false, true}) {
-      Case c = base;
-      c.num_splits = 1;
-      c.shared = shared;
-      c.name += shared ? "_rowtiles_shared" : "_rowtiles";
-      v.push_back(c);
+    for (bool wgmma : {false, true}) {
+      for (bool shared : {false, true}) {
+        Case c = base;
+        c.num_splits = 1;
+        c.shared = shared;
+        c.wgmma = wgmma;
+        c.name += std::string(shared ? "_rowtiles_shared" : "_rowtiles") + (wgmma ? "_wgmma" : "");
+        v.push_back(c);
+      }
     }
   }
   return v;
@@ -788,11 +808,13 @@ TEST_P(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
   VariantScope scope(GetParam());
   auto rng = testing::make_rng();
   // Decode with one and six splits (per-row kernel), and prefill rows with shared selections
-  // (row-tile kernel: its hash-table insertions race, its union order must not).
-  for (int64_t splits : {1, 6, 0}) {
+  // (row-tile kernel, S by mma.sync (0) and by wgmma (-1): its hash-table insertions race,
+  // its union order must not).
+  for (int64_t splits : {1, 6, 0, -1}) {
+    RowTileScope row_tiles(splits < 0);
     Case c = decode("det", 4);
-    c.num_splits = splits == 0 ? 1 : splits;
-    if (splits == 0) {
+    c.num_splits = splits <= 0 ? 1 : splits;
+    if (splits <= 0) {
       c.q_rows = {70, 45};
       c.k_lens = {3000, 2100};
       c.shared = true;

@@ -23,7 +23,7 @@ def decode_call(device, batch=2, token_to_req=False):
     """A decode step in the canonical geometry (24/2/256, paged K/V in pages of 64, 2051
     selected ids per row): SplitKV partials with the default split heuristic; token_to_req
     without positions adds the row-rank pass."""
-    page, pages_per_req, width = 64, 40, 2051
+    page, pages_per_req, width = 64, 64, 2051  # capacity 4096 tokens per request
     lens = [2500 + 577 * b for b in range(batch)]
     query = randn((batch, 24, 256), torch.bfloat16, device)
     key = randn((batch * pages_per_req, page, 2, 256), torch.bfloat16, device)

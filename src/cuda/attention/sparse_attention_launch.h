@@ -45,6 +45,12 @@ template <typename T>
 void launch_sparse_attention_rows(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
                                   cudaStream_t stream);
 
+// Which S product the row-tile kernel uses, process-wide: mma.sync (false, the default) or
+// wgmma (true). The benchmark and the GPU suite set it to compare and check both; the library
+// never changes it.
+void set_row_tile_wgmma(bool on);
+bool row_tile_wgmma();
+
 // Fills x.row_rank / x.request_rows (device buffers of rows and batch int32, the latter
 // zeroed here) for token_to_req layouts without query positions.
 void launch_sparse_attention_row_rank(const SparseAttentionParams& p, int32_t* row_rank,

@@ -22,6 +22,13 @@ namespace sparse_attn {
 namespace cuda {
 
 namespace {
+std::atomic<bool> g_row_tile_wgmma{false};
+}  // namespace
+
+void set_row_tile_wgmma(bool on) { g_row_tile_wgmma.store(on, std::memory_order_relaxed); }
+bool row_tile_wgmma() { return g_row_tile_wgmma.load(std::memory_order_relaxed); }
+
+namespace {
 
 int sm_count(int device) {
   static std::array<std::atomic<int>, 64> cache{};  // 0: not read yet

@@ -1,5 +1,5 @@
 // sm90 sparse attention, row-tile kernel for prefill: one CTA attends kRows consecutive query
-// rows (one warp each) for one KV head, and gathers each K/V tile once for all of them.
+// rows for one KV head, and gathers each K/V tile once for all of them.
 //
 // Why: neighbouring prefill rows select almost the same tokens (the structured workload's
 // consecutive-row Jaccard is 0.999), so the per-row kernel (sparse_attention_kernel.cuh) pulls
@@ -24,6 +24,13 @@
 //      row j's warps run S = Q_j K^T + bias_j, the online softmax and O_j += P V over their
 //      halves of the tile, and skip halves that hold none of the row's tokens (so unrelated
 //      rows cost no MMAs).
+//
+// Two ways to compute S (a template flag, chosen in launch_sparse_attention_rows): mma.sync
+// m16n8k16 per warp with ldmatrix fragments (the default), or wgmma m64n32k16 per warpgroup
+// with Q and K read straight from shared memory (warpgroup h computes all 4 rows' 16-head
+// score tiles over its 32 tokens: warp w's accumulator fragment is exactly row w's, the
+// mma.sync C layout, so the softmax and P V code is shared). The two differ only in the Q
+// and K shared-memory layouts (SmemLayout below) and in the S loop.
 // Every reduction has a fixed order, so reruns are bitwise equal; the union order, not the
 // caller's index order, fixes the summation order, which the docs allow (FP32 sums).
 #pragma once
@@ -35,6 +42,7 @@
 #include <cstdint>
 #include <cute/arch/copy_sm75.hpp>
 #include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
 
 #include "api/qsa_attention_params.h"
 #include "cuda/attention/sparse_attention_common.cuh"
@@ -68,7 +76,7 @@ struct RowTileConfig {
 struct RowTileSmem {
   using C = RowTileConfig;
   struct Tiles {
-    uint4 k[C::kStages][C::kTileTokens][C::kChunks];
+    uint4 k[C::kStages][C::kTileTokens * C::kChunks];  // SmemLayout::k order
     uint4 v[C::kStages][C::kTileTokens][C::kChunks];
   };
   // Union construction scratch; lives in the tile ring, which is idle between passes.
@@ -92,11 +100,13 @@ struct RowTileSmem {
     Union u;
     Merge merge;
   };
-  uint4 q[C::kRows][C::kHeadRows][C::kChunks];
+  alignas(1024) uint4 q[C::kRows * C::kHeadRows * C::kChunks];  // SmemLayout::q order
   // Per (row, union token): first the multiplicity (int), then log2(multiplicity) or -inf.
   float bias[C::kRows][C::kPositions];
   int2 loc[C::kPositions];  // K/V coordinates of each union token (token_coords' form)
   int warp_count[C::kPerThread][C::kWarps];
+  int half_live[2]
+               [C::kWarps];  // wgmma: whether warp w's row has tokens in its half, by tile parity
   RowInfo rows[C::kRows];
 };
 
@@ -132,14 +142,54 @@ __device__ inline int hash_slot(int32_t key) {
                           (32 - RowTileConfig::kHashBits));
 }
 
+// Where 16-byte chunk c (of 32) of Q row m = j * 16 + head, or of K token row t, lives.
+// mma.sync reads them with ldmatrix: rows of 32 chunks, chunk c ^ (row % 8) (conflict-free).
+// wgmma reads them through shared-memory descriptors in the 128-byte-swizzle K-major layout:
+// 4 column blocks of 64 features, each 64 rows x 128 bytes, chunk (c % 8) ^ (row % 8) within a
+// row (the hardware applies the same XOR on address bits [4, 7) from bits [7, 10), so every
+// block must start on a 1024-byte boundary).
+template <bool kWgmma>
+struct SmemLayout {
+  using C = RowTileConfig;
+  __device__ static int index(int row, int c) {
+    if constexpr (kWgmma) {
+      return (c / 8) * (C::kTileTokens * 8) + row * 8 + ((c % 8) ^ (row & 7));
+    } else {
+      return row * C::kChunks + swz(row, c);
+    }
+  }
+};
+
+// A K-major, 128-byte-swizzle wgmma descriptor for the 8-row groups starting at `smem`
+// (1024 bytes apart, SBO); the leading offset is unused by swizzled layouts.
+__device__ inline uint64_t gmma_desc(const void* smem) {
+  const uint64_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  return ((addr >> 4) & 0x3FFF) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
+
 template <typename T>
+struct Sm90ScoreMma;
+template <>
+struct Sm90ScoreMma<__nv_bfloat16> {
+  using Atom = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                             cute::SM90::GMMA::Major::K>;
+};
+template <>
+struct Sm90ScoreMma<__half> {
+  using Atom = cute::SM90::GMMA::MMA_64x32x16_F32F16F16_SS<cute::SM90::GMMA::Major::K,
+                                                           cute::SM90::GMMA::Major::K>;
+};
+
+template <typename T, bool kWgmma>
 __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
     sparse_attention_rows_kernel(const __grid_constant__ SparseAttentionParams p,
                                  const __grid_constant__ SparseAttentionLaunch x) {
   using C = RowTileConfig;
   using E = ElementTraits<T>;
   using Mma = typename Sm80Mma<T>::Atom;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
+  using L = SmemLayout<kWgmma>;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<RowTileSmem*>(smem_raw);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -165,7 +215,7 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
         v = *reinterpret_cast<uint4*>(e);
       }
     }
-    sm.q[j][hr][swz(hr, chunk)] = v;
+    sm.q[L::index(j * C::kHeadRows + hr, chunk)] = v;
   }
   // resolve_row is collective (find_request counts over the CTA).
   for (int j = 0; j < C::kRows; ++j) {
@@ -344,7 +394,7 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
         const T* ks = k_head + loc.x * p.k_batch_stride + loc.y * p.k_token_stride + lane * 8;
         const T* vs = v_head + loc.x * p.v_batch_stride + loc.y * p.v_token_stride + lane * 8;
         cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
-            *reinterpret_cast<const uint4*>(ks), sm.tiles.k[stage][row][swz(row, lane)], valid);
+            *reinterpret_cast<const uint4*>(ks), sm.tiles.k[stage][L::index(row, lane)], valid);
         cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
             *reinterpret_cast<const uint4*>(vs), sm.tiles.v[stage][row][swz(row, lane)], valid);
       }
@@ -354,13 +404,7 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
     const float* bias = sm.bias[row_j];
     const int tok0 = half * C::kWarpTokens;  // this warp's tokens inside a tile
     for (int tile = 0; tile < n_tiles; ++tile) {
-      cute::cp_async_wait<0>();
-      __syncthreads();  // tile's data visible; every warp is done with the other stage
-      if (tile + 1 < n_tiles) load_tile(tile + 1, (tile + 1) % C::kStages);
-      cute::cp_async_fence();
-      const int stage = tile % C::kStages;
       const int n0 = tile * C::kTileTokens + tok0;
-
       // This thread's bias columns are n-tile nt's columns 2 (lane % 4) and + 1; they are read
       // again in the softmax rather than held in registers across the S MMAs.
       auto bias_at = [&](int nt) {
@@ -372,38 +416,82 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
         const float2 b = bias_at(nt);
         mine |= b.x != -INFINITY || b.y != -INFINITY;
       }
-      if (!__any_sync(0xffffffffu, mine)) continue;  // warp-uniform: none of my row's tokens
-
-      // S = Q_j K^T: 16 heads x 32 tokens; the next K step's fragments are loaded before this
-      // step's MMAs.
+      mine = __any_sync(0xffffffffu, mine);
+      if constexpr (kWgmma) {
+        if (lane == 0) sm.half_live[tile & 1][warp] = mine;
+      }
+      cute::cp_async_wait<0>();
+      if constexpr (kWgmma) {
+        // cp.async and plain stores are generic-proxy writes; wgmma reads through the async
+        // proxy.
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      }
+      __syncthreads();  // tile's data visible; every warp is done with the other stage
+      if (tile + 1 < n_tiles) load_tile(tile + 1, (tile + 1) % C::kStages);
+      cute::cp_async_fence();
+      const int stage = tile % C::kStages;
       float s_acc[C::kWarpTokens / 8][4] = {};
-      uint32_t qa[2][4], kb[2][C::kWarpTokens / 16][4];
-      auto load_qk = [&](int ks, uint32_t(&a)[4], uint32_t(&b)[C::kWarpTokens / 16][4]) {
-        const int qrow = (lane % 8) + ((lane >> 3) & 1) * 8;
-        const int qchunk = ks * 2 + (lane >> 4);
-        cute::SM75_U32x4_LDSM_N::copy(
-            reinterpret_cast<const cute::uint128_t&>(sm.q[row_j][qrow][swz(qrow, qchunk)]), a[0],
-            a[1], a[2], a[3]);
+      if constexpr (kWgmma) {
+        // A warpgroup's wgmma is collective: it skips a half only if none of its 4 rows has
+        // tokens there.
+        const int* live = &sm.half_live[tile & 1][half * C::kRows];
+        if (!(live[0] | live[1] | live[2] | live[3])) continue;
+        // S (64 = 4 rows x 16 heads, 32 tokens) over 16 K steps of 16 features: a step moves
+        // 32 bytes inside a 128-byte row, every 4 steps to the next 64-feature block.
+        using Gmma = typename Sm90ScoreMma<T>::Atom;
+        const uint4* q_base = sm.q;
+        const uint4* k_base = &sm.tiles.k[stage][tok0 * 8];
+        cute::warpgroup_arrive();
 #pragma unroll
-        for (int np = 0; np < C::kWarpTokens / 16; ++np) {
-          const int krow = tok0 + np * 16 + (lane % 8) + (lane >> 4) * 8;
-          const int kchunk = ks * 2 + ((lane >> 3) & 1);
-          cute::SM75_U32x4_LDSM_N::copy(
-              reinterpret_cast<const cute::uint128_t&>(sm.tiles.k[stage][krow][swz(krow, kchunk)]),
-              b[np][0], b[np][1], b[np][2], b[np][3]);
+        for (int ks = 0; ks < C::kHeadDim / 16; ++ks) {
+          const int off = (ks / 4) * (C::kTileTokens * 8) + (ks % 4) * 2;  // in 16-byte chunks
+          float(&d)[4][4] = s_acc;
+          Gmma::fma(gmma_desc(q_base + off), gmma_desc(k_base + off), d[0][0], d[0][1], d[0][2],
+                    d[0][3], d[1][0], d[1][1], d[1][2], d[1][3], d[2][0], d[2][1], d[2][2], d[2][3],
+                    d[3][0], d[3][1], d[3][2], d[3][3],
+                    ks == 0 ? cute::SM90::GMMA::ScaleOut::Zero : cute::SM90::GMMA::ScaleOut::One);
         }
-      };
-      load_qk(0, qa[0], kb[0]);
-#pragma unroll
-      for (int ks = 0; ks < C::kHeadDim / 16; ++ks) {
-        if (ks + 1 < C::kHeadDim / 16) load_qk(ks + 1, qa[(ks + 1) & 1], kb[(ks + 1) & 1]);
-        const uint32_t(&a)[4] = qa[ks & 1];
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
 #pragma unroll
         for (int nt = 0; nt < C::kWarpTokens / 8; ++nt) {
-          const uint32_t(&b)[4] = kb[ks & 1][nt / 2];
-          float* acc = s_acc[nt];
-          Mma::fma(acc[0], acc[1], acc[2], acc[3], a[0], a[1], a[2], a[3], b[2 * (nt % 2)],
-                   b[2 * (nt % 2) + 1], acc[0], acc[1], acc[2], acc[3]);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(s_acc[nt][e]);
+        }
+        if (!mine) continue;  // warp-uniform: none of my row's tokens in this half
+      } else {
+        if (!mine) continue;  // warp-uniform: none of my row's tokens in this half
+
+        // S = Q_j K^T: 16 heads x 32 tokens; the next K step's fragments are loaded before this
+        // step's MMAs.
+        uint32_t qa[2][4], kb[2][C::kWarpTokens / 16][4];
+        auto load_qk = [&](int ks, uint32_t(&a)[4], uint32_t(&b)[C::kWarpTokens / 16][4]) {
+          const int qrow = (lane % 8) + ((lane >> 3) & 1) * 8;
+          const int qchunk = ks * 2 + (lane >> 4);
+          cute::SM75_U32x4_LDSM_N::copy(reinterpret_cast<const cute::uint128_t&>(
+                                            sm.q[L::index(row_j * C::kHeadRows + qrow, qchunk)]),
+                                        a[0], a[1], a[2], a[3]);
+#pragma unroll
+          for (int np = 0; np < C::kWarpTokens / 16; ++np) {
+            const int krow = tok0 + np * 16 + (lane % 8) + (lane >> 4) * 8;
+            const int kchunk = ks * 2 + ((lane >> 3) & 1);
+            cute::SM75_U32x4_LDSM_N::copy(
+                reinterpret_cast<const cute::uint128_t&>(sm.tiles.k[stage][L::index(krow, kchunk)]),
+                b[np][0], b[np][1], b[np][2], b[np][3]);
+          }
+        };
+        load_qk(0, qa[0], kb[0]);
+#pragma unroll
+        for (int ks = 0; ks < C::kHeadDim / 16; ++ks) {
+          if (ks + 1 < C::kHeadDim / 16) load_qk(ks + 1, qa[(ks + 1) & 1], kb[(ks + 1) & 1]);
+          const uint32_t(&a)[4] = qa[ks & 1];
+#pragma unroll
+          for (int nt = 0; nt < C::kWarpTokens / 8; ++nt) {
+            const uint32_t(&b)[4] = kb[ks & 1][nt / 2];
+            float* acc = s_acc[nt];
+            Mma::fma(acc[0], acc[1], acc[2], acc[3], a[0], a[1], a[2], a[3], b[2 * (nt % 2)],
+                     b[2 * (nt % 2) + 1], acc[0], acc[1], acc[2], acc[3]);
+          }
         }
       }
 
@@ -547,12 +635,13 @@ void launch_sparse_attention_rows(const SparseAttentionParams& p, const SparseAt
   constexpr size_t kSmem = sizeof(RowTileSmem);
   static_assert(kSmem <= 227 * 1024, "one CTA must fit the 227 KB an sm90 block may use");
   static_assert(C::kPositions <= 32767 && C::kHashSlots <= 32767, "slot_of is int16");
-  SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(sparse_attention_rows_kernel<T>,
-                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+  const auto kernel = row_tile_wgmma() ? sparse_attention_rows_kernel<T, true>
+                                       : sparse_attention_rows_kernel<T, false>;
+  SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               static_cast<int>(kSmem)));
   const dim3 grid(static_cast<unsigned>((p.rows + C::kRows - 1) / C::kRows),
                   static_cast<unsigned>(p.num_kv_heads));
-  sparse_attention_rows_kernel<T><<<grid, C::kThreads, kSmem, stream>>>(p, x);
+  kernel<<<grid, C::kThreads, kSmem, stream>>>(p, x);
   SPARSE_ATTN_CUDA_CHECK_LAUNCH();
 }
 
