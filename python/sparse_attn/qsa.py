@@ -176,15 +176,14 @@ def qsa_sparse_attention(
         # every argument; a query of the wrong rank takes the general path for its error).
         shape = query.shape
         if len(shape) in (3, 4):
-            device = query.device
             if out is None:
-                out = _empty(*shape, dtype=query.dtype, device=device)
+                out = _empty(*shape, dtype=query.dtype, device=query.device)
             if return_lse and lse is None:
-                lse = _empty(*shape[:-1], dtype=_F32, device=device)
+                lse = _empty(*shape[:-1], dtype=_F32, device=query.device)
             if query.is_cuda:
                 stream = rt.torch_stream(query)
                 if workspace is None:
-                    workspace = lambda nbytes: _empty(nbytes, dtype=torch.uint8, device=device)  # noqa: E731
+                    workspace = rt.workspace_allocator(query)
             else:
                 stream = None
             _C.qsa_sparse_attention(
