@@ -9,9 +9,10 @@
 //      id in range; physical: 0 <= id < total_kv) and compact their K/V coordinates into
 //      shared memory, in index order; masked ids are never dereferenced;
 //   3. gather 64 compacted tokens per stage (Gather: 16-byte cp.async chunks, or one 512-byte
-//      bulk copy per K/V row completing on the stage's mbarrier) and run S = Q K^T, online
-//      softmax and O += P V with m16n8k16 MMAs, 16 tokens per token group of 1 or 2 warps
-//      (with 2, both compute the scores and each accumulates half of D);
+//      bulk copy per K/V row completing on the stage's mbarrier; the rows of the next tiles
+//      after the ring prefetched into L2) and run S = Q K^T, online softmax and O += P V
+//      with m16n8k16 MMAs, 16 tokens per token group of 1 or 2 warps (with 2, both compute
+//      the scores and each accumulates half of D);
 //   4. merge the 4 groups' softmax states in a fixed order, then either store the output (gate
 //      applied, LSE exported) or, with SplitKV, the split's normalised FP32 partial and LSE.
 #pragma once
