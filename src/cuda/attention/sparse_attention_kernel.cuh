@@ -335,9 +335,6 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
                      : "memory");
       }
     };
-    for (int s = C::kStages - 1; s < C::kStages - 1 + x.prefetch_tiles && s < n_tiles; ++s) {
-      prefetch_tile(s);
-    }
 #pragma unroll
     for (int s = 0; s < C::kStages - 1; ++s) {
       if (s < n_tiles) {
@@ -345,6 +342,9 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
       } else if constexpr (G == Gather::kCpAsync) {
         cute::cp_async_fence();  // an empty group keeps the wait counts below uniform
       }
+    }
+    for (int s = C::kStages - 1; s < C::kStages - 1 + x.prefetch_tiles && s < n_tiles; ++s) {
+      prefetch_tile(s);  // after the first gathers, which the first tile waits for
     }
     for (int tile = 0; tile < n_tiles; ++tile) {
       const int stage = stage_of(tile);
