@@ -10,7 +10,10 @@
 //     floor% use the graph time; floor% (eager) is next to it. Every batch runs under each
 //     variant of the forward kernel (cp.async or bulk gather, 4 or 8 warps: no suffix for the
 //     library's default one, else _cpasync4w, _bulk4w, _cpasync8w, _bulk8w) with the heuristic
-//     split count, then with explicit split counts (_s<N>), graph-timed, for the heuristic.
+//     split count, then with explicit split counts (_s<N>), graph-timed, for the heuristic,
+//     and with a caller-owned workspace (_ws: no pool allocation in the call or the graph);
+//     for the cp.async variants also with the merge launched otherwise (_pdl, _plain) and
+//     other L2 prefetch distances (_pf0, _pf1, _pf4; the default prefetches 2 tiles ahead).
 //   prefill: one request of 16K, 64K, 128K tokens, every row attending to its 2051-token
 //     structured selection: the 64 most recent complete blocks plus the 448 most important
 //     older ones under a fixed per-block importance, so neighbouring rows share most blocks
@@ -123,7 +126,14 @@ using sparse_attn::cuda::FwdVariant;
 using sparse_attn::cuda::Gather;
 
 std::string variant_name(const FwdVariant& v) {
-  return (v.gather == Gather::kBulk ? "bulk" : "cpasync") + std::to_string(v.warps) + "w";
+  using sparse_attn::cuda::MergeLaunch;
+  return (v.gather == Gather::kBulk ? "bulk" : "cpasync") + std::to_string(v.warps) + "w" +
+         (v.merge == MergeLaunch::kPdl     ? "_pdl"
+          : v.merge == MergeLaunch::kPlain ? "_plain"
+                                           : "") +
+         (v.l2_prefetch_tiles != FwdVariant{}.l2_prefetch_tiles
+              ? "_pf" + std::to_string(v.l2_prefetch_tiles)
+              : "");
 }
 bool is_default(const FwdVariant& v) { return v == FwdVariant{}; }
 
@@ -131,7 +141,8 @@ bool is_default(const FwdVariant& v) { return v == FwdVariant{}; }
 struct DecodeRun {
   FwdVariant variant;
   int splits;
-  bool eager;  // also time the eager call
+  bool eager;      // also time the eager call
+  bool workspace;  // pass a caller-owned workspace (no pool allocation in the call or graph)
 };
 
 void bench_decode(Timer& timer, const Ceilings& c, int64_t batch,
@@ -174,6 +185,13 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch,
     o.gate = gate.view();
     if (run.splits > 0) o.num_splits = run.splits;
     sparse_attn::cuda::set_sparse_attention_variant(run.variant);
+    Tensor workspace;
+    if (run.workspace) {
+      const size_t ws = qsa_sparse_attention_workspace_size(q, k, v, idx.view(), o);
+      workspace = Tensor::empty({std::max<int64_t>(1, static_cast<int64_t>(ws))}, DType::kU8,
+                                Device::cuda());
+      if (ws > 0) o.workspace = workspace.view();
+    }
     auto call = [&](cudaStream_t s) {
       o.stream = s;
       qsa_sparse_attention(q, k, v, idx.view(), out, lse.view(), o);
@@ -181,12 +199,14 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch,
     const double eager_ms = run.eager ? timer.time(call).median_ms : 0.0;
     const double graph_ms = timer.time_graph(call).median_ms;
     const double sec = graph_ms * 1e-3;
-    add({fmt::format("decode_b{}{}{}", batch,
+    add({fmt::format("decode_b{}{}{}{}", batch,
                      is_default(run.variant) ? "" : "_" + variant_name(run.variant),
-                     run.splits > 0 ? fmt::format("_s{}", run.splits) : ""),
+                     run.splits > 0 ? fmt::format("_s{}", run.splits) : "",
+                     run.workspace ? "_ws" : ""),
          eager_ms, graph_ms, 4.0 * valid * kHq * kD / sec / 1e12, bytes / sec / 1e12, floor_ms,
-         fmt::format("{}, {} splits, gate, lse", variant_name(run.variant),
-                     run.splits > 0 ? fmt::format("{}", run.splits) : "heuristic")});
+         fmt::format("{}, {} splits, gate, lse{}", variant_name(run.variant),
+                     run.splits > 0 ? fmt::format("{}", run.splits) : "heuristic",
+                     run.workspace ? ", caller workspace" : "")});
   }
   sparse_attn::cuda::set_sparse_attention_variant(FwdVariant{});
 }
@@ -426,10 +446,29 @@ int main(int argc, char** argv) {
   for (int64_t b : {1, 8, 32, 128}) {
     if (!want(fmt::format("decode_b{}", b))) continue;
     std::vector<DecodeRun> runs;
-    for (const FwdVariant& v : variants) runs.push_back({v, 0, true});
+    for (const FwdVariant& v : variants) runs.push_back({v, 0, true, false});
+    for (const FwdVariant& v : variants) runs.push_back({v, 0, false, true});
+    // The merge launched as a programmatic dependent triggered at the forward grid's end, and
+    // as an ordinary launch, against the default early trigger (B <= 32 run SplitKV).
+    using sparse_attn::cuda::MergeLaunch;
+    for (const FwdVariant& v : {variants[0], variants[2]}) {
+      for (MergeLaunch m : {MergeLaunch::kPdl, MergeLaunch::kPlain}) {
+        FwdVariant vm = v;
+        vm.merge = m;
+        runs.push_back({vm, 0, false, false});
+      }
+    }
+    // The L2 prefetch distance beyond the ring (default 2 tiles): off, 1 and 4.
+    for (const FwdVariant& v : {variants[0], variants[2]}) {
+      for (int pf : {0, 1, 4}) {
+        FwdVariant vp = v;
+        vp.l2_prefetch_tiles = pf;
+        runs.push_back({vp, 0, false, false});
+      }
+    }
     if (sweep) {
       for (const FwdVariant& v : variants)
-        for (int splits : {1, 2, 4, 8, 16, 33}) runs.push_back({v, splits, false});
+        for (int splits : {1, 2, 4, 8, 16, 33}) runs.push_back({v, splits, false, false});
     }
     bench_decode(timer, c, b, runs, add);
   }

@@ -38,7 +38,13 @@ const FwdVariant kVariants[] = {
     {Gather::kCpAsync, 4}, {Gather::kBulk, 4}, {Gather::kCpAsync, 8}, {Gather::kBulk, 8}};
 
 std::string variant_name(const FwdVariant& v) {
-  return (v.gather == Gather::kBulk ? "bulk" : "cpasync") + std::to_string(v.warps) + "w";
+  return (v.gather == Gather::kBulk ? "bulk" : "cpasync") + std::to_string(v.warps) + "w" +
+         (v.merge == cuda::MergeLaunch::kPdl     ? "_pdl"
+          : v.merge == cuda::MergeLaunch::kPlain ? "_plain"
+                                                 : "") +
+         (v.l2_prefetch_tiles != FwdVariant{}.l2_prefetch_tiles
+              ? "_pf" + std::to_string(v.l2_prefetch_tiles)
+              : "");
 }
 
 // Runs the enclosing scope under one forward-kernel variant and restores the previous one.
@@ -643,6 +649,31 @@ std::vector<Case> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Forms, GpuSparseAttention, ::testing::ValuesIn(cases()), case_name);
 
+// The other launch settings of the default kernel, on SplitKV decode forms: the merge kernel
+// as a programmatic launch triggered only by the forward grid's end, as an ordinary launch,
+// and no L2 prefetch of later tiles.
+const FwdVariant kLaunchVariants[] = {{Gather::kCpAsync, 8, cuda::MergeLaunch::kPdl},
+                                      {Gather::kCpAsync, 8, cuda::MergeLaunch::kPlain},
+                                      {Gather::kCpAsync, 8, cuda::MergeLaunch::kEarly, 0}};
+
+std::vector<Case> launch_variant_cases() {
+  Case split5 = decode("decode_b3_splits5_gate_elementwise", 3);
+  split5.num_splits = 5;
+  split5.gate = Gate::kElementwise;
+  std::vector<Case> v;
+  for (const FwdVariant& mv : kLaunchVariants) {
+    for (Case c : {decode("decode_b8_canonical_page64_heuristic", 8), split5}) {
+      c.name += "_" + variant_name(mv);
+      c.variant = mv;
+      v.push_back(c);
+    }
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Launch, GpuSparseAttention, ::testing::ValuesIn(launch_variant_cases()),
+                         case_name);
+
 // The row-tile kernel runs when there is one split and at least 4 rows per request on average
 // (sparse_attention_native.cpp): every form above that has the rows, with one split, on its
 // random selections (little sharing between rows) and on shared ones (mostly the same tokens,
@@ -1045,6 +1076,10 @@ INSTANTIATE_TEST_SUITE_P(Variants, GpuSparseAttentionDeterminism, ::testing::Val
 INSTANTIATE_TEST_SUITE_P(Variants, GpuSparseAttentionPhysical, ::testing::ValuesIn(kVariants),
                          variant_param_name);
 INSTANTIATE_TEST_SUITE_P(Variants, GpuSparseAttentionGraph, ::testing::ValuesIn(kVariants),
+                         variant_param_name);
+INSTANTIATE_TEST_SUITE_P(Launch, GpuSparseAttentionDeterminism,
+                         ::testing::ValuesIn(kLaunchVariants), variant_param_name);
+INSTANTIATE_TEST_SUITE_P(Launch, GpuSparseAttentionGraph, ::testing::ValuesIn(kLaunchVariants),
                          variant_param_name);
 
 }  // namespace

@@ -1,18 +1,25 @@
 #include "cuda/attention/sparse_attention_heuristics.h"
 
 #include <algorithm>
-#include <atomic>
+#include <mutex>
 
 #include "cuda/attention/sparse_attention_config.h"
 
 namespace sparse_attn::cuda {
 
 namespace {
-std::atomic<FwdVariant> g_variant{FwdVariant{}};
+std::mutex g_variant_mutex;
+FwdVariant g_variant;
 }  // namespace
 
-void set_sparse_attention_variant(FwdVariant v) { g_variant.store(v, std::memory_order_relaxed); }
-FwdVariant sparse_attention_variant() { return g_variant.load(std::memory_order_relaxed); }
+void set_sparse_attention_variant(FwdVariant v) {
+  std::lock_guard<std::mutex> lock(g_variant_mutex);
+  g_variant = v;
+}
+FwdVariant sparse_attention_variant() {
+  std::lock_guard<std::mutex> lock(g_variant_mutex);
+  return g_variant;
+}
 
 // A CTA (one row, one KV head, one split) holds a whole SM (218 to 225 KB of shared memory in
 // every variant), so the schedule is a sequence of waves of num_sms CTAs. A CTA costs a fixed

@@ -10,12 +10,24 @@ namespace sparse_attn::cuda {
 // The forward kernel's variant, process-wide: its gather (config.h) and its warps per CTA
 // (FwdShape: 4, or 8 splitting D in pairs). The benchmark sets it to compare the variants in
 // one run and the GPU suite runs every form under each; the library never changes it. The
-// default (FwdVariant{}) is the member initializers below: 4-warp cp.async until a
-// measurement picks another.
+// default (FwdVariant{}) is the member initializers below: cp.async with 8 warps, the fastest
+// at every decode batch size in the first GPU run of the variants (docs/perf-notes.md).
+// How the SplitKV merge kernel follows the forward grid: kEarly, a programmatic dependent
+// launch that the forward grid triggers at its start (the merge CTAs wait resident); kPdl, the
+// same launch triggered only by the forward grid's completion; kPlain, an ordinary launch.
+enum class MergeLaunch { kEarly, kPdl, kPlain };
+// l2_prefetch_tiles: tiles beyond the ring (2 in flight) whose K/V rows the forward kernel
+// prefetches into L2 (one cp.async.bulk.prefetch per row), so that more gathered bytes are in
+// flight per SM than the ring's shared memory holds.
 struct FwdVariant {
   Gather gather = Gather::kCpAsync;
-  int warps = 4;
-  bool operator==(const FwdVariant& o) const { return gather == o.gather && warps == o.warps; }
+  int warps = 8;
+  MergeLaunch merge = MergeLaunch::kEarly;
+  int l2_prefetch_tiles = 2;
+  bool operator==(const FwdVariant& o) const {
+    return gather == o.gather && warps == o.warps && merge == o.merge &&
+           l2_prefetch_tiles == o.l2_prefetch_tiles;
+  }
 };
 void set_sparse_attention_variant(FwdVariant v);
 FwdVariant sparse_attention_variant();

@@ -83,10 +83,10 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
 
   // The SplitKV merge kernel is launched as a programmatic dependent of this grid and waits
   // for its completion in cudaGridDependencySynchronize, so it may be scheduled as soon as
-  // every CTA of this grid has started: its CTAs (no shared memory) then sit resident in that
+  // every CTA of this grid has started: its CTAs (1 KB of shared memory) then sit resident in that
   // wait, and the merge starts the moment the last split is written instead of a launch later.
   // Without a dependent launch this is a no-op.
-  cudaTriggerProgrammaticLaunchCompletion();
+  if (x.trigger_merge_early) cudaTriggerProgrammaticLaunchCompletion();
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // This warp's token group (16 tokens of every tile) and its share of D in P V and O.
@@ -318,6 +318,25 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
         }
       }
     };
+    // L2 prefetch of a tile's K/V rows (one 512-byte bulk prefetch per row, no shared memory
+    // and nothing to wait for): issued x.prefetch_tiles tiles before the tile enters the ring,
+    // so its gather then reads L2 and the SM keeps more bytes in flight than the ring holds.
+    auto prefetch_tile = [&](int tile) {
+      constexpr uint32_t kRowBytes = C::kHeadDim * sizeof(T);
+      const int row = tid % C::kBlockTokens;
+      const int n = tile * C::kBlockTokens + row;
+      if (tid < 2 * C::kBlockTokens && n < n_valid) {
+        const int2 loc = sm.token_loc[n];
+        const T* src = tid >= C::kBlockTokens
+                           ? v_head + loc.x * p.v_batch_stride + loc.y * p.v_token_stride
+                           : k_head + loc.x * p.k_batch_stride + loc.y * p.k_token_stride;
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(kRowBytes)
+                     : "memory");
+      }
+    };
+    for (int s = C::kStages - 1; s < C::kStages - 1 + x.prefetch_tiles && s < n_tiles; ++s) {
+      prefetch_tile(s);
+    }
 #pragma unroll
     for (int s = 0; s < C::kStages - 1; ++s) {
       if (s < n_tiles) {
@@ -337,6 +356,9 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
         load_tile(next);
       } else if constexpr (G == Gather::kCpAsync) {
         cute::cp_async_fence();
+      }
+      if (x.prefetch_tiles > 0 && next + x.prefetch_tiles < n_tiles) {
+        prefetch_tile(next + x.prefetch_tiles);
       }
       if constexpr (G == Gather::kBulk) {
         mbar_wait(&sm.stage_full[stage], ((tile_seq + tile) / C::kStages) & 1);

@@ -39,17 +39,21 @@ void launch_sparse_attention(const SparseAttentionParams& p, const SparseAttenti
                              cudaStream_t stream) {
   using C = SparseAttentionConfig;
   const FwdVariant v = sparse_attention_variant();
+  SparseAttentionLaunch xv = x;
+  xv.trigger_merge_early = v.merge == MergeLaunch::kEarly;
+  xv.prefetch_tiles = v.l2_prefetch_tiles;
   const bool bulk = v.gather == Gather::kBulk;
   if (v.warps == 8) {
-    bulk ? launch_sparse_attention_fwd<T, Gather::kBulk, 8>(p, x, stream)
-         : launch_sparse_attention_fwd<T, Gather::kCpAsync, 8>(p, x, stream);
+    bulk ? launch_sparse_attention_fwd<T, Gather::kBulk, 8>(p, xv, stream)
+         : launch_sparse_attention_fwd<T, Gather::kCpAsync, 8>(p, xv, stream);
   } else {
-    bulk ? launch_sparse_attention_fwd<T, Gather::kBulk, 4>(p, x, stream)
-         : launch_sparse_attention_fwd<T, Gather::kCpAsync, 4>(p, x, stream);
+    bulk ? launch_sparse_attention_fwd<T, Gather::kBulk, 4>(p, xv, stream)
+         : launch_sparse_attention_fwd<T, Gather::kCpAsync, 4>(p, xv, stream);
   }
-  if (x.num_splits > 1) {
-    // Programmatic dependent launch: the merge grid is set up while the forward grid drains
-    // and waits for it in cudaGridDependencySynchronize, which hides one launch gap in decode.
+  if (xv.num_splits > 1) {
+    // Programmatic dependent launch (unless kPlain): the merge grid is set up while the
+    // forward grid runs and waits for it in cudaGridDependencySynchronize, which hides the
+    // launch gap in decode.
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(static_cast<unsigned>(p.rows), static_cast<unsigned>(p.num_q_heads));
     cfg.blockDim = dim3(C::kHeadDim);
@@ -58,8 +62,8 @@ void launch_sparse_attention(const SparseAttentionParams& p, const SparseAttenti
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr.val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    SPARSE_ATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sparse_attention_merge_kernel<T>, p, x));
+    cfg.numAttrs = v.merge == MergeLaunch::kPlain ? 0 : 1;
+    SPARSE_ATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sparse_attention_merge_kernel<T>, p, xv));
   }
 }
 

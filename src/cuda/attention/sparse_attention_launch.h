@@ -26,6 +26,11 @@ struct SparseAttentionLaunch {
   // null otherwise.
   const int32_t* row_rank = nullptr;
   const int32_t* request_rows = nullptr;
+  // Set by launch_sparse_attention from the variant (sparse_attention_heuristics.h): the
+  // forward kernel triggers the merge's programmatic launch at its start, and prefetches into
+  // L2 the K/V rows of this many tiles beyond the ones in its shared-memory ring.
+  bool trigger_merge_early = true;
+  int prefetch_tiles = 0;
 };
 
 // Runs the forward kernel and, when x.num_splits > 1, the merge kernel on `stream`.
