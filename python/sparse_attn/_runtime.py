@@ -102,22 +102,17 @@ def torch_stream(tensor):
     return torch.cuda.current_stream(index).cuda_stream
 
 
-def run(binding, op_name, like, args, stream=True):
-    """Calls binding(*args, stream) (binding(*args) for ops that take no stream). Torch
-    tensors run on torch's current stream; under torch.compile the call goes through
-    torch.ops.sparse_attn.<op_name> (same arguments, the stream is found when the op runs),
-    so graphs capture it as one opaque op."""
+def run(binding, op_name, like, args):
+    """Calls binding(*args, stream). Torch tensors run on torch's current stream; under
+    torch.compile the call goes through torch.ops.sparse_attn.<op_name> (same arguments, the
+    stream is found when the op runs), so graphs capture it as one opaque op."""
     if isinstance(like, _Tensor):
         if ops_registered and _is_compiling():
             getattr(torch.ops.sparse_attn, op_name)(*args)
-        elif stream:
-            binding(*args, torch_stream(like))
         else:
-            binding(*args)
-    elif stream:
-        binding(*args, None)
+            binding(*args, torch_stream(like))
     else:
-        binding(*args)
+        binding(*args, None)
 
 
 def host_list(values):

@@ -79,11 +79,12 @@ def _register():
             rt.torch_stream(query))
 
     def qsa_topk_blocks(scores: Tensor, k: int, out: Tensor) -> None:
-        _C.qsa_topk_blocks(scores, k, out)
+        _C.qsa_topk_blocks(scores, k, out, rt.torch_stream(scores))
 
     def qsa_expand_blocks(block_ids: Tensor, query_positions: Tensor, token_indices: Tensor,
                           block_indices: Optional[Tensor]) -> None:
-        _C.qsa_expand_blocks(block_ids, query_positions, token_indices, block_indices)
+        _C.qsa_expand_blocks(block_ids, query_positions, token_indices, block_indices,
+                             rt.torch_stream(block_ids))
 
     def xattn_estimate(
         query: Tensor, key: Tensor, attn_sums: Tensor, block_mask: Tensor, threshold: float,

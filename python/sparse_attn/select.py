@@ -1,6 +1,6 @@
 """QSA selection helpers: the steps between the indexer and sparse attention that the seed
-leaves to the caller (docs/qsa.md, "Selection helpers"). Both run on the CPU; CUDA tensors
-are staged through the host synchronously (correct, slow, outside graph capture)."""
+leaves to the caller (docs/qsa.md, "Selection helpers"). Host tensors run on the CPU; CUDA
+tensors run native kernels on torch's current stream (no host staging; graph-capturable)."""
 
 from . import _C
 from . import _runtime as rt
@@ -18,7 +18,7 @@ def qsa_topk_blocks(scores, k=QSA_TOPK_BLOCKS, *, out=None):
         shape = (*scores.shape[:-1], k) if rank in (2, 3) and type(k) is int else \
             _C.qsa_topk_blocks_shape(scores, k)
         out = rt.empty(shape, scores, "scores", "int32")
-    rt.run(_C.qsa_topk_blocks, "qsa_topk_blocks", scores, (scores, k, out), stream=False)
+    rt.run(_C.qsa_topk_blocks, "qsa_topk_blocks", scores, (scores, k, out))
     return out
 
 
@@ -39,5 +39,5 @@ def qsa_expand_blocks(block_ids, query_positions, *, return_block_indices=False,
     if return_block_indices and block_indices is None:
         block_indices = rt.empty(tuple(block_ids.shape), block_ids, "block_ids", "int32")
     rt.run(_C.qsa_expand_blocks, "qsa_expand_blocks", block_ids,
-           (block_ids, query_positions, token_indices, block_indices), stream=False)
+           (block_ids, query_positions, token_indices, block_indices))
     return (token_indices, block_indices) if return_block_indices else token_indices

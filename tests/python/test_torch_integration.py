@@ -133,9 +133,9 @@ def test_compiled_out_argument_is_written():
 
 
 # ------------------------------------------------------------------------------------------
-# CUDA: streams and graphs, for every native op and every native sparse-attention schedule
-# (one split; SplitKV partials and the row-rank pass, whose scratch the wrapper allocates
-# with torch when the op runs)
+# CUDA: streams and graphs, for every native op (the indexer, the selection helpers) and every
+# native sparse-attention schedule (one split; SplitKV partials and the row-rank pass, whose
+# scratch the wrapper allocates with torch when the op runs)
 # ------------------------------------------------------------------------------------------
 
 def paged_decode_inputs(device, token_to_req):
@@ -189,6 +189,16 @@ def native_calls():
     def run_prefill(q, k, starts, ends):
         return sparse_attn.qsa_mqa_prefill(q, k, starts, ends, backend="native")
 
+    def run_topk(scores):
+        return sparse_attn.qsa_topk_blocks(scores, 16)
+
+    def expand():
+        return (torch.randint(-1, 50, (3, 16), dtype=torch.int32, device="cuda"),
+                torch.tensor([3, 100, 250], dtype=torch.int32, device="cuda"))
+
+    def run_expand(blocks, positions):
+        return sparse_attn.qsa_expand_blocks(blocks, positions)
+
     return [
         pytest.param(attention_padded, run_attention_padded, 2, id="attention_padded_one_split"),
         pytest.param(lambda: paged_decode_inputs("cuda", False), run_attention_splitkv, 2,
@@ -199,7 +209,23 @@ def native_calls():
                      id="indexer_mqa_decode"),
         pytest.param(indexer, run_indexer, 1, id="indexer_mqa_score"),
         pytest.param(prefill, run_prefill, 1, id="indexer_mqa_prefill"),
+        # The selection helpers have no backend argument: CUDA tensors run native kernels.
+        pytest.param(lambda: (torch.randn(3, 700, device="cuda"),), run_topk, 0,
+                     id="select_topk_blocks"),
+        pytest.param(expand, run_expand, 0, id="select_expand_blocks"),
     ]
+
+
+def garbage_like(t):
+    """Values no correct call could have read: NaN, or for ids one past any selection."""
+    return torch.full_like(t, math.nan if t.is_floating_point() else 123456)
+
+
+def fresh_like(t):
+    """New random contents for a replay: floats, or ids in the range the inputs use."""
+    if t.is_floating_point():
+        return randn(t.shape, t.dtype, "cuda")
+    return torch.randint(-1, 50, t.shape, dtype=t.dtype, device=t.device)
 
 
 def run_attention_reference(q, k, v, i):
@@ -219,7 +245,7 @@ def test_work_on_a_side_stream(make, fn, late):
         # An input produced on the side stream right before the call: a call issued on any
         # other stream would race with these kernels.
         good = inputs[late]
-        inputs[late] = torch.full_like(good, math.nan)
+        inputs[late] = garbage_like(good)
         torch.cuda._sleep(50_000_000)
         inputs[late].copy_(good)
         out = fn(*inputs)
@@ -245,8 +271,8 @@ def test_cuda_graph_capture_and_replay(make, fn, late):
     first = inputs[0]
     before = fn(*inputs)
     # Replay consumes the current contents of the inputs.
-    first.copy_(randn(first.shape, first.dtype, "cuda"))
-    out.fill_(math.nan)
+    first.copy_(fresh_like(first))
+    out.copy_(garbage_like(out))
     graph.replay()
     torch.cuda.synchronize()
     expected = fn(*inputs)
@@ -298,6 +324,6 @@ def test_compiled_reduce_overhead_uses_cuda_graphs(make, fn, late):
     expected = step(*inputs)
     assert torch.equal(got, expected)
     # A new step's inputs (same shapes) replay the graph, reading the new contents.
-    inputs[0].copy_(randn(inputs[0].shape, inputs[0].dtype, "cuda"))
+    inputs[0].copy_(fresh_like(inputs[0]))
     got = compiled(*inputs).clone()
     assert torch.equal(got, step(*inputs))
