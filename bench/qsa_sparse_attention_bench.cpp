@@ -478,9 +478,10 @@ int main(int argc, char** argv) {
     for (bool wgmma : {false, true}) {
       const std::string full = name + (wgmma ? "_wgmma" : "");
       if (!want(full)) continue;
+      const bool before = sparse_attn::cuda::row_tile_wgmma();
       sparse_attn::cuda::set_row_tile_wgmma(wgmma);
       Result r = run();
-      sparse_attn::cuda::set_row_tile_wgmma(false);
+      sparse_attn::cuda::set_row_tile_wgmma(before);
       r.name = full;
       r.note += wgmma ? ", S by wgmma" : ", S by mma.sync";
       add(std::move(r));

@@ -45,9 +45,9 @@ template <typename T>
 void launch_sparse_attention_rows(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
                                   cudaStream_t stream);
 
-// Which S product the row-tile kernel uses, process-wide: mma.sync (false, the default) or
-// wgmma (true). The benchmark and the GPU suite set it to compare and check both; the library
-// never changes it.
+// Which S product the row-tile kernel uses, process-wide: wgmma (true, the default: 7 % faster
+// at 128K on the H200, docs/perf-notes.md) or mma.sync (false). The benchmark and the GPU suite
+// set it to compare and check both; the library never changes it.
 void set_row_tile_wgmma(bool on);
 bool row_tile_wgmma();
 

@@ -22,7 +22,7 @@ namespace sparse_attn {
 namespace cuda {
 
 namespace {
-std::atomic<bool> g_row_tile_wgmma{false};
+std::atomic<bool> g_row_tile_wgmma{true};
 }  // namespace
 
 void set_row_tile_wgmma(bool on) { g_row_tile_wgmma.store(on, std::memory_order_relaxed); }

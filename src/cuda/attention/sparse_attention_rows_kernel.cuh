@@ -26,7 +26,7 @@
 //      rows cost no MMAs).
 //
 // Two ways to compute S (a template flag, chosen in launch_sparse_attention_rows): mma.sync
-// m16n8k16 per warp with ldmatrix fragments (the default), or wgmma m64n32k16 per warpgroup
+// m16n8k16 per warp with ldmatrix fragments, or wgmma m64n32k16 per warpgroup (the default)
 // with Q and K read straight from shared memory (warpgroup h computes all 4 rows' 16-head
 // score tiles over its 32 tokens: warp w's accumulator fragment is exactly row w's, the
 // mma.sync C layout, so the softmax and P V code is shared). The two differ only in the Q
