@@ -18,12 +18,15 @@ namespace sparse_attn::cuda {
 enum class MergeLaunch { kEarly, kPdl, kPlain };
 // l2_prefetch_tiles: tiles beyond the ring (2 in flight) whose K/V rows the forward kernel
 // prefetches into L2 (one cp.async.bulk.prefetch per row), so that more gathered bytes are in
-// flight per SM than the ring's shared memory holds.
+// flight per SM than the ring's shared memory holds. Off by default: in the final GPU run of
+// session 2 every prefetch distance was slower than none at B >= 8 (B = 128: 180 us without,
+// 207 / 208 / 241 us with 1 / 2 / 4 tiles; docs/perf-notes.md). A hint only: results are the
+// same bits either way.
 struct FwdVariant {
   Gather gather = Gather::kCpAsync;
   int warps = 8;
   MergeLaunch merge = MergeLaunch::kEarly;
-  int l2_prefetch_tiles = 2;
+  int l2_prefetch_tiles = 0;
   bool operator==(const FwdVariant& o) const {
     return gather == o.gather && warps == o.warps && merge == o.merge &&
            l2_prefetch_tiles == o.l2_prefetch_tiles;
