@@ -11,29 +11,23 @@
 
 namespace sparse_attn::cuda {
 
-// Runs `set` on a device's first call only: function attributes are per function and device,
-// and a driver call on every decode step is host time the GPU may wait for. (Not a stream
-// operation, so the first call may also be under graph capture; a lost race sets it twice,
-// which is harmless. Like the workspace pools, this assumes the device is not reset.)
-template <typename F>
-void once_per_device(std::array<std::atomic<bool>, 64>& done, int device, F&& set) {
-  const bool cached = device >= 0 && device < static_cast<int>(done.size());
-  if (cached && done[device].load(std::memory_order_acquire)) return;
-  set();
-  if (cached) done[device].store(true, std::memory_order_release);
-}
-
 template <typename T, Gather G, int W>
 void launch_sparse_attention_fwd(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
                                  cudaStream_t stream) {
   constexpr size_t kSmem = sizeof(SparseAttentionSmem<G, W>);
   static_assert(kSmem <= 227 * 1024, "one CTA must fit the 227 KB an sm90 block may use");
+  // The opt-in limit is per function and device: set on a device's first call only, since a
+  // driver call on every decode step is host time the GPU may wait for. (It is not a stream
+  // operation, so the first call may also be under graph capture; a lost race sets it twice,
+  // which is harmless. Like the workspace pools, this assumes the device is not reset.)
   static std::array<std::atomic<bool>, 64> opted_in{};
-  once_per_device(opted_in, p.device_index, [] {
+  const bool cached = p.device_index >= 0 && p.device_index < static_cast<int>(opted_in.size());
+  if (!cached || !opted_in[p.device_index].load(std::memory_order_acquire)) {
     SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(sparse_attention_fwd_kernel<T, G, W>,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                 static_cast<int>(kSmem)));
-  });
+    if (cached) opted_in[p.device_index].store(true, std::memory_order_release);
+  }
   const dim3 grid(static_cast<unsigned>(p.rows), static_cast<unsigned>(p.num_kv_heads),
                   static_cast<unsigned>(x.num_splits));
   sparse_attention_fwd_kernel<T, G, W><<<grid, FwdShape<W>::kThreads, kSmem, stream>>>(p, x);
@@ -57,15 +51,6 @@ void launch_sparse_attention(const SparseAttentionParams& p, const SparseAttenti
          : launch_sparse_attention_fwd<T, Gather::kCpAsync, 4>(p, xv, stream);
   }
   if (xv.num_splits > 1) {
-    // The merge kernel asks for the forward kernel's shared-memory carveout (the largest):
-    // with its own 1 KB the driver may pick a small one, and an SM would then have to drain
-    // and reconfigure between the two grids before any merge CTA starts on it.
-    static std::array<std::atomic<bool>, 64> carveout_set{};
-    once_per_device(carveout_set, p.device_index, [] {
-      SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(sparse_attention_merge_kernel<T>,
-                                                  cudaFuncAttributePreferredSharedMemoryCarveout,
-                                                  cudaSharedmemCarveoutMaxShared));
-    });
     // Programmatic dependent launch (unless kPlain): the merge grid is set up while the
     // forward grid runs and waits for it in cudaGridDependencySynchronize, which hides the
     // launch gap in decode.
