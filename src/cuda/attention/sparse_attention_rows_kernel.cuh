@@ -105,8 +105,8 @@ struct RowTileSmem {
   float bias[C::kRows][C::kPositions];
   int2 loc[C::kPositions];  // K/V coordinates of each union token (token_coords' form)
   int warp_count[C::kPerThread][C::kWarps];
-  int half_live[2]
-               [C::kWarps];  // wgmma: whether warp w's row has tokens in its half, by tile parity
+  // wgmma: whether warp w's row has tokens in its half of the tile, by tile parity.
+  int half_live[2][C::kWarps];
   RowInfo rows[C::kRows];
 };
 
@@ -151,6 +151,8 @@ __device__ inline int hash_slot(int32_t key) {
 template <bool kWgmma>
 struct SmemLayout {
   using C = RowTileConfig;
+  static_assert(C::kRows * C::kHeadRows == C::kTileTokens,
+                "Q (4 rows x 16 heads) and a K tile (64 tokens) share one 64-row block shape");
   __device__ static int index(int row, int c) {
     if constexpr (kWgmma) {
       return (c / 8) * (C::kTileTokens * 8) + row * 8 + ((c % 8) ^ (row & 7));
