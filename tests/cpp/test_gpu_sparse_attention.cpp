@@ -47,33 +47,22 @@ std::string variant_name(const FwdVariant& v) {
               : "");
 }
 
-// Runs the enclosing scope under one forward-kernel variant and restores the previous one.
-class VariantScope {
+// Runs the enclosing scope under one value of a process-wide kernel setting and restores the
+// previous one: the per-row kernel's variant, the row-tile kernel's S product (wgmma or not).
+template <typename V, V (*Get)(), void (*Set)(V)>
+class SettingScope {
  public:
-  explicit VariantScope(const FwdVariant& v) : before_(cuda::sparse_attention_variant()) {
-    cuda::set_sparse_attention_variant(v);
-  }
-  ~VariantScope() { cuda::set_sparse_attention_variant(before_); }
-  VariantScope(const VariantScope&) = delete;
-  VariantScope& operator=(const VariantScope&) = delete;
+  explicit SettingScope(V v) : before_(Get()) { Set(v); }
+  ~SettingScope() { Set(before_); }
+  SettingScope(const SettingScope&) = delete;
+  SettingScope& operator=(const SettingScope&) = delete;
 
  private:
-  FwdVariant before_;
+  V before_;
 };
-
-// The same for the row-tile kernel's S product (mma.sync or wgmma).
-class RowTileScope {
- public:
-  explicit RowTileScope(bool wgmma) : before_(cuda::row_tile_wgmma()) {
-    cuda::set_row_tile_wgmma(wgmma);
-  }
-  ~RowTileScope() { cuda::set_row_tile_wgmma(before_); }
-  RowTileScope(const RowTileScope&) = delete;
-  RowTileScope& operator=(const RowTileScope&) = delete;
-
- private:
-  bool before_;
-};
+using VariantScope =
+    SettingScope<FwdVariant, cuda::sparse_attention_variant, cuda::set_sparse_attention_variant>;
+using RowTileScope = SettingScope<bool, cuda::row_tile_wgmma, cuda::set_row_tile_wgmma>;
 
 enum class Gate { kNone, kElementwise, kPerHead };
 

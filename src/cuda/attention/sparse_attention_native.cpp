@@ -96,6 +96,7 @@ struct Schedule {
   size_t partial_slots = 0;  // num_splits * rows * Hq with SplitKV, else 0
   bool row_rank = false;     // the rank pre-pass runs (token_to_req without positions, or with
                              // seq_lens_q)
+  bool row_tiles = false;    // the row-tile kernel runs instead of the per-row one
   WorkspaceLayout workspace;
 };
 
@@ -120,6 +121,7 @@ Schedule schedule(const SparseAttentionParams& p) {
   x.split_cols = tiles_per_split * entries_per_tile;
   x.num_splits = static_cast<int>((tiles + tiles_per_split - 1) / tiles_per_split);
 
+  s.row_tiles = use_row_tiles(p, x.num_splits);
   s.row_rank = p.row_mapping == RowMapping::kTokenToReq && (!p.query_positions || p.seq_lens_q);
   s.partial_slots =
       x.num_splits > 1 ? static_cast<size_t>(x.num_splits) * p.rows * p.num_q_heads : 0;
@@ -174,7 +176,7 @@ void native_sparse_attention(const SparseAttentionParams& p) {
     }
     cuda::dispatch_dtype(p.dtype, "qsa_sparse_attention", [&](auto tag) {
       using T = typename decltype(tag)::type;
-      if (cuda::use_row_tiles(p, x.num_splits)) {
+      if (s.row_tiles) {
         cuda::launch_sparse_attention_rows<T>(p, x, stream);
       } else {
         cuda::launch_sparse_attention<T>(p, x, stream);
