@@ -768,6 +768,94 @@ INSTANTIATE_TEST_SUITE_P(Pages, GpuSparseAttentionBlockHint, ::testing::ValuesIn
                                   variant_name(info.param.variant);
                          });
 
+// The block hint as an engine passes it: block_indices is the raw top-k of each row (unsorted,
+// with duplicates, -1 and future blocks, among them the row's current incomplete block) and
+// token_indices its expansion, which dropped every block with 4b + 3 > p and appended the
+// tail. No compact-blocks promise. The result must be the token-only one on every kernel
+// (row-tile with one split, per-row with SplitKV), on engine page sizes and on page 6, where
+// the hint is ignored; the positions are given, as engines give them.
+struct EngineHintCase {
+  std::string name;
+  int64_t page_size;
+  std::optional<int64_t> num_splits;
+  std::vector<int64_t> q_rows, k_lens;
+  int64_t nb;
+};
+
+class GpuSparseAttentionEngineHint : public ::testing::TestWithParam<EngineHintCase> {};
+
+TEST_P(GpuSparseAttentionEngineHint, RawTopkHintGivesTheTokenResult) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  const EngineHintCase& hc = GetParam();
+  auto rng = testing::make_rng();
+  Case c;
+  c.q_rows = hc.q_rows;
+  c.k_lens = hc.k_lens;
+  c.page_size = hc.page_size;
+  c.num_splits = hc.num_splits;
+  c.width = 4 * hc.nb + 3;
+  c.gate = Gate::kElementwise;
+  c.positions = true;
+  Problem pb = make_problem(c, rng);
+  // Right-aligned positions (a prefill chunk at the end of its request), given explicitly.
+  std::vector<int32_t> pos32(pb.rows);
+  for (int64_t r = 0, first = 0, b = 0; r < pb.rows; ++r) {
+    while (r >= first + c.q_rows[b]) first += c.q_rows[b++];
+    pb.row_pos[r] = c.k_lens[b] - c.q_rows[b] + (r - first);
+    pos32[r] = static_cast<int32_t>(pb.row_pos[r]);
+  }
+  pb.positions = testing::int32_tensor({pb.rows}, pos32);
+  std::vector<int32_t> blocks(pb.rows * hc.nb), ids(pb.rows * c.width, -1);
+  std::uniform_real_distribution<double> u01(0, 1);
+  int64_t current_block_hints = 0;
+  for (int64_t r = 0; r < pb.rows; ++r) {
+    const int64_t p = pb.row_pos[r], vis = (p + 1) / 4;
+    for (int64_t j = 0; j < hc.nb; ++j) {
+      const double x = u01(rng);
+      int64_t b;
+      if (x < 0.05 || (vis == 0 && x < 0.5)) {
+        b = -1;
+      } else if (x < 0.15 || vis == 0) {
+        b = vis + std::uniform_int_distribution<int64_t>(0, 2)(rng);  // vis: the current block
+      } else {
+        b = std::uniform_int_distribution<int64_t>(0, vis - 1)(rng);  // duplicates happen
+      }
+      if (b == vis && 4 * b <= p) ++current_block_hints;
+      blocks[r * hc.nb + j] = static_cast<int32_t>(b);
+    }
+    int64_t n = 0;
+    for (int64_t j = 0; j < hc.nb; ++j) {
+      const int64_t b = blocks[r * hc.nb + j];
+      if (b < 0 || 4 * b + 3 > p) continue;
+      for (int t = 0; t < 4; ++t) ids[r * c.width + n++] = static_cast<int32_t>(4 * b + t);
+    }
+    for (int64_t t = 4 * ((p + 1) / 4); t <= p; ++t)
+      ids[r * c.width + n++] = static_cast<int32_t>(t);
+  }
+  ASSERT_GT(current_block_hints, 0) << "no row hints its current incomplete block";
+  pb.idx = testing::int32_tensor({pb.rows, c.width}, ids);
+  DeviceProblem dp = to_device_problem(pb, rng);
+  Tensor db = to_device(testing::int32_tensor({pb.rows, hc.nb}, blocks));
+  dp.opts.block_indices = db.view();
+  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  expect_matches(pb, dp, oracle(pb));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Engine, GpuSparseAttentionEngineHint,
+    ::testing::Values(
+        EngineHintCase{"page1600_rows96_pos6900_nb512_rowtiles", 1600, 1, {96}, {6950}, 512},
+        EngineHintCase{"page1600_rows40_3_requests_nb512_splits4", 1600, 4, {40, 1, 9},
+                       {6950, 3001, 2203}, 512},
+        EngineHintCase{"page800_rows60_25_nb128_heuristic", 800, std::nullopt, {60, 25},
+                       {4001, 903}, 128},
+        EngineHintCase{"page784_rows30_1_1_nb200_splits2", 784, 2, {30, 1, 1}, {5000, 1569, 786},
+                       200},
+        EngineHintCase{"page1616_rows70_nb64_short_rows", 1616, 1, {70}, {70}, 64},
+        EngineHintCase{"page6_hint_ignored_rows33_8", 6, std::nullopt, {33, 8}, {1203, 500}, 128}),
+    [](const ::testing::TestParamInfo<EngineHintCase>& info) { return info.param.name; });
+
 // More rows than a grid's y/z limit: rows run on gridDim.x.
 class GpuSparseAttentionRows : public ::testing::TestWithParam<FwdVariant> {};
 

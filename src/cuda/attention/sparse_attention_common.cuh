@@ -163,6 +163,11 @@ __device__ inline int2 token_coords(const SparseAttentionParams& p, const RowInf
 // The tokens behind index entry e of a row: [first, first + *count). Token path: the entry's
 // id. Block hint: block b is 4b .. 4b+3; entry num_blocks is the tail of the row's current
 // incomplete block, 4 * ((p + 1) / 4) .. p, derived from the position (0 to 3 tokens).
+// The hint must give exactly the tokens the expansion put in token_indices, and the expansion
+// keeps a block only when it is complete at the row's position (4b + 3 <= p): a hinted block
+// that is not is dropped whole. Masking its tokens one by one would not do: the current
+// incomplete block's tokens 4b .. p pass the causal test and would count twice, once here and
+// once in the tail entry.
 __device__ inline int64_t entry_tokens(const SparseAttentionParams& p,
                                        const SparseAttentionLaunch& x, const RowInfo& ri, int64_t e,
                                        int32_t id, int* count) {
@@ -171,8 +176,9 @@ __device__ inline int64_t entry_tokens(const SparseAttentionParams& p,
     return id;
   }
   if (e < p.num_blocks) {
-    *count = 4;
-    return 4 * static_cast<int64_t>(id);
+    const int64_t first = 4 * static_cast<int64_t>(id);
+    *count = id >= 0 && first + 3 <= ri.pos ? 4 : 0;
+    return first;
   }
   const int64_t first = 4 * ((ri.pos + 1) / 4);
   *count = ri.pos < 0 ? 0 : static_cast<int>(ri.pos - first + 1);
