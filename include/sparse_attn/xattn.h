@@ -137,10 +137,10 @@ void block_sparse_attention(const TensorView& q, const TensorView& k, const Tens
                             const std::optional<TensorView>& lse,
                             const BlockSparseAttentionOptions& options = {});
 
-// The same with a paged KV cache: k_cache and v_cache [num_pages, page_size, Hkv, D] with
-// page_size dividing 128 or a multiple of it; block_table int32 [B, max_pages] (key t of
-// sequence b lives in page block_table[b, t / page_size], slot t % page_size); seqlens_k int32
-// [B] keys per sequence (<= max_pages * page_size).
+// The same with a paged KV cache: k_cache and v_cache [num_pages, page_size, Hkv, D], any
+// page_size >= 1 (native: a multiple of 8; engines use 784 .. 1616); block_table int32
+// [B, max_pages] (key t of sequence b lives in page block_table[b, t / page_size], slot
+// t % page_size); seqlens_k int32 [B] keys per sequence (<= max_pages * page_size).
 void block_sparse_attention_paged(const TensorView& q, const TensorView& k_cache,
                                   const TensorView& v_cache, const TensorView& block_table,
                                   const TensorView& seqlens_k, const TensorView& cu_seqlens_q,

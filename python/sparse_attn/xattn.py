@@ -149,7 +149,7 @@ def block_sparse_attn_paged_func(q, k_cache, v_cache, block_table, seqlens_k, cu
                                  head_mask_type=None, streaming_info=None, softmax_scale=None,
                                  is_causal=True, backend="native", out=None, lse=None):
     """block_sparse_attn_func over a paged KV cache: k_cache/v_cache [num_pages, page_size,
-    Hkv, D] (page_size divides 128 or is a multiple of it), block_table int32 [B, max_pages],
+    Hkv, D] (any page_size), block_table int32 [B, max_pages],
     seqlens_k int32 [B]. An extension (Block-Sparse-Attention has no paged entry point)."""
     if out is None:
         out = rt.empty(tuple(getattr(q, "shape", ())), q, "q")

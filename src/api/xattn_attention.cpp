@@ -188,6 +188,7 @@ void fill_pointers(BlockSparseAttnParams& p, const Views& v, bool paged) {
   p.out_stride[2] = v.out.stride(1);
   p.out_stride[3] = v.out.stride(2);
   p.cu_seqlens_q = v.cu_seqlens_q.data_as<const int32_t>();
+  p.cu_seqlens_q_stride = v.cu_seqlens_q.stride(0);
   p.k = v.k.data();
   p.v = v.v.data();
   if (paged) {
@@ -204,6 +205,7 @@ void fill_pointers(BlockSparseAttnParams& p, const Views& v, bool paged) {
       p.v_stride[d + 1] = v.v.stride(d);
     }
     p.cu_seqlens_k = v.cu_seqlens_k->data_as<const int32_t>();
+    p.cu_seqlens_k_stride = v.cu_seqlens_k->stride(0);
   }
   if (v.mask) {
     p.block_mask = v.mask->data_as<const uint8_t>();
@@ -236,6 +238,13 @@ void run(BlockSparseAttnParams& p, const Views& v, bool paged, const BlockSparse
          const char* op) {
   if (o.backend == Backend::kNative) {
     detail::check_native_device(v.q, "q", op);
+    detail::check_native_block_sparse(
+        {{&v.q, "q"}, {&v.k, v.k_name}, {&v.v, v.v_name}, {&v.out, "out"}}, p.num_q_heads, op);
+    if (paged && p.page_size % 8 != 0) {
+      detail::throw_not_supported(
+          "k_cache: backend 'native' of {} supports page sizes that are multiples of 8, got {}", op,
+          p.page_size);
+    }
     fill_pointers(p, v, paged);
     native_block_sparse_attention(p);
     return;
@@ -295,12 +304,9 @@ void block_sparse_attention_paged(const TensorView& q, const TensorView& k_cache
                     block_table, seqlens_k, base_blockmask, lse,          "k_cache", "v_cache"};
   BlockSparseAttnParams p = validate(views, 2, max_seqlen_q, max_seqlen_k, options, sparse_heads);
   const int64_t page_size = k_cache.size(1);
-  if (page_size < 1 ||
-      (kBlockSparseBlockSize % page_size != 0 && page_size % kBlockSparseBlockSize != 0)) {
-    throw_value_error(
-        "k_cache: expected a page size (shape[1]) that divides 128 or is a multiple of it, got "
-        "{} (shape {})",
-        page_size, k_cache.shape_str());
+  if (page_size < 1) {
+    throw_value_error("k_cache: expected a page size (shape[1]) of at least 1, got shape {}",
+                      k_cache.shape_str());
   }
   check_rank(block_table, "block_table", {2});
   check_metadata(block_table, "block_table", {p.batch, block_table.size(1)},

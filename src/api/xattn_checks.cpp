@@ -1,6 +1,7 @@
 #include "api/xattn_checks.h"
 
 #include <cmath>
+#include <cstdint>
 
 #include "api/check.h"
 
@@ -67,6 +68,37 @@ void check_native_device(const TensorView& t, std::string_view name, std::string
         "{}: backend 'native' of {} runs on CUDA tensors, got device {}; pass "
         "backend='reference' for the CPU reference",
         name, op, t.device().str());
+  }
+}
+
+void check_native_block_sparse(
+    std::initializer_list<std::pair<const TensorView*, const char*>> tensors, int64_t num_q_heads,
+    std::string_view op) {
+  const TensorView& q = *tensors.begin()->first;
+  if (q.dtype() != DType::kBF16 && q.dtype() != DType::kF16) {
+    throw_not_supported("{}: backend 'native' of {} takes bfloat16 or float16 tensors, got {}",
+                        tensors.begin()->second, op, dtype_name(q.dtype()));
+  }
+  const int64_t d = q.size(-1);
+  if (d != 64 && d != 128 && d != 256) {
+    throw_not_supported("{}: backend 'native' of {} supports head dims 64, 128 and 256, got {}",
+                        tensors.begin()->second, op, d);
+  }
+  if (num_q_heads > 256) {
+    throw_not_supported("{}: backend 'native' of {} supports at most 256 query heads, got {}",
+                        tensors.begin()->second, op, num_q_heads);
+  }
+  for (const auto& [t, name] : tensors) {
+    const int64_t elem = static_cast<int64_t>(t->element_size());
+    bool aligned = reinterpret_cast<uintptr_t>(t->data()) % 16 == 0 && t->stride(-1) == 1;
+    for (int i = 0; i + 1 < t->dim(); ++i)
+      aligned &= t->size(i) == 1 || t->stride(i) * elem % 16 == 0;
+    if (!aligned) {
+      throw_not_supported(
+          "{}: backend 'native' of {} needs the head dim contiguous (stride 1) and the other "
+          "strides and the data pointer 16-byte aligned, got strides {} at address {}",
+          name, op, shape_str(t->strides(), t->dim()), fmt::ptr(t->data()));
+    }
   }
 }
 

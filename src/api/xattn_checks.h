@@ -2,7 +2,9 @@
 // xattn_attention.cpp, xattn_prefill.cpp). Like api/check.h they read metadata only.
 #pragma once
 
+#include <initializer_list>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "api/xattn_params.h"
@@ -32,6 +34,14 @@ std::vector<double> resolve_thresholds(const BlockSelectOptions& o, int64_t num_
 
 // NotSupportedError unless t lives on a CUDA device (native backends run only there).
 void check_native_device(const TensorView& t, std::string_view name, std::string_view op);
+
+// NotSupportedError unless the native block-sparse attention kernel takes these tensors (16-bit
+// dtype, head dim 64 / 128 / 256, at most 256 query heads; every tensor's head dim contiguous
+// and its other strides and data pointer 16-byte aligned, as TMA and the 16-byte stores need).
+// `tensors` are (view, name) pairs of the floating inputs and the output.
+void check_native_block_sparse(
+    std::initializer_list<std::pair<const TensorView*, const char*>> tensors, int64_t num_q_heads,
+    std::string_view op);
 
 // Checks query [B, Hq, Lq, D], key [B, Hkv, Lk, D] and the estimation options (not the
 // thresholds); returns the estimate params with sizes and scalars decided, no pointers.

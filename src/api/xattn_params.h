@@ -111,6 +111,7 @@ struct BlockSparseAttnParams {
   const void* q = nullptr;
   int64_t q_stride[4] = {};
   const int32_t* cu_seqlens_q = nullptr;  // [batch + 1], or null (padded)
+  int64_t cu_seqlens_q_stride = 1;
   int64_t total_q = 0;                    // varlen: q.shape[0]; padded: batch * max_seqlen_q
 
   // Keys and values, same layout (see XAttnKVLayout); strides in the order
@@ -122,12 +123,13 @@ struct BlockSparseAttnParams {
   const void* v = nullptr;
   int64_t v_stride[4] = {};
   const int32_t* cu_seqlens_k = nullptr;  // kVarlen: [batch + 1]; otherwise null
+  int64_t cu_seqlens_k_stride = 1;
   int64_t total_k = 0;                    // kVarlen: k.shape[0]
   const int32_t* block_table = nullptr;   // kPaged: [batch, max_pages]; otherwise null
   int64_t block_table_stride[2] = {};
   const int32_t* seqlens_k = nullptr;  // kPaged: [batch]; otherwise null
   int64_t seqlens_k_stride = 0;
-  int64_t page_size = 0;  // kPaged: divides 128 or is a multiple of it
+  int64_t page_size = 0;  // kPaged: any size >= 1
   int64_t num_pages = 0;  // kPaged: k.shape[0]
   int64_t max_pages = 0;  // kPaged: block_table.shape[1]
 

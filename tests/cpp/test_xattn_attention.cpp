@@ -284,7 +284,7 @@ TEST_P(BlockSparseAttentionPaged, EqualsVarlenOnTheSameKeys) {
   p.check("paged");
 }
 
-INSTANTIATE_TEST_SUITE_P(PageSizes, BlockSparseAttentionPaged, ::testing::Values(16, 64, 128, 256),
+INSTANTIATE_TEST_SUITE_P(PageSizes, BlockSparseAttentionPaged, ::testing::Values(5, 16, 64, 100, 128, 256),
                          [](const auto& info) { return "page" + std::to_string(info.param); });
 
 // ---------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-// The native XAttention entries in a CUDA build, until the SM90 kernels land: the API validates
-// and fills the params, and these say plainly that no kernel exists yet (no silent reference
-// fallback). The kernels' launch files replace this one (delete it when defining the entries).
+// The native XAttention estimate and selection in a CUDA build, until their kernels land: the API
+// validates and fills the params, and these say plainly that no kernel exists yet (no silent
+// reference fallback). Block-sparse attention is native (block_sparse_fwd.cu).
 #include "api/check.h"
 #include "api/xattn_params.h"
 
@@ -18,8 +18,5 @@ namespace {
 
 void native_xattn_estimate(const XAttnEstimateParams&) { pending("xattn_estimate"); }
 void native_find_blocks(const BlockSelectParams&) { pending("find_blocks_chunked"); }
-void native_block_sparse_attention(const BlockSparseAttnParams&) {
-  pending("block_sparse_attention");
-}
 
 }  // namespace sparse_attn

@@ -1,0 +1,185 @@
+"""Native block-sparse attention (XAttention's attention step) against its baselines, measured
+in the same process (issue 12):
+
+dense: causal attention with every block kept (head_mask_type all 0), bf16, 8K / 32K / 128K
+    tokens, 32/8/128 and 24/2/256 heads, against cuDNN SDPA (SDPBackend.CUDNN_ATTENTION).
+sparse: random kept blocks at 30% and 10% of the causal 128x128 blocks (the diagonal always
+    kept, one draw per head), 32K and 128K, against FlexAttention (torch.compile(flex_attention)
+    with BlockMask.from_kv_blocks of the same blocks).
+
+FLOPs count the (query, key) pairs each kernel must compute: the kept blocks, the diagonal
+blocks half (causal), 4 * D flops per pair and head. Also measured: the GEMM ceiling (bf16
+8192^3 through torch.matmul). Timing: CUDA events, L2 flushed before every timed run, median.
+
+Usage: PYTHONPATH=build/python:python python3 bench/block_sparse_bench.py [--quick] [--csv F]
+"""
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import sparse_attn
+
+BLOCK = 128
+flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+
+
+def time_ms(fn, warmup=2, reps=5):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def gemm_ceiling():
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ b, warmup=3, reps=10)
+    return 2 * 8192 ** 3 / ms / 1e9
+
+
+def inputs(n, hq, hkv, d, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(n, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(n, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    return q, k, v
+
+
+def causal_pairs(kept):
+    """(query, key) pairs computed over kept blocks [H, QB, KB] of a square causal problem."""
+    qb = kept.shape[-1]
+    diag = torch.eye(qb, dtype=torch.bool, device=kept.device)
+    full = (kept & ~diag).sum().item() * BLOCK * BLOCK
+    return full + (kept & diag).sum().item() * BLOCK * (BLOCK + 1) // 2
+
+
+def ours(q, k, v, n, head_types, mask):
+    cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    return lambda: sparse_attn.block_sparse_attn_func(
+        q, k, v, cu, cu, head_types, None, mask, n, n, 0.0, is_causal=True, out=out)
+
+
+def dense_rows(n, hq, hkv, d, gemm):
+    q, k, v = inputs(n, hq, hkv, d, n + d)
+    ms = time_ms(ours(q, k, v, n, [0] * hq, None), reps=3 if n > 65536 else 5)
+    flops = 4.0 * hq * d * n * (n + 1) / 2
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    kt = kt.repeat_interleave(hq // hkv, dim=1)
+    vt = vt.repeat_interleave(hq // hkv, dim=1)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        base = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
+                       reps=3 if n > 65536 else 5)
+    name = f"dense_{n // 1024}k_{hq}_{hkv}_{d}"
+    return [(name, "ours", ms, flops / ms / 1e9, gemm), (name, "cudnn", base, flops / base / 1e9, gemm)]
+
+
+def random_blocks(hq, qb, density, seed):
+    """Per head: each causal block kept with probability `density`, the diagonal always."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    keep = torch.rand(hq, qb, qb, device="cuda", generator=g) < density
+    causal = torch.ones(qb, qb, dtype=torch.bool, device="cuda").tril()
+    keep = keep & causal
+    keep |= torch.eye(qb, dtype=torch.bool, device="cuda")
+    return keep
+
+
+_flex = None
+
+
+def flex_fn(q, k, v, keep, hq, hkv):
+    global _flex
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    if _flex is None:
+        _flex = torch.compile(flex_attention)
+    n = q.shape[0]
+    qb = keep.shape[-1]
+    # The diagonal blocks are the partial ones (the causal mask_mod runs there); the other
+    # kept blocks are full (no mask_mod), as a user who knows the structure would pass them.
+    diag = torch.eye(qb, dtype=torch.bool, device="cuda").expand_as(keep)
+    full = keep & ~diag
+
+    def listing(blocks):
+        counts = blocks.sum(-1, dtype=torch.int32).unsqueeze(0)  # [1, H, QB]
+        # Listed block ids first (ascending): from_kv_blocks reads the first `counts`.
+        order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return counts, order.unsqueeze(0)
+
+    causal = lambda b, h, qi, ki: qi >= ki
+    mask = BlockMask.from_kv_blocks(*listing(diag.contiguous()), *listing(full), BLOCK_SIZE=BLOCK,
+                                    mask_mod=causal, seq_lengths=(n, n))
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    return lambda: _flex(qt, kt, vt, block_mask=mask, enable_gqa=hq != hkv)
+
+
+def sparse_rows(n, hq, hkv, d, density, gemm):
+    q, k, v = inputs(n, hq, hkv, d, n + d + int(density * 100))
+    qb = n // BLOCK
+    keep = random_blocks(hq, qb, density, n + hq)
+    pairs = causal_pairs(keep)
+    flops = 4.0 * d * pairs
+    ms = time_ms(ours(q, k, v, n, [1] * hq, keep.unsqueeze(0)), reps=3 if n > 65536 else 5)
+    fn = flex_fn(q, k, v, keep, hq, hkv)
+    base = time_ms(fn, warmup=2, reps=3 if n > 65536 else 5)
+    name = f"sparse{int(density * 100)}_{n // 1024}k_{hq}_{hkv}_{d}"
+    return [(name, "ours", ms, flops / ms / 1e9, gemm), (name, "flex", base, flops / base / 1e9, gemm)]
+
+
+def check_once():
+    """One small native-vs-reference check, so a broken build cannot print fast numbers."""
+    q, k, v = inputs(1000, 4, 2, 128, 1)
+    cu = torch.tensor([0, 1000], dtype=torch.int32, device="cuda")
+    keep = random_blocks(4, 8, 0.4, 3).unsqueeze(0)
+    got = sparse_attn.block_sparse_attn_func(q, k, v, cu, cu, None, None, keep, 1000, 1000, 0.0,
+                                             is_causal=True)
+    want = sparse_attn.block_sparse_attn_func(q, k, v, cu, cu, None, None, keep, 1000, 1000, 0.0,
+                                              is_causal=True, backend="reference")
+    err = (got.float() - want.float()).abs().max().item()
+    assert err < 3e-2, f"native differs from the reference by {err}"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="32K only")
+    ap.add_argument("--csv")
+    args = ap.parse_args()
+    check_once()
+    gemm = gemm_ceiling()
+    rows = []
+    sizes = [32768] if args.quick else [8192, 32768, 131072]
+    for hq, hkv, d in ((32, 8, 128), (24, 2, 256)):
+        for n in sizes:
+            rows += dense_rows(n, hq, hkv, d, gemm)
+            print(rows[-2], rows[-1], flush=True)
+    for hq, hkv, d in ((32, 8, 128), (24, 2, 256)):
+        for n in ([32768] if args.quick else [32768, 131072]):
+            for density in (0.3, 0.1):
+                rows += sparse_rows(n, hq, hkv, d, density, gemm)
+                print(rows[-2], rows[-1], flush=True)
+    if args.csv:
+        with open(args.csv, "w") as f:
+            f.write("case,impl,ms,tflops,gemm_tflops\n")
+            for r in rows:
+                f.write(",".join(str(x) for x in r) + "\n")
+    print(f"\nGEMM ceiling {gemm:.0f} TFLOP/s (bf16 8192^3, this run)")
+    print(f"{'case':<26} {'ours ms':>9} {'TFLOP/s':>8} {'base':>6} {'base ms':>9} {'TFLOP/s':>8} "
+          f"{'ratio':>6}")
+    for i in range(0, len(rows), 2):
+        a, b = rows[i], rows[i + 1]
+        print(f"{a[0]:<26} {a[2]:9.3f} {a[3]:8.0f} {b[1]:>6} {b[2]:9.3f} {b[3]:8.0f} "
+              f"{b[2] / a[2]:6.2f}")
+
+
+if __name__ == "__main__":
+    main()

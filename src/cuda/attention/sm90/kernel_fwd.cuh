@@ -1,0 +1,243 @@
+// The SM90 attention forward kernel shell: warp specialisation, the K/V pipelines, the consumer
+// main loop (S = Q K^T and O += P V on GMMA, the softmax of tile n overlapped with the P V of
+// tile n - 1, the two consumer warpgroups taking turns to issue GEMMs) and the epilogue.
+//
+// What varies between attention ops is the Problem (a CTA's rows and keys, the tiles it visits
+// and how they are loaded, the score mask, where O and the LSE go); everything here is shared.
+// A Problem provides, for one CTA:
+//   Problem(params, cta)               decode the CTA's work
+//   bool has_rows()                    the CTA owns query rows (CTA-uniform)
+//   TileIterator tiles()               warp-collective iterator over K/V tile indices (descending)
+//   void load_q(smem, mbar)            issue the Q tile's copies (one thread)
+//   void load_k / load_v(n, smem, mbar, leader)
+//                                      tile n's copies (warp-collective: lanes look pages up,
+//                                      the leader issues)
+//   int keys()                         keys of the row's sequence: tile rows past it are masked
+//   bool needs_mask(n, first_row)      some score of tile n is masked for rows >= first_row
+//   bool masked(row, key)              score (row, key) is masked
+//   float scale_log2()                 softmax scale in log2 units
+//   bool row_in_range(row)             CTA row `row` is a real query row (written)
+//   void store_o(row, col, uint4)      8 output elements of a real row
+//   void store_lse(row, float)
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include <cute/tensor.hpp>
+
+#include "cuda/attention/sm90/mma.h"
+#include "cuda/attention/sm90/softmax.h"
+#include "cuda/attention/sm90/traits.h"
+
+namespace sparse_attn::cuda::sm90 {
+
+__device__ __forceinline__ void named_sync(FwdBarrier b, int offset = 0, int threads = 128) {
+  cutlass::arch::NamedBarrier::sync(threads, static_cast<uint32_t>(b) + offset);
+}
+
+// ----- producer: one warp loads Q once and K, V per tile, V one tile behind K (the consumer
+// needs K of tile n and V of tile n - 1 at the same step) -------------------------------------
+template <class Traits, class Problem>
+__device__ void produce(Problem& prob, typename Traits::SharedStorage& ss,
+                        typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v) {
+  using Pipeline = typename Traits::Pipeline;
+  const bool leader = threadIdx.x == 0;
+  auto it = prob.tiles();
+  int n;
+  if (!it.next(n)) return;  // nothing visible: the consumers write zeros without waiting
+  if (leader) {
+    ss.barrier_q.arrive_and_expect_tx(Traits::kQBytes);
+    prob.load_q(ss.q.data(), reinterpret_cast<uint64_t*>(&ss.barrier_q));
+  }
+  auto state_k = Pipeline::producer_start();
+  auto state_v = Pipeline::producer_start();
+  constexpr int kStageElems = Traits::kBlockN * Traits::kHeadDim;
+  auto load = [&](Pipeline& pipe, auto& state, int tile, bool is_v) {
+    if (leader) pipe.producer_acquire(state);
+    uint64_t* bar = pipe.full_barrier(state);
+    auto* base = (is_v ? ss.v.data() : ss.k.data()) + state.index() * kStageElems;
+    if (is_v) {
+      prob.load_v(tile, base, bar, leader);
+    } else {
+      prob.load_k(tile, base, bar, leader);
+    }
+    ++state;
+  };
+  load(pipe_k, state_k, n, false);
+  int prev = n;
+  while (it.next(n)) {
+    load(pipe_k, state_k, n, false);
+    load(pipe_v, state_v, prev, true);
+    prev = n;
+  }
+  load(pipe_v, state_v, prev, true);
+}
+
+// ----- consumers ----------------------------------------------------------------------------
+template <class Traits, class Problem>
+__device__ void consume(Problem& prob, typename Traits::SharedStorage& ss,
+                        typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v,
+                        int ct) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  const int wg = ct / 128;  // consumer warpgroup: CTA rows [64 wg, 64 wg + 64)
+
+  typename Traits::MmaQK mma_qk;
+  typename Traits::MmaPV mma_pv;
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::LayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::LayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::LayoutVt{});
+  auto thr_qk = mma_qk.get_thread_slice(ct);
+  auto thr_pv = mma_pv.get_thread_slice(ct);
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);    // smem descriptors, this warpgroup's rows
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K, stage)
+  Tensor tOrVt = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor tSrS = partition_fragment_C(mma_qk, select<0, 1>(typename Traits::TileQK{}));
+  Tensor tOrO = partition_fragment_C(mma_pv, select<0, 1>(typename Traits::TilePV{}));
+  // (CTA row, key in tile) of each score this thread holds.
+  Tensor tScS = thr_qk.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TileQK{})));
+  Tensor tOrP = make_tensor<Element>(accumulator_as_a_operand(tSrS.layout()));
+  Tensor tSrS_as_a = make_tensor(tSrS.data(), accumulator_as_a_operand(tSrS.layout()));
+
+  OnlineSoftmax<2> softmax(prob.scale_log2());
+  float rescale[2];
+  clear(tOrO);
+  const int first_row = 64 * wg;
+
+  auto mask_scores = [&](int n) {
+    if (!prob.needs_mask(n, first_row)) return;
+    CUTE_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) {
+      const int row = get<0>(tScS(i)), key = n * kBlockN + get<1>(tScS(i));
+      if (prob.masked(row, key)) tSrS(i) = -INFINITY;
+    }
+  };
+
+  auto it = prob.tiles();
+  int n;
+  if (it.next(n)) {
+    typename Traits::PipelineState read_k, read_v;
+    ss.barrier_q.wait(0);
+    // ----- tile 0: S = Q K^T, softmax -------------------------------------------------------
+    pipe_k.consumer_wait(read_k);
+    warpgroup_gemm<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+    pipe_k.consumer_release(read_k);
+    ++read_k;
+    mask_scores(n);
+    softmax.update(tSrS, rescale);
+    convert_fragment(tSrS_as_a, tOrP);
+    // Only the first tile (the highest) can reach past the sequence's keys. Its V rows there
+    // may hold anything (another sequence, an unused page slot, NaN): their weights are 0, but
+    // 0 * NaN is not, so both consumers zero them before the first P V.
+    const int keys = prob.keys();
+    if ((n + 1) * kBlockN > keys) {
+      pipe_v.consumer_wait(read_v);
+      Element* v = ss.v.data() + read_v.index() * kBlockN * kHeadDim;
+      Tensor sV = make_tensor(make_smem_ptr(v), take<0, 2>(typename Traits::LayoutVt{}));
+      const int first_zero = max(0, keys - n * kBlockN);
+      for (int i = ct; i < (kBlockN - first_zero) * kHeadDim; i += Traits::kConsumerThreads) {
+        sV(i % kHeadDim, first_zero + i / kHeadDim) = Element(0.f);
+      }
+      cutlass::arch::fence_view_async_shared();  // generic stores, then GMMA reads
+      named_sync(FwdBarrier::kZeroV, 0, Traits::kConsumerThreads);
+    }
+
+    int n_next;
+    bool more = it.next(n_next);
+    // The turn-taking barriers: warpgroup 0 issues first (its own barrier starts one arrival
+    // ahead); each warpgroup hands the turn to the other after issuing its GEMMs, except
+    // warpgroup 1 at the last step, so that every arrival is consumed.
+    if (more && wg == 0) {
+      cutlass::arch::NamedBarrier::arrive(Traits::kConsumerThreads,
+                                          static_cast<uint32_t>(FwdBarrier::kSchedulerWG1));
+    }
+    while (more) {
+      n = n_next;
+      more = it.next(n_next);
+      // ----- S = Q K_n^T and O += P_{n-1} V_{n-1}, both in flight ---------------------------
+      pipe_k.consumer_wait(read_k);
+      named_sync(FwdBarrier::kSchedulerWG1, wg, Traits::kConsumerThreads);
+      warpgroup_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+      pipe_v.consumer_wait(read_v);
+      warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrVt(_, _, _, read_v.index()), tOrO);
+      if (wg == 0 || more) {
+        cutlass::arch::NamedBarrier::arrive(
+            Traits::kConsumerThreads, static_cast<uint32_t>(FwdBarrier::kSchedulerWG1) + 1 - wg);
+      }
+      // ----- softmax of tile n while P V runs -----------------------------------------------
+      warpgroup_wait<1>();
+      pipe_k.consumer_release(read_k);
+      ++read_k;
+      mask_scores(n);
+      softmax.update(tSrS, rescale);
+      warpgroup_wait<0>();
+      pipe_v.consumer_release(read_v);
+      ++read_v;
+      OnlineSoftmax<2>::scale_rows(tOrO, rescale);
+      convert_fragment(tSrS_as_a, tOrP);
+    }
+    // ----- the last P V --------------------------------------------------------------------
+    pipe_v.consumer_wait(read_v);
+    warpgroup_gemm<false, 0>(mma_pv, tOrP, tOrVt(_, _, _, read_v.index()), tOrO);
+    pipe_v.consumer_release(read_v);
+  }
+
+  // ----- epilogue: normalise, O through smem (this warpgroup's rows of the Q tile) to global
+  float inv_sum[2], lse[2];
+  softmax.finalize(inv_sum, lse);
+  OnlineSoftmax<2>::scale_rows(tOrO, inv_sum);
+  Tensor rO = make_tensor_like<Element>(tOrO);
+  convert_fragment(tOrO, rO);
+  auto store_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
+  auto thr_store = store_o.get_thread_slice(ct);
+  Tensor sO = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::LayoutQ{});
+  copy(store_o, thr_store.retile_S(rO), thr_store.partition_D(sO));
+  named_sync(FwdBarrier::kEpilogueWG1, wg);
+  constexpr int kChunks = kHeadDim / 8;  // 16-byte pieces of a row
+  for (int c = ct % 128; c < 64 * kChunks; c += 128) {
+    const int row = first_row + c / kChunks, col = (c % kChunks) * 8;
+    if (prob.row_in_range(row)) {
+      prob.store_o(row, col, *reinterpret_cast<const uint4*>(&sO(row, col)));
+    }
+  }
+  Tensor lse_rc = make_tensor(tScS.data(), accumulator_rows_cols(tScS.layout()));
+  CUTE_UNROLL
+  for (int i = 0; i < 2; ++i) {
+    const int row = get<0>(lse_rc(i, 0));
+    if (get<1>(lse_rc(i, 0)) == 0 && prob.row_in_range(row)) prob.store_lse(row, lse[i]);
+  }
+}
+
+template <class Traits, class Problem>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    attention_fwd_kernel(const __grid_constant__ typename Problem::Params params) {
+  using Pipeline = typename Traits::Pipeline;
+  extern __shared__ char smem[];
+  auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
+  Problem prob(params, blockIdx.x);
+  if (!prob.has_rows()) return;
+
+  const int warp = cutlass::canonical_warp_idx_sync();
+  const int warpgroup = warp / 4;
+  if (threadIdx.x == 0) {
+    ss.barrier_q.init(1);
+    Pipeline::init(ss.pipeline_k);
+    Pipeline::init(ss.pipeline_v);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+  Pipeline pipe_k{ss.pipeline_k, Traits::kTileBytes}, pipe_v{ss.pipeline_v, Traits::kTileBytes};
+
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+    if (warp == 0) produce<Traits>(prob, ss, pipe_k, pipe_v);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
+    consume<Traits>(prob, ss, pipe_k, pipe_v, static_cast<int>(threadIdx.x) - 128);
+  }
+}
+
+}  // namespace sparse_attn::cuda::sm90

@@ -1,0 +1,57 @@
+// The K/V pipeline between the producer warp and the consumer warpgroups: per stage a "full"
+// mbarrier (one producer arrival plus the TMA transaction bytes) and an "empty" mbarrier (one
+// arrival per consumer warpgroup). Every arrival is CTA-local: CUTLASS's PipelineTmaAsync
+// releases through cluster addressing (mapa to CTA rank 0), which reaches another CTA's barriers
+// when the kernel is not launched as a cluster (measured: the releases never arrived and the
+// producer waited forever). Built on CUTLASS's barrier primitives and PipelineState.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+namespace sparse_attn::cuda::sm90 {
+
+template <int kStages, int kConsumerWarpgroups>
+struct TmaPipeline {
+  using State = cutlass::PipelineState<kStages>;
+  using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+  using EmptyBarrier = cutlass::arch::ClusterBarrier;
+
+  struct SharedStorage {
+    uint64_t full[kStages];
+    uint64_t empty[kStages];
+  };
+
+  SharedStorage& s;
+  uint32_t transaction_bytes;
+
+  // One thread of the CTA, before the CTA-wide barrier that publishes the initialisation.
+  __device__ static void init(SharedStorage& s) {
+    for (int i = 0; i < kStages; ++i) {
+      FullBarrier::init(&s.full[i], 1);
+      EmptyBarrier::init(&s.empty[i], kConsumerWarpgroups);
+    }
+  }
+
+  // The producer starts one phase ahead: every stage is free.
+  __device__ static State producer_start() { return State{0, 1, 0}; }
+
+  // Producer thread: wait until the stage is free, then announce its bytes.
+  __device__ void producer_acquire(const State& st) const {
+    EmptyBarrier::wait(&s.empty[st.index()], st.phase());
+    FullBarrier::arrive_and_expect_tx(&s.full[st.index()], transaction_bytes);
+  }
+  __device__ uint64_t* full_barrier(const State& st) const { return &s.full[st.index()]; }
+
+  // Consumers: wait for the stage's bytes; release it once the warpgroup has read it (one
+  // thread per warpgroup arrives, after the warpgroup's GEMMs on the stage completed).
+  __device__ void consumer_wait(const State& st) const {
+    FullBarrier::wait(&s.full[st.index()], st.phase());
+  }
+  __device__ void consumer_release(const State& st) const {
+    if (threadIdx.x % 128 == 0) EmptyBarrier::arrive(&s.empty[st.index()]);
+  }
+};
+
+}  // namespace sparse_attn::cuda::sm90

@@ -1,0 +1,88 @@
+// The online softmax of the SM90 attention consumers (one instance per thread, for the rows its
+// accumulator fragments hold). Scores are scaled into log2 units once (exp2 instead of exp);
+// a row whose scores are all -inf so far keeps a -inf maximum and contributes zero weights,
+// never NaN. Sums are kept per thread and reduced over the row's four threads only at the end.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "cuda/attention/sm90/mma.h"
+
+namespace sparse_attn::cuda::sm90 {
+
+template <int kRows>
+struct OnlineSoftmax {
+  float row_max[kRows];  // in scaled log2 units
+  float row_sum[kRows];  // this thread's columns only
+  float scale_log2;      // softmax_scale * log2(e)
+
+  __device__ explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      row_max[i] = -INFINITY;
+      row_sum[i] = 0.f;
+    }
+  }
+
+  // Max over the four threads that share a row of the accumulator.
+  __device__ static float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+  }
+  __device__ static float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffff, x, 1);
+    return x + __shfl_xor_sync(0xffffffff, x, 2);
+  }
+
+  // One tile of scores (an accumulator fragment): moves the row maxima, turns the scores into
+  // unnormalised weights exp2(s * scale_log2 - max) in place, adds them to the sums, and
+  // returns in `rescale` the factor by which earlier partial outputs must be multiplied.
+  template <class Fragment>
+  __device__ void update(Fragment& s, float (&rescale)[kRows]) {
+    auto rc = cute::make_tensor(s.data(), accumulator_rows_cols(s.layout()));
+    static_assert(decltype(cute::size<0>(rc))::value == kRows);
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      float m = row_max[i];
+      CUTE_UNROLL
+      for (int j = 0; j < cute::size<1>(rc); ++j) m = fmaxf(m, rc(i, j) * scale_log2);
+      m = quad_max(m);
+      // -inf - -inf would be NaN: a row with nothing visible yet subtracts 0 (its weights are 0).
+      const float m_use = m == -INFINITY ? 0.f : m;
+      rescale[i] = exp2f(row_max[i] - m_use);
+      row_max[i] = m;
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int j = 0; j < cute::size<1>(rc); ++j) {
+        rc(i, j) = exp2f(rc(i, j) * scale_log2 - m_use);
+        sum += rc(i, j);
+      }
+      row_sum[i] = row_sum[i] * rescale[i] + sum;
+    }
+  }
+
+  // Multiplies each row of an output accumulator fragment by its factor.
+  template <class Fragment>
+  __device__ static void scale_rows(Fragment& o, const float (&factor)[kRows]) {
+    auto rc = cute::make_tensor(o.data(), accumulator_rows_cols(o.layout()));
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      CUTE_UNROLL
+      for (int j = 0; j < cute::size<1>(rc); ++j) rc(i, j) *= factor[i];
+    }
+  }
+
+  // The end of the rows: `inv_sum` normalises the output (0 for a row that saw no key) and
+  // `lse` is the natural-log LSE of the scaled scores (-inf for such a row).
+  __device__ void finalize(float (&inv_sum)[kRows], float (&lse)[kRows]) const {
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      const float sum = quad_sum(row_sum[i]);
+      const bool empty = sum == 0.f;
+      inv_sum[i] = empty ? 0.f : 1.f / sum;
+      lse[i] = empty ? -INFINITY : (row_max[i] + log2f(sum)) * 0.69314718055994531f;
+    }
+  }
+};
+
+}  // namespace sparse_attn::cuda::sm90

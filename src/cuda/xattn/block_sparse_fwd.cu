@@ -1,0 +1,180 @@
+// Native block-sparse attention (block_sparse_attention, _paged, and the attention step of
+// xattention_prefill): kernel parameters and TMA descriptors from the validated params, then
+// the one dispatch from (dtype, head dim) to an instantiation (instantiations/*.cu).
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <cutlass/numeric_types.h>
+
+#include <cmath>
+#include <string>
+
+#include "api/xattn_params.h"
+#include "cuda/common/check.h"
+#include "cuda/common/device_guard.h"
+#include "cuda/xattn/block_sparse_fwd.h"
+#include "sparse_attn/errors.h"
+
+namespace sparse_attn::cuda {
+
+template <class Element, int kHeadDim>
+void launch_block_sparse_fwd(const BlockSparseFwdParams& p, int64_t ctas, cudaStream_t stream);
+
+namespace {
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// cuTensorMapEncodeTiled through the runtime's entry-point lookup, so the library does not link
+// the driver library (a CPU-only machine loads it without one).
+EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    SPARSE_ATTN_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
+                                                            cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || ptr == nullptr) {
+      throw Error("block_sparse_attention: the CUDA driver has no cuTensorMapEncodeTiled");
+    }
+    return reinterpret_cast<EncodeTiled>(ptr);
+  }();
+  return fn;
+}
+
+// A 4-D tiled TMA descriptor (head dim, row, head, outer) with 128-byte swizzle. `stride` is in
+// elements for the row, head and outer axes; an axis of size 1 takes any legal stride (it is
+// never stepped). Out-of-range boxes read zeros.
+CUtensorMap tensor_map(const void* base, DType dtype, const int64_t (&size)[4],
+                       const int64_t (&stride)[3], uint32_t box_cols, uint32_t box_rows) {
+  CUtensorMap map{};
+  if (base == nullptr) return map;  // an empty tensor: no tile is ever loaded from it
+  const int64_t elem = 2;
+  cuuint64_t dims[4], strides[3];
+  for (int i = 0; i < 4; ++i) dims[i] = static_cast<cuuint64_t>(std::max<int64_t>(size[i], 1));
+  for (int i = 0; i < 3; ++i) {
+    strides[i] = size[i + 1] > 1 ? static_cast<cuuint64_t>(stride[i] * elem) : 16;
+  }
+  const cuuint32_t box[4] = {box_cols, box_rows, 1, 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult r = encode_tiled()(
+      &map,
+      dtype == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+      const_cast<void*>(base), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    throw Error("block_sparse_attention: cuTensorMapEncodeTiled failed with CUresult " +
+                std::to_string(static_cast<int>(r)));
+  }
+  return map;
+}
+
+// Keys per K/V tile of the instantiation for a head dim (block_sparse_launch.cuh).
+int block_n(int64_t head_dim) { return head_dim == 256 ? 64 : 128; }
+
+}  // namespace
+}  // namespace sparse_attn::cuda
+
+namespace sparse_attn {
+
+void native_block_sparse_attention(const BlockSparseAttnParams& a) {
+  using cuda::BlockSparseFwdParams;
+  using cuda::BlockSparseKV;
+  cuda::DeviceGuard guard(a.device_index);
+  const int64_t m_blocks = (a.max_seqlen_q + 127) / 128;
+  const int64_t ctas = a.batch * a.num_q_heads * m_blocks;
+  if (ctas == 0) return;
+
+  BlockSparseFwdParams p;
+  p.batch = static_cast<int32_t>(a.batch);
+  p.num_q_heads = static_cast<int32_t>(a.num_q_heads);
+  p.group = static_cast<int32_t>(a.group);
+  p.m_blocks = static_cast<int32_t>(m_blocks);
+  p.max_seqlen_q = static_cast<int32_t>(a.max_seqlen_q);
+  p.max_seqlen_k = static_cast<int32_t>(a.max_seqlen_k);
+  p.total_q = a.total_q;
+  p.total_k = a.total_k;
+  p.cu_seqlens_q = a.cu_seqlens_q;
+  p.cu_seqlens_q_stride = a.cu_seqlens_q_stride;
+  p.cu_seqlens_k = a.cu_seqlens_k;
+  p.cu_seqlens_k_stride = a.cu_seqlens_k_stride;
+  p.seqlens_k = a.seqlens_k;
+  p.seqlens_k_stride = a.seqlens_k_stride;
+  p.block_table = a.block_table;
+  p.block_table_stride[0] = a.block_table_stride[0];
+  p.block_table_stride[1] = a.block_table_stride[1];
+  p.page_size = static_cast<int32_t>(a.page_size);
+  p.max_pages = static_cast<int32_t>(a.max_pages);
+  p.block_mask = a.block_mask;
+  for (int i = 0; i < 4; ++i) p.mask_stride[i] = a.mask_stride[i];
+  for (int64_t h = 0, s = 0; h < a.num_q_heads; ++h) {
+    p.head_kind[h] = static_cast<int8_t>(a.head_mask_type[h]);
+    p.sparse_index[h] = static_cast<int16_t>(a.head_mask_type[h] == 1 ? s++ : 0);
+    if (a.head_mask_type[h] == -1) {
+      p.sink[h] = a.streaming_info[2 * h];
+      p.local[h] = a.streaming_info[2 * h + 1];
+    }
+  }
+  p.out = a.out;
+  for (int i = 0; i < 3; ++i) p.out_stride[i] = a.out_stride[i];
+  p.lse = a.lse;
+  for (int i = 0; i < 3; ++i) p.lse_stride[i] = a.lse_stride[i];
+  p.scale_log2 = static_cast<float>(a.softmax_scale * M_LOG2E);
+  p.causal = a.causal;
+
+  // Q: (D, rows, heads, outer); varlen has one outer of total_q rows, padded one per sequence.
+  const int cols = 64;  // 128 bytes of 16-bit elements: the swizzle span
+  const bool varlen_q = a.cu_seqlens_q != nullptr;
+  p.tma_q = cuda::tensor_map(
+      a.q, a.dtype,
+      {a.head_dim, varlen_q ? a.total_q : a.max_seqlen_q, a.num_q_heads, varlen_q ? 1 : a.batch},
+      {a.q_stride[1], a.q_stride[2], a.q_stride[0]}, cols, 128);
+  const int n = cuda::block_n(a.head_dim);
+  int64_t kv_rows = 0, kv_outer = 1;
+  switch (a.kv_layout) {
+    case XAttnKVLayout::kPaged:
+      p.kv = BlockSparseKV::kPaged;
+      kv_rows = a.page_size;
+      kv_outer = a.num_pages;
+      break;
+    case XAttnKVLayout::kVarlen:
+      kv_rows = a.total_k;
+      break;
+    case XAttnKVLayout::kPadded:
+      kv_rows = a.max_seqlen_k;
+      kv_outer = a.batch;
+      break;
+  }
+  auto kv_map = [&](const void* base, const int64_t(&s)[4], uint32_t rows) {
+    return cuda::tensor_map(base, a.dtype, {a.head_dim, kv_rows, a.num_kv_heads, kv_outer},
+                            {s[1], s[2], s[0]}, cols, rows);
+  };
+  p.tma_k = kv_map(a.k, a.k_stride, n);
+  p.tma_v = kv_map(a.v, a.v_stride, n);
+  if (p.kv == BlockSparseKV::kPaged && a.page_size % n != 0) {
+    p.tma_k_pieces = kv_map(a.k, a.k_stride, 8);
+    p.tma_v_pieces = kv_map(a.v, a.v_stride, 8);
+  }
+
+  auto stream = static_cast<cudaStream_t>(a.stream);
+  const bool bf16 = a.dtype == DType::kBF16;
+  switch (a.head_dim) {
+    case 64:
+      return bf16 ? cuda::launch_block_sparse_fwd<cutlass::bfloat16_t, 64>(p, ctas, stream)
+                  : cuda::launch_block_sparse_fwd<cutlass::half_t, 64>(p, ctas, stream);
+    case 128:
+      return bf16 ? cuda::launch_block_sparse_fwd<cutlass::bfloat16_t, 128>(p, ctas, stream)
+                  : cuda::launch_block_sparse_fwd<cutlass::half_t, 128>(p, ctas, stream);
+    case 256:
+      return bf16 ? cuda::launch_block_sparse_fwd<cutlass::bfloat16_t, 256>(p, ctas, stream)
+                  : cuda::launch_block_sparse_fwd<cutlass::half_t, 256>(p, ctas, stream);
+    default:
+      throw NotSupportedError(
+          "block_sparse_attention: backend 'native' supports head dims 64, "
+          "128 and 256, got " +
+          std::to_string(a.head_dim));
+  }
+}
+
+}  // namespace sparse_attn

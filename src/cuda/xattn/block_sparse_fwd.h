@@ -1,0 +1,65 @@
+// Kernel parameters of native block-sparse attention (XAttention's attention step and
+// block_sparse_attention / _paged) on the SM90 attention core. Filled on the host from the
+// validated BlockSparseAttnParams (block_sparse_fwd.cu); the kernel trusts them.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (a plain struct; no driver call is made through this header)
+
+#include <cstdint>
+
+namespace sparse_attn::cuda {
+
+enum class BlockSparseKV : int32_t {
+  kRows,   // one K/V tensor of rows (varlen: sequence b from row cu_seqlens_k[b]; padded: outer b)
+  kPaged,  // pages of page_size rows: key t of sequence b in page block_table[b, t / page_size]
+};
+
+struct BlockSparseFwdParams {
+  static constexpr int kMaxHeads = 256;  // per-head tables below
+
+  // TMA descriptors, 4-D (head dim, row, head, outer), 128-byte swizzle, boxes of 64 columns x
+  // 128 rows for Q and x kBlockN rows for K / V (a whole tile). Q: rows of a sequence (varlen:
+  // all sequences, outer 1; padded: max_seqlen_q rows, outer = batch). K / V: kRows like Q;
+  // kPaged: rows are page slots, outer is the page. The piece descriptors (8-row boxes) load the
+  // tiles that cross a page boundary; set when kPaged and page_size % kBlockN != 0.
+  CUtensorMap tma_q, tma_k, tma_v, tma_k_pieces, tma_v_pieces;
+
+  int32_t batch = 0;
+  int32_t num_q_heads = 0;
+  int32_t group = 0;     // query heads per KV head
+  int32_t m_blocks = 0;  // ceil(max_seqlen_q / 128): CTAs per (sequence, head)
+  int32_t max_seqlen_q = 0, max_seqlen_k = 0;
+  int64_t total_q = 0, total_k = 0;  // varlen row counts (the clamps of broken offsets)
+
+  // Sequences. cu_seqlens_q: [batch + 1] or null (padded: every sequence max_seqlen_q rows).
+  const int32_t* cu_seqlens_q = nullptr;
+  int64_t cu_seqlens_q_stride = 1;
+  BlockSparseKV kv = BlockSparseKV::kRows;
+  const int32_t* cu_seqlens_k = nullptr;  // kRows varlen: [batch + 1]; null: padded
+  int64_t cu_seqlens_k_stride = 1;
+  const int32_t* seqlens_k = nullptr;  // kPaged: [batch]
+  int64_t seqlens_k_stride = 1;
+  const int32_t* block_table = nullptr;  // kPaged: [batch, max_pages]
+  int64_t block_table_stride[2] = {};
+  int32_t page_size = 0, max_pages = 0;
+
+  // Which key blocks each query head reads. kind: 0 dense, 1 block-sparse (mask slice
+  // `sparse_index`), -1 streaming (sink, local) blocks.
+  const uint8_t* block_mask = nullptr;  // bool [batch, sparse_heads, m_blocks, k_blocks] or null
+  int64_t mask_stride[4] = {};
+  int8_t head_kind[kMaxHeads] = {};
+  int16_t sparse_index[kMaxHeads] = {};
+  int32_t sink[kMaxHeads] = {};   // clamped to the mask's key blocks
+  int32_t local[kMaxHeads] = {};  // likewise
+
+  // Outputs: out like q (strides outer, row, head; the head dim contiguous), lse FP32 or null.
+  void* out = nullptr;
+  int64_t out_stride[3] = {};
+  float* lse = nullptr;
+  int64_t lse_stride[3] = {};
+
+  float scale_log2 = 0.f;  // softmax_scale * log2(e)
+  bool causal = true;
+};
+
+}  // namespace sparse_attn::cuda

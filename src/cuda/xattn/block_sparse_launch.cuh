@@ -1,0 +1,57 @@
+// The launch of native block-sparse attention for one (element type, head dim): the tile
+// configuration, the kernel's shared-memory opt-in and the grid. Instantiated once per .cu in
+// instantiations/.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <mutex>
+
+#include "cuda/attention/sm90/kernel_fwd.cuh"
+#include "cuda/common/check.h"
+#include "cuda/xattn/block_sparse_fwd.h"
+#include "cuda/xattn/block_sparse_problem.cuh"
+
+namespace sparse_attn::cuda {
+
+// Tile configuration per head dim (keys per tile, pipeline stages), for 128-row CTAs of two
+// consumer warpgroups. A tile never straddles a 128-key mask block, so kBlockN divides 128.
+// d64 / d128: 128-key tiles (S and P of a 64 x 128 tile and O fit the consumers' 240
+// registers); d256: 64-key tiles, since O alone takes 128 registers a thread. Stages: as many as
+// fit 227 KB beside the Q tile (d128: 32 KB Q + 2 x 64 KB K/V; d256: 64 KB + 2 x 64 KB).
+template <int kHeadDim>
+struct BlockSparseTile;
+template <>
+struct BlockSparseTile<64> {
+  static constexpr int kBlockN = 128, kStages = 3;
+};
+template <>
+struct BlockSparseTile<128> {
+  static constexpr int kBlockN = 128, kStages = 2;
+};
+template <>
+struct BlockSparseTile<256> {
+  static constexpr int kBlockN = 64, kStages = 2;
+};
+
+template <class Element, int kHeadDim>
+using BlockSparseTraits = sm90::FwdTraits<Element, kHeadDim, BlockSparseTile<kHeadDim>::kBlockN,
+                                          BlockSparseTile<kHeadDim>::kStages>;
+
+template <class Element, int kHeadDim>
+void launch_block_sparse_fwd(const BlockSparseFwdParams& p, int64_t ctas, cudaStream_t stream) {
+  using Traits = BlockSparseTraits<Element, kHeadDim>;
+  auto kernel = sm90::attention_fwd_kernel<Traits, BlockSparseProblem<Traits>>;
+  // The opt-in is per device and kernel; set it once for each device used.
+  static std::once_flag set[64];
+  int device = 0;
+  SPARSE_ATTN_CUDA_CHECK(cudaGetDevice(&device));
+  std::call_once(set[device % 64], [&] {
+    SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                Traits::kSmemBytes));
+  });
+  kernel<<<static_cast<unsigned>(ctas), Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
+  SPARSE_ATTN_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace sparse_attn::cuda

@@ -1,0 +1,234 @@
+// Block-sparse attention as a Problem of the SM90 attention core (cuda/attention/sm90/
+// kernel_fwd.cuh): which query rows and keys a CTA owns, the K/V tiles of the kept 128x128 blocks
+// in descending order, their TMA loads (whole tiles, or 8-row pieces where pages cut a tile), the
+// causal and sequence-end mask, and the output addressing. docs/xattention.md states the math.
+#pragma once
+
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/tensor.hpp>
+
+#include "cuda/xattn/block_sparse_fwd.h"
+
+namespace sparse_attn::cuda {
+
+__device__ __forceinline__ int floor_div(int a, int b) {  // b > 0
+  return a >= 0 ? a / b : -((-a + b - 1) / b);
+}
+
+template <class Traits>
+struct BlockSparseProblem {
+  using Params = BlockSparseFwdParams;
+  static constexpr int kBlock = 128;  // the mask's block size
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kCols = Traits::kSwizzleCols;
+  static constexpr int kColBlocks = Traits::kHeadDim / kCols;
+  static_assert(kBlock % kBlockN == 0, "tiles never straddle a mask block");
+
+  const Params& p;
+  int b = 0, h = 0, kvh = 0, m = 0;  // sequence, query head, KV head, query block
+  int q_row0 = 0, q_outer = 0, lq = 0;
+  int k_row0 = 0, k_outer = 0, lk = 0;
+  int offset = 0;   // causal position of the sequence's query row 0: lk - lq
+  int key_end = 0;  // keys [0, key_end) are visible to some row of the CTA
+  int kind = 1, sink = 0, local = 0, diagonal = 0;
+  const uint8_t* mask_row = nullptr;
+
+  // The heaviest query blocks (the last ones, under a causal mask) are dispatched first; within
+  // one block index, every head and sequence.
+  __device__ BlockSparseProblem(const Params& params, int cta) : p(params) {
+    h = cta % p.num_q_heads;
+    const int rest = cta / p.num_q_heads;
+    b = rest % p.batch;
+    m = p.m_blocks - 1 - rest / p.batch;
+    kvh = h / p.group;
+    // Broken promises (offsets outside the tensors, lengths past the bounds) are clamped, so no
+    // access leaves its tensor or the mask.
+    if (p.cu_seqlens_q) {
+      const int64_t q0 = clamp<int64_t>(p.cu_seqlens_q[b * p.cu_seqlens_q_stride], 0, p.total_q);
+      const int64_t q1 =
+          clamp<int64_t>(p.cu_seqlens_q[(b + 1) * p.cu_seqlens_q_stride], q0, p.total_q);
+      q_row0 = static_cast<int>(q0);
+      lq = static_cast<int>(min(q1 - q0, int64_t{p.max_seqlen_q}));
+    } else {
+      q_outer = b;
+      lq = p.max_seqlen_q;
+    }
+    if (p.kv == BlockSparseKV::kPaged) {
+      lk = clamp(p.seqlens_k[b * p.seqlens_k_stride], 0,
+                 min(p.max_seqlen_k, p.max_pages * p.page_size));
+    } else if (p.cu_seqlens_k) {
+      const int64_t k0 = clamp<int64_t>(p.cu_seqlens_k[b * p.cu_seqlens_k_stride], 0, p.total_k);
+      const int64_t k1 =
+          clamp<int64_t>(p.cu_seqlens_k[(b + 1) * p.cu_seqlens_k_stride], k0, p.total_k);
+      k_row0 = static_cast<int>(k0);
+      lk = static_cast<int>(min(k1 - k0, int64_t{p.max_seqlen_k}));
+    } else {
+      k_outer = b;
+      lk = p.max_seqlen_k;
+    }
+    offset = lk - lq;
+    const int k_blocks = (lk + kBlock - 1) / kBlock;
+    if (p.causal) {
+      const int last_row = min(kBlock * m + kBlock - 1, lq - 1);
+      key_end = clamp(offset + last_row + 1, 0, lk);
+      diagonal = floor_div(offset + last_row, kBlock);
+    } else {
+      key_end = lk;
+      diagonal = k_blocks - 1;
+    }
+    kind = p.head_kind[h];
+    sink = p.sink[h];
+    local = p.local[h];
+    if (kind == 1) {
+      mask_row = p.block_mask + b * p.mask_stride[0] + p.sparse_index[h] * p.mask_stride[1] +
+                 m * p.mask_stride[2];
+    }
+  }
+
+  template <class T>
+  __device__ static T clamp(T x, T lo, T hi) {
+    return x < lo ? lo : (x > hi ? hi : x);
+  }
+
+  __device__ bool has_rows() const { return kBlock * m < lq; }
+
+  __device__ bool kept(int j) const {
+    if (kind == 0) return true;
+    if (kind == -1) return j < sink || (j > diagonal - local && j <= diagonal);
+    return mask_row[j * p.mask_stride[3]] != 0;
+  }
+
+  // ----- the tiles a CTA visits: the tiles of its kept blocks, highest first -----------------
+  // Warp-collective: each lane tests one block of a 32-block chunk and a ballot collects them,
+  // so a chunk costs one load per lane; every warp that asks walks the same order.
+  struct TileIterator {
+    const BlockSparseProblem* pr;
+    int chunk;          // first block of the current chunk
+    uint32_t bits;      // kept blocks of the chunk not visited yet
+    int tile, tile_lo;  // the current block's remaining tiles: tile .. tile_lo
+
+    __device__ uint32_t scan(int c) const {
+      const int j = c + static_cast<int>(threadIdx.x % 32);
+      const int last_block = (pr->key_end - 1) / kBlock;
+      return __ballot_sync(0xffffffff, j <= last_block && pr->kept(j));
+    }
+
+    __device__ bool next(int& n) {
+      if (tile >= tile_lo) {
+        n = tile--;
+        return true;
+      }
+      while (bits == 0) {
+        chunk -= 32;
+        if (chunk < 0) return false;
+        bits = scan(chunk);
+      }
+      const int top = 31 - __clz(bits);
+      bits &= ~(1u << top);
+      const int j = chunk + top;
+      tile_lo = j * (kBlock / kBlockN);
+      n = (min((j + 1) * kBlock, pr->key_end) - 1) / kBlockN;
+      tile = n - 1;
+      return true;
+    }
+  };
+
+  __device__ TileIterator tiles() const {
+    TileIterator it{this, 0, 0u, -1, 0};
+    if (key_end > 0) {
+      it.chunk = (key_end - 1) / kBlock / 32 * 32;
+      it.bits = it.scan(it.chunk);
+    }
+    return it;
+  }
+
+  // ----- producer: TMA loads into 128-byte-swizzled column blocks of kCols -------------------
+  __device__ void load_q(typename Traits::Element* smem, uint64_t* bar) const {
+    CUTE_UNROLL
+    for (int c = 0; c < kColBlocks; ++c) {
+      cute::SM90_TMA_LOAD_4D::copy(
+          &p.tma_q, bar, static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST),
+          smem + c * Traits::kBlockM * kCols, c * kCols, q_row0 + kBlock * m, h, q_outer);
+    }
+  }
+
+  // One K or V tile: whole when it lies in one row range or page, else in 8-row pieces, each
+  // with its own page (lanes look the pages up, the leader issues the copies).
+  __device__ void load_tile(const CUtensorMap* desc, const CUtensorMap* pieces, int n,
+                            typename Traits::Element* smem, uint64_t* bar, bool leader) const {
+    const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_LAST);
+    const int t0 = n * kBlockN;
+    if (p.kv == BlockSparseKV::kRows || t0 % p.page_size + kBlockN <= p.page_size) {
+      int row = k_row0 + t0, outer = k_outer;
+      if (p.kv == BlockSparseKV::kPaged) {
+        outer = p.block_table[b * p.block_table_stride[0] +
+                              (t0 / p.page_size) * p.block_table_stride[1]];
+        row = t0 % p.page_size;
+      }
+      if (leader) {
+        CUTE_UNROLL
+        for (int c = 0; c < kColBlocks; ++c) {
+          cute::SM90_TMA_LOAD_4D::copy(desc, bar, hint, smem + c * kBlockN * kCols, c * kCols, row,
+                                       kvh, outer);
+        }
+      }
+      return;
+    }
+    // Pieces past the keys load piece 0's rows again (their page may not exist); the tile's
+    // byte count stays whole and the rows are masked.
+    constexpr int kPieces = kBlockN / 8;
+    static_assert(kPieces <= 32, "one lane per piece");
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    int t = t0 + 8 * lane;
+    if (lane >= kPieces || t >= lk) t = t0;
+    const int page =
+        p.block_table[b * p.block_table_stride[0] + (t / p.page_size) * p.block_table_stride[1]];
+    const int slot = t % p.page_size;
+    CUTE_UNROLL
+    for (int g = 0; g < kPieces; ++g) {
+      const int pg = __shfl_sync(0xffffffff, page, g), sl = __shfl_sync(0xffffffff, slot, g);
+      if (leader) {
+        CUTE_UNROLL
+        for (int c = 0; c < kColBlocks; ++c) {
+          cute::SM90_TMA_LOAD_4D::copy(pieces, bar, hint,
+                                       smem + c * kBlockN * kCols + g * 8 * kCols, c * kCols, sl,
+                                       kvh, pg);
+        }
+      }
+    }
+  }
+  __device__ void load_k(int n, typename Traits::Element* smem, uint64_t* bar, bool leader) const {
+    load_tile(&p.tma_k, &p.tma_k_pieces, n, smem, bar, leader);
+  }
+  __device__ void load_v(int n, typename Traits::Element* smem, uint64_t* bar, bool leader) const {
+    load_tile(&p.tma_v, &p.tma_v_pieces, n, smem, bar, leader);
+  }
+
+  // ----- scores ---------------------------------------------------------------------------
+  __device__ int keys() const { return lk; }
+  __device__ float scale_log2() const { return p.scale_log2; }
+  // Rows >= first_row of the CTA: is any score of tile n masked (past the keys, or causal)?
+  __device__ bool needs_mask(int n, int first_row) const {
+    const int tile_end = (n + 1) * kBlockN;
+    return tile_end > lk || (p.causal && tile_end - 1 > offset + kBlock * m + first_row);
+  }
+  __device__ bool masked(int row, int key) const {
+    return key >= lk || (p.causal && key > offset + kBlock * m + row);
+  }
+
+  // ----- outputs --------------------------------------------------------------------------
+  __device__ bool row_in_range(int row) const { return kBlock * m + row < lq; }
+  __device__ void store_o(int row, int col, uint4 v) const {
+    const int64_t r = q_row0 + kBlock * m + row;
+    auto* out = static_cast<typename Traits::Element*>(p.out) + q_outer * p.out_stride[0] +
+                r * p.out_stride[1] + h * p.out_stride[2] + col;
+    *reinterpret_cast<uint4*>(out) = v;
+  }
+  __device__ void store_lse(int row, float v) const {
+    if (p.lse == nullptr) return;
+    const int64_t r = q_row0 + kBlock * m + row;
+    p.lse[q_outer * p.lse_stride[0] + r * p.lse_stride[1] + h * p.lse_stride[2]] = v;
+  }
+};
+
+}  // namespace sparse_attn::cuda
