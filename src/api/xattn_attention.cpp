@@ -188,6 +188,7 @@ void fill_pointers(BlockSparseAttnParams& p, const Views& v, bool paged) {
   p.out_stride[2] = v.out.stride(1);
   p.out_stride[3] = v.out.stride(2);
   p.cu_seqlens_q = v.cu_seqlens_q.data_as<const int32_t>();
+  p.cu_seqlens_q_stride = v.cu_seqlens_q.stride(0);
   p.k = v.k.data();
   p.v = v.v.data();
   if (paged) {
@@ -204,6 +205,7 @@ void fill_pointers(BlockSparseAttnParams& p, const Views& v, bool paged) {
       p.v_stride[d + 1] = v.v.stride(d);
     }
     p.cu_seqlens_k = v.cu_seqlens_k->data_as<const int32_t>();
+    p.cu_seqlens_k_stride = v.cu_seqlens_k->stride(0);
   }
   if (v.mask) {
     p.block_mask = v.mask->data_as<const uint8_t>();
