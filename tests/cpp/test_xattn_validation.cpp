@@ -116,6 +116,14 @@ TEST_F(EstimateArgs, NormMustBePositive) {
   expect_error<ValueError>([&] { run(); }, "norm");
 }
 
+TEST_F(EstimateArgs, NormAndTheScoreScaleMustBeFloat32) {
+  o.norm = 1e39;
+  expect_error<ValueError>([&] { run(); }, "norm");
+  // A subnormal float32 norm makes 1 / (sqrt(D) * stride * norm) overflow float32.
+  o.norm = 1e-44;
+  expect_error<ValueError>([&] { run(); }, "norm");
+}
+
 TEST_F(EstimateArgs, ChunkSizeMustBeAMultipleOfBlockSize) {
   o.chunk_size = 1000;
   expect_error<ValueError>([&] { run(); }, "chunk_size");
@@ -358,6 +366,13 @@ TEST_F(AttentionArgs, SoftmaxScaleMustBePositive) {
   expect_error<ValueError>([&] { run(); }, "softmax_scale");
 }
 
+TEST_F(AttentionArgs, SoftmaxScaleMustBeFloat32) {
+  for (double bad : {1e39, 1e-46}) {
+    o.softmax_scale = bad;
+    expect_error<ValueError>([&] { run(); }, "softmax_scale");
+  }
+}
+
 TEST_F(AttentionArgs, HeadMaskTypeNeedsOneEntryPerQueryHead) {
   o.head_mask_type = {1, 1};
   expect_error<ValueError>([&] { run(); }, "head_mask_type");
@@ -572,6 +587,8 @@ TEST_F(PrefillArgs, OutMustNotOverlapValue) {
 
 TEST_F(PrefillArgs, SoftmaxScaleMustBePositive) {
   po.softmax_scale = 0.0;
+  expect_error<ValueError>([&] { run_prefill(val, out, lse); }, "softmax_scale");
+  po.softmax_scale = 1e39;
   expect_error<ValueError>([&] { run_prefill(val, out, lse); }, "softmax_scale");
 }
 
