@@ -146,6 +146,18 @@ TEST(Check, Float32ScaleRule) {
   }
 }
 
+TEST(Check, SizeProductsThatOverflowAreValueErrors) {
+  EXPECT_EQ(detail::checked_size_product(int64_t{1} << 40, int64_t{1} << 20, "x", "a * b"),
+            int64_t{1} << 60);
+  try {
+    detail::checked_size_product(int64_t{1} << 40, int64_t{1} << 30, "block_table",
+                                 "max_pages * page_size");
+    FAIL();
+  } catch (const ValueError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("block_table: max_pages * page_size", 0), 0u) << e.what();
+  }
+}
+
 TEST(Check, RowViewCollapse) {
   Tensor t = Tensor::empty({2, 3, 4}, DType::kF32);
   EXPECT_NO_THROW(detail::check_row_view(t.view(), "query", 2));
