@@ -43,7 +43,10 @@ if(NOT SPARSE_ATTN_CUTLASS_INCLUDE_DIR)
   if(EXISTS ${PROJECT_SOURCE_DIR}/third_party/cutlass-include/cute)
     set(SPARSE_ATTN_CUTLASS_INCLUDE_DIR ${PROJECT_SOURCE_DIR}/third_party/cutlass-include)
   else()
-    # The interpreter scripts/build names (the one scripts/install-deps installed into).
+    # The interpreter scripts/build names (the one scripts/install-deps installed into), or
+    # under pip the build environment's, which has nvidia-cutlass from pyproject.toml's
+    # build requirements (scikit-build-core passes Python_EXECUTABLE; pip's environment
+    # variables make the isolated packages importable in this child process too).
     if(Python_EXECUTABLE)
       set(_sa_python ${Python_EXECUTABLE})
     else()

@@ -73,6 +73,36 @@ def empty(shape, like, name, dtype=None):
     )
 
 
+# What allocators raise for a size they cannot provide: torch's RuntimeError (out of memory, a
+# storage size past int64, a negative size) and TypeError (a size past int64), numpy's
+# MemoryError and ValueError.
+ALLOCATION_ERRORS = (RuntimeError, MemoryError, ValueError, TypeError, OverflowError)
+
+
+def explain_allocation_failure(error, like, outputs, validate):
+    """Raises the error of a call whose output allocation failed with `error`.
+
+    The wrappers allocate outputs before the binding validates the call, which keeps a call to
+    one binding call; the sizes come from the arguments, so a malformed call (k=-1, a wrong
+    dtype next to a broadcast input of 2**40 rows) can fail in the allocator first. Here the
+    binding validates it after all: validate(placeholder) runs the op's binding with an empty
+    tensor in place of each output named in `outputs`. The C++ side checks every input before
+    the outputs, so an error that names one of them means the inputs are valid and the
+    allocation failure stands; any other ValueError or TypeError is the call's own."""
+    if _is_compiling is not None and _is_compiling():
+        raise error  # fake tensors cannot reach the binding
+    try:
+        placeholder = empty((0,), like, outputs[0])
+    except Exception:
+        raise error from None
+    try:
+        validate(placeholder)
+    except (ValueError, TypeError) as e:
+        if not str(e).startswith(tuple(f"{name}:" for name in outputs)):
+            raise e from None
+    raise error
+
+
 def torch_empty(shape, like, dtype):
     """A contiguous torch tensor of `shape` and `dtype` on like's device. The sizes go in as
     separate ints: torch parses them about 0.5 us faster than one tuple or torch.Size

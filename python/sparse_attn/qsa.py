@@ -74,7 +74,11 @@ def qsa_indexer_mqa_score(
         shape = _indexer_score_shape(q_idx, block_keys, block_table)
         if shape is None:
             shape = _C.qsa_indexer_mqa_score_shape(q_idx, block_keys, *options)
-        out = rt.empty(shape, q_idx, "q_idx", "float32")
+        try:
+            out = rt.empty(shape, q_idx, "q_idx", "float32")
+        except rt.ALLOCATION_ERRORS as e:
+            rt.explain_allocation_failure(e, q_idx, ("out",), lambda p: _C.qsa_indexer_mqa_score(
+                q_idx, block_keys, p, *options, None))
     rt.run(_C.qsa_indexer_mqa_score, "qsa_indexer_mqa_score", q_idx,
            (q_idx, block_keys, out, *options))
     return out
@@ -89,7 +93,11 @@ def qsa_mqa_prefill(q, k, row_starts, row_ends, score_scale=None, *, scale=None,
             shape = (q.shape[0], k.shape[0])
         else:
             shape = _C.qsa_mqa_prefill_shape(q, k)
-        out = rt.empty(shape, q, "q", "float32")
+        try:
+            out = rt.empty(shape, q, "q", "float32")
+        except rt.ALLOCATION_ERRORS as e:
+            rt.explain_allocation_failure(e, q, ("out",), lambda p: _C.qsa_mqa_prefill(
+                q, k, row_starts, row_ends, p, score_scale, scale, backend, None))
     rt.run(_C.qsa_mqa_prefill, "qsa_mqa_prefill", q,
            (q, k, row_starts, row_ends, out, score_scale, scale, backend))
     return out
@@ -108,17 +116,24 @@ def qsa_mqa_decode(q, k_cache, page_table, context_lens, max_model_len, score_sc
     context_len and those behind a missing page (-1 or out of range) are -inf.
     q [B, heads, dim] or [B, 1, heads, dim]; k_cache [pages, page_size, (1,) dim]."""
     if out is None:
-        if (type(q) is rt._Tensor and type(max_model_len) is int and max_model_len >= 0
-                and q.dim() in (3, 4)):
-            # Eager torch, the serving path (0.4 us less than the general one).
-            out = _empty(q.shape[0], max_model_len, dtype=_F32, device=q.device)
-        else:
+        fast = (type(q) is rt._Tensor and type(max_model_len) is int and max_model_len >= 0
+                and q.dim() in (3, 4))
+        if not fast:
             # A negative width goes to the C++ shape function, which names it.
             if _rank(q) in (3, 4) and _is_int(max_model_len) and max_model_len >= 0:
                 shape = (q.shape[0], max_model_len)
             else:
                 shape = _C.qsa_mqa_decode_shape(q, max_model_len)
-            out = rt.empty(shape, q, "q", "float32")
+        try:
+            if fast:
+                # Eager torch, the serving path (0.4 us less than the general one).
+                out = _empty(q.shape[0], max_model_len, dtype=_F32, device=q.device)
+            else:
+                out = rt.empty(shape, q, "q", "float32")
+        except rt.ALLOCATION_ERRORS as e:
+            rt.explain_allocation_failure(e, q, ("out",), lambda p: _C.qsa_mqa_decode(
+                q, k_cache, page_table, context_lens, max_model_len, p, score_scale, scale,
+                backend, None))
     rt.run(_C.qsa_mqa_decode, "qsa_mqa_decode", q,
            (q, k_cache, page_table, context_lens, max_model_len, out, score_scale, scale,
             backend))
@@ -176,10 +191,18 @@ def qsa_sparse_attention(
         # every argument; a query of the wrong rank takes the general path for its error).
         shape = query.shape
         if len(shape) in (3, 4):
-            if out is None:
-                out = _empty(*shape, dtype=query.dtype, device=query.device)
-            if return_lse and lse is None:
-                lse = _empty(*shape[:-1], dtype=_F32, device=query.device)
+            try:
+                if out is None:
+                    out = _empty(*shape, dtype=query.dtype, device=query.device)
+                if return_lse and lse is None:
+                    lse = _empty(*shape[:-1], dtype=_F32, device=query.device)
+            except rt.ALLOCATION_ERRORS as e:
+                _explain_attention_allocation(e, out, lse, return_lse, (
+                    query, key, value, token_indices, block_indices, cu_seqlens_q, token_to_req,
+                    num_requests, cu_seqlens_k, seq_lens_q, seq_lens_k, query_positions,
+                    block_table, page_size, scale, gate, num_splits, backend, warp_specialized,
+                    assume_compact_blocks, selected_kv_indices, softmax_scale, k_scale, v_scale,
+                    compute_dtype))
             if query.is_cuda:
                 stream = rt.torch_stream(query)
                 if workspace is None:
@@ -193,14 +216,25 @@ def qsa_sparse_attention(
                 warp_specialized, assume_compact_blocks, selected_kv_indices, softmax_scale,
                 k_scale, v_scale, compute_dtype, workspace, stream)
             return (out, lse) if return_lse else out
+    out_shape = lse_shape = None
     if out is None:
-        shape = tuple(query.shape) if _rank(query) in (3, 4) else \
+        out_shape = tuple(query.shape) if _rank(query) in (3, 4) else \
             _C.qsa_sparse_attention_out_shape(query)
-        out = rt.empty(shape, query, "query")
     if return_lse and lse is None:
-        shape = tuple(query.shape[:-1]) if _rank(query) in (3, 4) else \
+        lse_shape = tuple(query.shape[:-1]) if _rank(query) in (3, 4) else \
             _C.qsa_sparse_attention_lse_shape(query)
-        lse = rt.empty(shape, query, "query", "float32")
+    try:
+        if out_shape is not None:
+            out = rt.empty(out_shape, query, "query")
+        if lse_shape is not None:
+            lse = rt.empty(lse_shape, query, "query", "float32")
+    except rt.ALLOCATION_ERRORS as e:
+        _explain_attention_allocation(e, out, lse, return_lse, (
+            query, key, value, token_indices, block_indices, cu_seqlens_q, token_to_req,
+            num_requests, cu_seqlens_k, seq_lens_q, seq_lens_k, query_positions, block_table,
+            page_size, scale, gate, num_splits, backend, warp_specialized,
+            assume_compact_blocks, selected_kv_indices, softmax_scale, k_scale, v_scale,
+            compute_dtype))
     args = (query, key, value, token_indices, out, lse, block_indices, cu_seqlens_q,
             token_to_req, num_requests, cu_seqlens_k, seq_lens_q, seq_lens_k, query_positions,
             block_table, page_size, scale, gate, num_splits, backend, warp_specialized,
@@ -214,6 +248,20 @@ def qsa_sparse_attention(
             workspace = rt.workspace_allocator(query)
         rt.run(_C.qsa_sparse_attention, "qsa_sparse_attention", query, (*args, workspace))
     return (out, lse) if return_lse else out
+
+
+def _explain_attention_allocation(error, out, lse, return_lse, args):
+    # args: qsa_sparse_attention's arguments in the binding's order, less out and lse. The
+    # outputs still unallocated (None) get the placeholder.
+    query = args[0]
+    missing = (("out",) if out is None else ()) + (("lse",) if return_lse and lse is None else ())
+
+    def validate(placeholder):
+        o = placeholder if out is None else out
+        l = placeholder if return_lse and lse is None else lse
+        _C.qsa_sparse_attention(*args[:4], o, l, *args[4:], None, None)
+
+    rt.explain_allocation_failure(error, query, missing, validate)
 
 
 def qsa_sparse_attention_workspace_size(

@@ -17,7 +17,11 @@ def qsa_topk_blocks(scores, k=QSA_TOPK_BLOCKS, *, out=None):
         rank = len(getattr(scores, "shape", ()))
         shape = (*scores.shape[:-1], k) if rank in (2, 3) and type(k) is int else \
             _C.qsa_topk_blocks_shape(scores, k)
-        out = rt.empty(shape, scores, "scores", "int32")
+        try:
+            out = rt.empty(shape, scores, "scores", "int32")
+        except rt.ALLOCATION_ERRORS as e:
+            rt.explain_allocation_failure(e, scores, ("out",),
+                                          lambda p: _C.qsa_topk_blocks(scores, k, p, None))
     rt.run(_C.qsa_topk_blocks, "qsa_topk_blocks", scores, (scores, k, out))
     return out
 
@@ -33,11 +37,22 @@ def qsa_expand_blocks(block_ids, query_positions, *, return_block_indices=False,
     rt.require_bool(return_block_indices, "return_block_indices")
     rank = len(getattr(block_ids, "shape", ()))
     if token_indices is None:
-        shape = (*block_ids.shape[:-1], 4 * block_ids.shape[-1] + 3) if rank in (2, 3) else \
-            _C.qsa_expand_blocks_token_shape(block_ids)
-        token_indices = rt.empty(shape, block_ids, "block_ids", "int32")
-    if return_block_indices and block_indices is None:
-        block_indices = rt.empty(tuple(block_ids.shape), block_ids, "block_ids", "int32")
+        token_shape = (*block_ids.shape[:-1], 4 * block_ids.shape[-1] + 3) if rank in (2, 3) \
+            else _C.qsa_expand_blocks_token_shape(block_ids)
+    try:
+        if token_indices is None:
+            token_indices = rt.empty(token_shape, block_ids, "block_ids", "int32")
+        if return_block_indices and block_indices is None:
+            block_indices = rt.empty(tuple(block_ids.shape), block_ids, "block_ids", "int32")
+    except rt.ALLOCATION_ERRORS as e:
+        # The outputs still None are the ones that could not be allocated.
+        tokens_missing = token_indices is None
+        blocks_missing = return_block_indices and block_indices is None
+        missing = (("token_indices",) if tokens_missing else ()) + \
+            (("block_indices",) if blocks_missing else ())
+        rt.explain_allocation_failure(e, block_ids, missing, lambda p: _C.qsa_expand_blocks(
+            block_ids, query_positions, p if tokens_missing else token_indices,
+            p if blocks_missing else block_indices, None))
     rt.run(_C.qsa_expand_blocks, "qsa_expand_blocks", block_ids,
            (block_ids, query_positions, token_indices, block_indices))
     return (token_indices, block_indices) if return_block_indices else token_indices

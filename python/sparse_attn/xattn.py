@@ -62,16 +62,23 @@ def xattn_estimate(query_states, key_states, block_size, stride, norm=1, softmax
     threshold may be one value per query head. use_triton is ignored."""
     _check_estimate_options(softmax, kdb)
     threshold, head_thresholds = _thresholds(threshold)
+    options = (threshold, head_thresholds, causal, keep_sink, keep_recent, block_size, stride,
+               norm, chunk_size, select_mode, backend)
     if out is None:
         shape = _estimate_shape(query_states, key_states, block_size)
-        attn_sums = rt.empty(shape, query_states, "query_states", "float32")
-        simple_masks = rt.empty(shape, query_states, "query_states", "bool")
+        try:
+            attn_sums = rt.empty(shape, query_states, "query_states", "float32")
+            simple_masks = rt.empty(shape, query_states, "query_states", "bool")
+        except rt.ALLOCATION_ERRORS as e:
+            # The C++ checks call the mask block_mask.
+            rt.explain_allocation_failure(e, query_states,
+                                          ("attn_sums", "simple_masks", "block_mask"),
+                                          lambda p: _C.xattn_estimate(
+                                              query_states, key_states, p, p, *options, None))
     else:
         attn_sums, simple_masks = out
     rt.run(_C.xattn_estimate, "xattn_estimate", query_states,
-           (query_states, key_states, attn_sums, simple_masks, threshold, head_thresholds,
-            causal, keep_sink, keep_recent, block_size, stride, norm, chunk_size, select_mode,
-            backend))
+           (query_states, key_states, attn_sums, simple_masks, *options))
     return attn_sums, simple_masks
 
 
@@ -99,7 +106,14 @@ def find_blocks_chunked(input_tensor, current_index, threshold, num_to_choose, d
     threshold, head_thresholds = _thresholds(threshold)
     shape = tuple(getattr(input_tensor, "shape", ()))
     if out is None:
-        out = rt.empty(shape, input_tensor, "input_tensor", "bool")
+        try:
+            out = rt.empty(shape, input_tensor, "input_tensor", "bool")
+        except rt.ALLOCATION_ERRORS as e:
+            # The C++ checks call the mask block_mask.
+            rt.explain_allocation_failure(
+                e, input_tensor, ("out", "block_mask"), lambda p: _C.find_blocks_chunked(
+                    input_tensor, p, threshold, head_thresholds, causal, keep_sink, keep_recent,
+                    block_size, None, None, backend, None))
     sums, mask = input_tensor, out
     if len(shape) == 4 and (causal or keep_recent) and current_index != shape[3] - shape[2]:
         # The diagonal of query block i is key block current_index + i: the blocks after the
@@ -135,12 +149,19 @@ def block_sparse_attn_func(q, k, v, cu_seqlens_q, cu_seqlens_k, head_mask_type, 
     if return_attn_probs:
         _not_supported("return_attn_probs", "attention probabilities are not returned; pass "
                        "lse= for the log-sum-exp")
+    head_mask_type, streaming_info = rt.host_list(head_mask_type), rt.host_list(streaming_info)
     if out is None:
-        out = rt.empty(tuple(getattr(q, "shape", ())), q, "q")
+        try:
+            out = rt.empty(tuple(getattr(q, "shape", ())), q, "q")
+        except rt.ALLOCATION_ERRORS as e:
+            rt.explain_allocation_failure(e, q, ("out",), lambda p: _C.block_sparse_attention(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, base_blockmask, max_seqlen_q_,
+                max_seqlen_k_, p, lse, head_mask_type, streaming_info, softmax_scale, is_causal,
+                p_dropout, backend, None))
     rt.run(_C.block_sparse_attention, "block_sparse_attention", q,
            (q, k, v, cu_seqlens_q, cu_seqlens_k, base_blockmask, max_seqlen_q_, max_seqlen_k_,
-            out, lse, rt.host_list(head_mask_type), rt.host_list(streaming_info), softmax_scale,
-            is_causal, p_dropout, backend))
+            out, lse, head_mask_type, streaming_info, softmax_scale, is_causal, p_dropout,
+            backend))
     return out
 
 
@@ -151,12 +172,19 @@ def block_sparse_attn_paged_func(q, k_cache, v_cache, block_table, seqlens_k, cu
     """block_sparse_attn_func over a paged KV cache: k_cache/v_cache [num_pages, page_size,
     Hkv, D] (any page_size), block_table int32 [B, max_pages],
     seqlens_k int32 [B]. An extension (Block-Sparse-Attention has no paged entry point)."""
+    head_mask_type, streaming_info = rt.host_list(head_mask_type), rt.host_list(streaming_info)
     if out is None:
-        out = rt.empty(tuple(getattr(q, "shape", ())), q, "q")
+        try:
+            out = rt.empty(tuple(getattr(q, "shape", ())), q, "q")
+        except rt.ALLOCATION_ERRORS as e:
+            rt.explain_allocation_failure(e, q, ("out",), lambda p: _C.block_sparse_attention_paged(
+                q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, base_blockmask,
+                max_seqlen_q, max_seqlen_k, p, lse, head_mask_type, streaming_info,
+                softmax_scale, is_causal, 0.0, backend, None))
     rt.run(_C.block_sparse_attention_paged, "block_sparse_attention_paged", q,
            (q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, base_blockmask,
-            max_seqlen_q, max_seqlen_k, out, lse, rt.host_list(head_mask_type),
-            rt.host_list(streaming_info), softmax_scale, is_causal, 0.0, backend))
+            max_seqlen_q, max_seqlen_k, out, lse, head_mask_type, streaming_info, softmax_scale,
+            is_causal, 0.0, backend))
     return out
 
 
@@ -170,13 +198,22 @@ def Xattention_prefill(query_states, key_states, value_states, stride, norm=1, t
     written when given. chunk_size None uses the default (it never changes the result)."""
     _check_estimate_options(True, kdb)
     threshold, head_thresholds = _thresholds(threshold)
+    options = (threshold, head_thresholds, causal, keep_sink, keep_recent, block_size, stride,
+               norm, 16384 if chunk_size is None else chunk_size, "inverse", softmax_scale,
+               backend)
     shape = _estimate_shape(query_states, key_states, block_size)
-    attn_sums = rt.empty(shape, query_states, "query_states", "float32")
-    block_mask = rt.empty(shape, query_states, "query_states", "bool")
-    if out is None:
-        out = rt.empty(tuple(query_states.shape), query_states, "query_states")
+    out_given = out is not None
+    try:
+        attn_sums = rt.empty(shape, query_states, "query_states", "float32")
+        block_mask = rt.empty(shape, query_states, "query_states", "bool")
+        if out is None:
+            out = rt.empty(tuple(query_states.shape), query_states, "query_states")
+    except rt.ALLOCATION_ERRORS as e:
+        # attn_sums and block_mask are the binding's names of the scratch outputs.
+        rt.explain_allocation_failure(
+            e, query_states, ("attn_sums", "block_mask") + (() if out_given else ("out",)),
+            lambda p: _C.xattention_prefill(query_states, key_states, value_states, p, p,
+                                            out if out_given else p, lse, *options, None))
     rt.run(_C.xattention_prefill, "xattention_prefill", query_states,
-           (query_states, key_states, value_states, attn_sums, block_mask, out, lse, threshold,
-            head_thresholds, causal, keep_sink, keep_recent, block_size, stride, norm,
-            16384 if chunk_size is None else chunk_size, "inverse", softmax_scale, backend))
+           (query_states, key_states, value_states, attn_sums, block_mask, out, lse, *options))
     return out

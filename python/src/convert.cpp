@@ -117,6 +117,14 @@ TensorView view_of(const Array& a, const char* name) {
 
 bool has_attr(nb::handle obj, const char* attr) { return PyObject_HasAttrString(obj.ptr(), attr); }
 
+// torch's meta tensors (shape and dtype, no storage) fail every DLPack export; only the failure
+// path asks, so that the message can say so instead of repeating torch's.
+bool is_meta_tensor(nb::handle obj) {
+  if (!has_attr(obj, "is_meta")) return false;
+  nb::object meta = obj.attr("is_meta");
+  return meta.ptr() == Py_True;
+}
+
 // Called once an import failed: says why, in terms of the argument.
 [[noreturn]] void raise_import_failure(nb::handle obj, const char* name, bool writable) {
   if (obj.is_none()) throw TypeError(fmt::format("{}: expected a tensor, got None", name));
@@ -133,14 +141,19 @@ bool has_attr(nb::handle obj, const char* attr) { return PyObject_HasAttrString(
                                    py_type_name(obj)));
     }
   }
+  if (is_meta_tensor(obj)) {
+    throw TypeError(fmt::format(
+        "{}: meta tensors are not supported (they have no data); pass a CPU or CUDA tensor", name));
+  }
   // Ask the producer directly to recover its reason (torch refuses sparse layouts, numpy
-  // refuses byte strides that are not a multiple of the item size, ...).
+  // refuses byte strides that are not a multiple of the item size, ...). The exception's
+  // message only: python_error::what() would append the Python traceback.
   std::string reason = "the producer refused the export";
   if (has_attr(obj, "__dlpack__")) {
     try {
       obj.attr("__dlpack__")();
     } catch (nb::python_error& e) {
-      reason = e.what();
+      reason = nb::str(e.value()).c_str();
     }
   }
   throw TypeError(fmt::format("{}: could not import the {} through DLPack: {}", name,
@@ -170,12 +183,14 @@ struct DLPackExchangeApi {
 // per tensor (all measured on the CPU of the development machine), is avoided either way. What
 // the Python method's checks refuse, sparse_attn refuses too or does not meet: sparse layouts
 // fail the C exports as well, conjugate views are complex-only, and a tensor that requires grad
-// is only read (no backward exists). Found once torch is imported; other producers take the
-// __dlpack__ path.
+// is only read (no backward exists). The negative bit passes every export unnoticed, the Python
+// method included, so check_no_neg_bit looks at it. Found once torch is imported; other
+// producers take the __dlpack__ path.
 struct TorchExport {
   PyTypeObject* tensor_type = nullptr;          // torch.Tensor
   const DLPackExchangeApi* exchange = nullptr;  // null: this torch has no usable exchange API
   PyObject* to_dlpack = nullptr;                // torch._C._to_dlpack
+  PyObject* is_neg = nullptr;                   // torch.Tensor.is_neg (a method descriptor)
 };
 
 const DLPackExchangeApi* exchange_api_of(nb::handle tensor_type) {
@@ -201,6 +216,7 @@ const TorchExport& torch_export() {
         nb::object tensor_type = t.attr("Tensor");
         e.exchange = exchange_api_of(tensor_type);
         e.to_dlpack = nb::object(t.attr("_C").attr("_to_dlpack")).release().ptr();
+        e.is_neg = nb::object(tensor_type.attr("is_neg")).release().ptr();
         e.tensor_type = reinterpret_cast<PyTypeObject*>(tensor_type.release().ptr());
       }
     }
@@ -210,6 +226,31 @@ const TorchExport& torch_export() {
 
 bool is_torch_tensor(const TorchExport& te, nb::handle obj) {
   return te.tensor_type != nullptr && PyObject_TypeCheck(obj.ptr(), te.tensor_type);
+}
+
+// torch's negative bit (x._neg_view(), and the imaginary part of a conj() view) says that the
+// values are the negated stored ones. No DLPack export carries it (the C exchange API, _to_dlpack
+// and Tensor.__dlpack__ all hand out the stored values), so it is checked here, once per torch
+// tensor (a call of the method descriptor: about 0.1 us more per _C.tensor_info). Refused, not
+// resolved: resolve_neg() is a copy (an allocation and a kernel the caller did not ask for), and
+// an output cannot be written through the bit at all.
+void check_no_neg_bit(const TorchExport& te, nb::handle obj, const char* name, bool writable) {
+  PyObject* self = obj.ptr();
+  PyObject* result = PyObject_Vectorcall(te.is_neg, &self, 1, nullptr);
+  if (result == nullptr) throw nb::python_error();
+  const bool neg = result == Py_True;
+  Py_DECREF(result);
+  if (!neg) return;
+  if (writable) {
+    throw TypeError(fmt::format(
+        "{}: the tensor has torch's negative bit set (a _neg_view(), or the imaginary part of a "
+        "conj() view); an output cannot be written through it, pass a tensor without it",
+        name));
+  }
+  throw TypeError(fmt::format(
+      "{}: the tensor has torch's negative bit set (a _neg_view(), or the imaginary part of a "
+      "conj() view), which DLPack does not carry; pass {}.resolve_neg()",
+      name, name));
 }
 
 // What to hand nanobind's DLPack import: torch tensors as a capsule from the C export, anything
@@ -230,15 +271,18 @@ const char* py_type_name(nb::handle obj) { return Py_TYPE(obj.ptr())->tp_name; }
 
 TensorView Borrowed::tensor(nb::handle obj, const char* name, bool writable) {
   const TorchExport& te = torch_export();
-  if (te.exchange != nullptr && is_torch_tensor(te, obj)) {
-    // Borrowed without a capsule: the caller's reference keeps the tensor alive for the call,
-    // and the shape and strides are copied into the view before anything else runs.
-    dl::dltensor t;
-    if (te.exchange->dltensor_from_py_object_no_sync(obj.ptr(), &t) == 0) {
-      return view_of(static_cast<char*>(t.data) + t.byte_offset, t.dtype, t.device.device_type,
-                     t.device.device_id, t.ndim, t.shape, t.strides, name);
+  if (is_torch_tensor(te, obj)) {
+    check_no_neg_bit(te, obj, name, writable);
+    if (te.exchange != nullptr) {
+      // Borrowed without a capsule: the caller's reference keeps the tensor alive for the call,
+      // and the shape and strides are copied into the view before anything else runs.
+      dl::dltensor t;
+      if (te.exchange->dltensor_from_py_object_no_sync(obj.ptr(), &t) == 0) {
+        return view_of(static_cast<char*>(t.data) + t.byte_offset, t.dtype, t.device.device_type,
+                       t.device.device_id, t.ndim, t.shape, t.strides, name);
+      }
+      PyErr_Clear();  // the regular path below reports why
     }
-    PyErr_Clear();  // the regular path below reports why
   }
   if (writable) {
     if (num_outputs_ == kCapacity) throw Error("sparse_attn binding: too many output tensors");
@@ -270,7 +314,11 @@ double to_float(nb::handle obj, const char* name) {
   if (PyFloat_Check(o)) return PyFloat_AS_DOUBLE(o);
   if (PyLong_Check(o) && !PyBool_Check(o)) {
     const double v = PyLong_AsDouble(o);
-    if (v == -1.0 && PyErr_Occurred()) throw nb::python_error();
+    if (v == -1.0 && PyErr_Occurred()) {
+      if (!PyErr_ExceptionMatches(PyExc_OverflowError)) throw nb::python_error();
+      PyErr_Clear();
+      throw ValueError(fmt::format("{}: expected a float, got an int out of its range", name));
+    }
     return v;
   }
   // numpy.float32 and friends; tensors are refused, a one-element device tensor would

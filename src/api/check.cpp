@@ -139,10 +139,39 @@ void check_no_overlap(const TensorView& out, std::string_view out_name, const Te
   }
 }
 
-void check_positive_scalar(double v, std::string_view name) {
-  if (!(std::isfinite(v) && v > 0.0)) {
-    throw_value_error("{}: expected a positive finite number, got {}", name, v);
+namespace {
+
+bool positive_finite_float32(double value) {
+  const float f = static_cast<float>(value);
+  return std::isfinite(value) && std::isfinite(f) && f > 0.f;
+}
+
+}  // namespace
+
+float check_float32_scale(double value, std::string_view name) {
+  if (!positive_finite_float32(value)) {
+    throw_value_error("{}: expected a value representable as a positive finite float32, got {}",
+                      name, value);
   }
+  return static_cast<float>(value);
+}
+
+float check_float32_scale(double value, std::string_view name, std::string_view derived,
+                          double argument) {
+  if (!positive_finite_float32(value)) {
+    throw_value_error(
+        "{}: expected {} to be representable as a positive finite float32, got {} = {} ({} = {})",
+        name, derived, derived, value, name, argument);
+  }
+  return static_cast<float>(value);
+}
+
+int64_t checked_size_product(int64_t a, int64_t b, std::string_view name, std::string_view what) {
+  int64_t product = 0;
+  if (__builtin_mul_overflow(a, b, &product)) {
+    throw_value_error("{}: {} = {} * {} does not fit in 64 bits", name, what, a, b);
+  }
+  return product;
 }
 
 void check_workspace(const TensorView& t, std::string_view name, Device device,

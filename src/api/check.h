@@ -1,6 +1,12 @@
 // Validation helpers for the API boundary. Every check names the argument, says what was
 // expected and what came, and reads only metadata (shape, strides, dtype, device, pointer),
 // never tensor contents. Kernels and the reference trust what passed these checks.
+//
+// Every op checks all of its inputs before any of its outputs, and builds nothing sized by an
+// input (per-head tables) before the outputs are checked: an input may be a broadcast view
+// of any logical size, an output's size is backed by memory. The Python wrappers rely on the
+// order to report a malformed call whose output they could not allocate
+// (_runtime.explain_allocation_failure).
 #pragma once
 
 #include <fmt/format.h>
@@ -76,8 +82,21 @@ void check_vector_load_layout(const TensorView& t, std::string_view name);
 void check_no_overlap(const TensorView& out, std::string_view out_name, const TensorView& in,
                       std::string_view in_name);
 
-// ValueError unless the value is a positive finite number.
-void check_positive_scalar(double v, std::string_view name);
+// The one rule for scale-like arguments (softmax and score scales, XAttention's norm): the
+// kernels apply them in FP32, so ValueError unless `value` is a positive
+// finite number that stays one when rounded to float32 (1e39 would become inf, 1e-46 zero).
+// Returns the rounded value.
+float check_float32_scale(double value, std::string_view name);
+// The same rule for a value the op computes from the argument `name` (whose value is
+// `argument`) and applies in FP32; `derived` says how, e.g. "1 / score_scale".
+float check_float32_scale(double value, std::string_view name, std::string_view derived,
+                          double argument);
+
+// a * b for two sizes (>= 0) that come from different arguments (a block table's width times a
+// page size, a block count times a block size), whose product need not fit int64 even though
+// each tensor's own element count does: ValueError naming `name` when it does not. `what` says
+// what the product is ("max_pages * page_size").
+int64_t checked_size_product(int64_t a, int64_t b, std::string_view name, std::string_view what);
 
 // Byte alignment the scratch buffers of ops (workspace arguments) must have.
 constexpr size_t kWorkspaceAlignment = 16;

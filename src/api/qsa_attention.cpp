@@ -103,14 +103,12 @@ SparseAttentionParams validate(const Views& v, bool physical, const SparseAttent
         *o.scale, *o.softmax_scale);
   }
   const std::optional<double> scale = o.scale ? o.scale : o.softmax_scale;
-  if (scale) detail::check_positive_scalar(*scale, o.scale ? "scale" : "softmax_scale");
-  p.scale = static_cast<float>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(p.head_dim)));
-  if (!(std::isfinite(p.scale) && p.scale > 0.f)) {
-    // Kernels and the reference apply the scale in FP32.
-    throw_value_error("{}: expected a value representable as a positive finite float32, got {}",
-                      o.scale ? "scale" : "softmax_scale", *scale);
-  }
-  p.scale_log2 = static_cast<float>(static_cast<double>(p.scale) * std::numbers::log2e);
+  const char* scale_name = o.scale ? "scale" : "softmax_scale";
+  p.scale = scale ? detail::check_float32_scale(*scale, scale_name)
+                  : static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.head_dim)));
+  // The native kernels' softmax runs on exp2, with the scale in log2 units.
+  p.scale_log2 = detail::check_float32_scale(static_cast<double>(p.scale) * std::numbers::log2e,
+                                             scale_name, "scale * log2(e)", p.scale);
   if (o.k_scale != 1.0) {
     throw_value_error("k_scale: expected 1.0 (FP8 KV is not supported, K is {}), got {}",
                       dtype_name(q.dtype()), o.k_scale);

@@ -1,5 +1,6 @@
 // API boundary of the QSA MQA indexer ops: validation (metadata only), backend choice, params
 // filling. docs/qsa.md ("## Indexer scores") is the user-facing statement of these rules.
+#include <climits>
 #include <cmath>
 #include <initializer_list>
 #include <utility>
@@ -24,7 +25,8 @@ constexpr int64_t kQsaBlockSize = 4;
 
 using Named = std::pair<const TensorView*, const char*>;
 
-// scale is a multiplier, score_scale a denominator; at most one, positive; default 1/sqrt(dim).
+// scale is a multiplier, score_scale a denominator; at most one, each a positive float32 (and
+// so is the multiplier 1 / score_scale); default 1/sqrt(dim).
 float resolve_scale(const std::optional<double>& scale, const std::optional<double>& score_scale,
                     int64_t dim) {
   if (scale && score_scale) {
@@ -33,13 +35,11 @@ float resolve_scale(const std::optional<double>& scale, const std::optional<doub
         "exclusive, got scale = {} and score_scale = {}",
         *scale, *score_scale);
   }
-  if (scale) {
-    detail::check_positive_scalar(*scale, "scale");
-    return static_cast<float>(*scale);
-  }
+  if (scale) return detail::check_float32_scale(*scale, "scale");
   if (score_scale) {
-    detail::check_positive_scalar(*score_scale, "score_scale");
-    return static_cast<float>(1.0 / *score_scale);
+    detail::check_float32_scale(*score_scale, "score_scale");
+    return detail::check_float32_scale(1.0 / *score_scale, "score_scale", "1 / score_scale",
+                                       *score_scale);
   }
   return static_cast<float>(1.0 / std::sqrt(static_cast<double>(dim)));
 }
@@ -151,7 +151,8 @@ ScoreLayout check_score(const TensorView& q, const TensorView& k, const IndexerS
     detail::check_device(bt, "block_table", dev, "q_idx");
     detail::check_data(bt, "block_table");
     key_batch = bt.size(0);
-    l.num_blocks = bt.size(1) * l.page_size;
+    l.num_blocks = detail::checked_size_product(bt.size(1), l.page_size, "block_table",
+                                                "max_pages * page_size");
   } else {
     if (o.page_size) {
       throw_value_error(
@@ -332,6 +333,16 @@ bool native_decode_page_size(int64_t page_size) {
   return page_size == 8 || page_size == 16 || page_size == 32 || page_size == 64;
 }
 
+// The output width: a key position per column. Positions past INT32_MAX cannot be visible
+// (context_lens are int32), so a wider output would be -inf padding only.
+void check_max_model_len(int64_t max_model_len) {
+  if (max_model_len < 0 || max_model_len > INT32_MAX) {
+    throw_value_error(
+        "max_model_len: expected an output width in [0, {}] (context_lens are int32), got {}",
+        INT32_MAX, max_model_len);
+  }
+}
+
 void check_decode_inputs(const TensorView& q, const TensorView& k_cache, int64_t max_model_len) {
   detail::check_rank(q, "q", {3, 4});
   if (q.dim() == 4) detail::check_size(q, "q", 1, 1, "one decode row per request");
@@ -342,9 +353,7 @@ void check_decode_inputs(const TensorView& q, const TensorView& k_cache, int64_t
     throw_value_error("k_cache: expected a positive page size (shape[1]), got shape {}",
                       k_cache.shape_str());
   }
-  if (max_model_len < 0) {
-    throw_value_error("max_model_len: expected a non-negative output width, got {}", max_model_len);
-  }
+  check_max_model_len(max_model_len);
 }
 
 detail::MqaDecodeParams decode_params(const TensorView& q4, const TensorView& k4,
@@ -456,9 +465,7 @@ void qsa_mqa_prefill(const TensorView& q, const TensorView& k, const TensorView&
 
 Shape qsa_mqa_decode_shape(const TensorView& q, int64_t max_model_len) {
   detail::check_rank(q, "q", {3, 4});
-  if (max_model_len < 0) {
-    throw_value_error("max_model_len: expected a non-negative output width, got {}", max_model_len);
-  }
+  check_max_model_len(max_model_len);
   return {q.size(0), max_model_len};
 }
 

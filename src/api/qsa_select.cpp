@@ -51,7 +51,11 @@ void check_block_ids(const TensorView& block_ids) {
 
 Shape qsa_topk_blocks_shape(const TensorView& scores, int64_t k) {
   detail::check_rank(scores, "scores", {2, 3});
-  if (k < 1) throw_value_error("k: expected at least 1 block per row, got {}", k);
+  // Block ids are int32, so no row has more than INT32_MAX blocks to select.
+  if (k < 1 || k > INT32_MAX) {
+    throw_value_error("k: expected 1 to {} blocks per row (block ids are int32), got {}", INT32_MAX,
+                      k);
+  }
   return with_last(scores, k);
 }
 

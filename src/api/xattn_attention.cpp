@@ -41,19 +41,17 @@ void check_metadata(const TensorView& t, std::string_view name, const Shape& sha
   check_data(t, name);
 }
 
-// Checks head types and streaming info; returns the resolved head types (empty: all 1), counts
-// the block-sparse heads and says whether any head streams.
-std::vector<int32_t> check_heads(const BlockSparseAttentionOptions& o, int64_t hq,
-                                 int64_t* sparse_heads, bool* any_streaming) {
-  std::vector<int32_t> types = o.head_mask_type;
-  if (types.empty()) {
-    types.assign(static_cast<size_t>(hq), 1);
-  } else if (static_cast<int64_t>(types.size()) != hq) {
+// Checks head types and streaming info; counts the block-sparse heads and says whether any
+// head streams. An empty head_mask_type means every head is block-sparse.
+void check_heads(const BlockSparseAttentionOptions& o, int64_t hq, int64_t* sparse_heads,
+                 bool* any_streaming) {
+  const std::vector<int32_t>& types = o.head_mask_type;
+  *sparse_heads = types.empty() ? hq : 0;
+  *any_streaming = false;
+  if (!types.empty() && static_cast<int64_t>(types.size()) != hq) {
     throw_value_error("head_mask_type: expected one entry per query head ({}), got {}", hq,
                       types.size());
   }
-  *sparse_heads = 0;
-  *any_streaming = false;
   for (size_t h = 0; h < types.size(); ++h) {
     if (types[h] < -1 || types[h] > 1) {
       throw_value_error(
@@ -82,11 +80,19 @@ std::vector<int32_t> check_heads(const BlockSparseAttentionOptions& o, int64_t h
         "(sink, local) key-block counts per query head",
         hq);
   }
-  return types;
 }
 
-// Checks everything common to both K/V layouts (head types are checked before) and fills sizes
-// and scalars. `kv_heads_dim` is the axis of k holding the KV heads.
+// The head types the backends read, one per query head. Built once every argument is checked:
+// the head count comes from q, which may be a broadcast view of any size, while out (no
+// broadcasting) bounds it by memory the caller has.
+std::vector<int32_t> head_types(const BlockSparseAttentionOptions& o, int64_t hq) {
+  if (!o.head_mask_type.empty()) return o.head_mask_type;
+  return std::vector<int32_t>(static_cast<size_t>(hq), 1);
+}
+
+// Checks the inputs common to both K/V layouts (head types are checked before) and fills sizes
+// and scalars. `kv_heads_dim` is the axis of k holding the KV heads. Outputs are checked by
+// check_outputs, after each layout's own inputs.
 BlockSparseAttnParams validate(const Views& v, int kv_heads_dim, int64_t max_seqlen_q,
                                int64_t max_seqlen_k, const BlockSparseAttentionOptions& o,
                                int64_t sparse_heads) {
@@ -114,7 +120,7 @@ BlockSparseAttnParams validate(const Views& v, int kv_heads_dim, int64_t max_seq
     throw_value_error("p_dropout: expected 0 (inference only: dropout is not implemented), got {}",
                       o.p_dropout);
   }
-  if (o.softmax_scale) detail::check_positive_scalar(*o.softmax_scale, "softmax_scale");
+  if (o.softmax_scale) detail::check_float32_scale(*o.softmax_scale, "softmax_scale");
 
   BlockSparseAttnParams p;
   p.batch = batch;
@@ -153,7 +159,13 @@ BlockSparseAttnParams validate(const Views& v, int kv_heads_dim, int64_t max_seq
     check_device(*v.mask, "base_blockmask", dev, "q");
     check_data(*v.mask, "base_blockmask");
   }
+  return p;
+}
 
+// out like q, lse FP32 [total_q, Hq]; neither overlapping the other nor any input.
+void check_outputs(const Views& v) {
+  const TensorView& q = v.q;
+  const Device dev = q.device();
   detail::check_xattn_output(v.out, "out", q.dtype(), q.shape(), "the shape of q", dev, "q");
   if (v.lse) {
     detail::check_xattn_output(*v.lse, "lse", DType::kF32, {q.size(0), q.size(1)}, "[total_q, Hq]",
@@ -173,7 +185,6 @@ BlockSparseAttnParams validate(const Views& v, int kv_heads_dim, int64_t max_seq
     check_no_overlap(v.out, "out", *t, name);
     if (v.lse) check_no_overlap(*v.lse, "lse", *t, name);
   }
-  return p;
 }
 
 void fill_pointers(BlockSparseAttnParams& p, const Views& v, bool paged) {
@@ -272,7 +283,7 @@ void block_sparse_attention(const TensorView& q, const TensorView& k, const Tens
   int64_t sparse_heads = 0;
   bool any_streaming = false;
   check_rank(q, "q", {3});
-  const std::vector<int32_t> types = check_heads(options, q.size(1), &sparse_heads, &any_streaming);
+  check_heads(options, q.size(1), &sparse_heads, &any_streaming);
   check_rank(k, "k", {3});
   check_rank(v, "v", {3});
   const Views views{
@@ -280,6 +291,8 @@ void block_sparse_attention(const TensorView& q, const TensorView& k, const Tens
   BlockSparseAttnParams p = validate(views, 1, max_seqlen_q, max_seqlen_k, options, sparse_heads);
   check_metadata(cu_seqlens_k, "cu_seqlens_k", {p.batch + 1},
                  "[batch + 1], batch from cu_seqlens_q", q.device());
+  check_outputs(views);
+  const std::vector<int32_t> types = head_types(options, q.size(1));
   p.kv_layout = XAttnKVLayout::kVarlen;
   p.total_k = k.size(0);
   p.head_mask_type = types.data();
@@ -297,7 +310,7 @@ void block_sparse_attention_paged(const TensorView& q, const TensorView& k_cache
   int64_t sparse_heads = 0;
   bool any_streaming = false;
   check_rank(q, "q", {3});
-  const std::vector<int32_t> types = check_heads(options, q.size(1), &sparse_heads, &any_streaming);
+  check_heads(options, q.size(1), &sparse_heads, &any_streaming);
   check_rank(k_cache, "k_cache", {4});
   check_rank(v_cache, "v_cache", {4});
   const Views views{q,           k_cache,   v_cache,        cu_seqlens_q, out,       std::nullopt,
@@ -312,11 +325,15 @@ void block_sparse_attention_paged(const TensorView& q, const TensorView& k_cache
   check_metadata(block_table, "block_table", {p.batch, block_table.size(1)},
                  "[batch, max_pages], batch from cu_seqlens_q", q.device());
   check_metadata(seqlens_k, "seqlens_k", {p.batch}, "[batch], batch from cu_seqlens_q", q.device());
-  if (max_seqlen_k > block_table.size(1) * page_size) {
+  const int64_t max_keys = detail::checked_size_product(block_table.size(1), page_size,
+                                                        "block_table", "max_pages * page_size");
+  if (max_seqlen_k > max_keys) {
     throw_value_error(
         "max_seqlen_k: expected at most max_pages * page_size = {} * {} = {} keys, got {}",
-        block_table.size(1), page_size, block_table.size(1) * page_size, max_seqlen_k);
+        block_table.size(1), page_size, max_keys, max_seqlen_k);
   }
+  check_outputs(views);
+  const std::vector<int32_t> types = head_types(options, q.size(1));
   p.kv_layout = XAttnKVLayout::kPaged;
   p.page_size = page_size;
   p.num_pages = k_cache.size(0);

@@ -39,7 +39,7 @@ void check_gqa(int64_t hq, int64_t hkv, std::string_view q_name, std::string_vie
   }
 }
 
-std::vector<double> resolve_thresholds(const BlockSelectOptions& o, int64_t num_heads) {
+void check_select_options(const BlockSelectOptions& o, int64_t num_heads) {
   if (o.block_size < 1) {
     throw_value_error("block_size: expected a positive number of tokens, got {}", o.block_size);
   }
@@ -50,7 +50,7 @@ std::vector<double> resolve_thresholds(const BlockSelectOptions& o, int64_t num_
   };
   if (o.head_thresholds.empty()) {
     check_one(o.threshold, "threshold");
-    return std::vector<double>(static_cast<size_t>(num_heads), o.threshold);
+    return;
   }
   if (static_cast<int64_t>(o.head_thresholds.size()) != num_heads) {
     throw_value_error("head_thresholds: expected one threshold per query head ({}), got {}",
@@ -59,7 +59,11 @@ std::vector<double> resolve_thresholds(const BlockSelectOptions& o, int64_t num_
   for (size_t h = 0; h < o.head_thresholds.size(); ++h) {
     check_one(o.head_thresholds[h], fmt::format("head_thresholds[{}]", h));
   }
-  return o.head_thresholds;
+}
+
+std::vector<double> head_thresholds(const BlockSelectOptions& o, int64_t num_heads) {
+  if (!o.head_thresholds.empty()) return o.head_thresholds;
+  return std::vector<double>(static_cast<size_t>(num_heads), o.threshold);
 }
 
 void check_native_device(const TensorView& t, std::string_view name, std::string_view op) {

@@ -13,8 +13,9 @@
 
 namespace sparse_attn::detail {
 
-// ceil(a / b) for a >= 0, b > 0.
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// ceil(a / b) for a >= 0, b > 0, without forming a + b - 1 (lengths and block sizes are the
+// caller's int64 values, up to INT64_MAX).
+inline int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }
 
 // An output: dtype, exact shape, device, data pointer, positive strides, no two elements at
 // one address.
@@ -29,8 +30,12 @@ void check_float_input(const TensorView& t, std::string_view name, const TensorV
 // ValueError unless Hq is a positive multiple of Hkv (GQA).
 void check_gqa(int64_t hq, int64_t hkv, std::string_view q_name, std::string_view kv_name);
 
-// Checks the selection options (block_size, thresholds) and returns one threshold per head.
-std::vector<double> resolve_thresholds(const BlockSelectOptions& o, int64_t num_heads);
+// Checks the selection options (block_size, thresholds) for `num_heads` heads.
+void check_select_options(const BlockSelectOptions& o, int64_t num_heads);
+// One threshold per head, from options that passed check_select_options. Called once the
+// outputs are checked too: the head count comes from an input, which may be a broadcast view
+// of any size, while the outputs' memory (no broadcasting there) bounds it.
+std::vector<double> head_thresholds(const BlockSelectOptions& o, int64_t num_heads);
 
 // NotSupportedError unless t lives on a CUDA device (native backends run only there).
 void check_native_device(const TensorView& t, std::string_view name, std::string_view op);

@@ -52,7 +52,7 @@ XAttnEstimateParams check_estimate_inputs(const TensorView& query, const TensorV
     throw_value_error("stride: expected a positive divisor of block_size ({}), got {}",
                       o.block_size, o.stride);
   }
-  detail::check_positive_scalar(o.norm, "norm");
+  detail::check_float32_scale(o.norm, "norm");
   if (o.chunk_size < 1 || o.chunk_size % o.block_size != 0) {
     throw_value_error("chunk_size: expected a positive multiple of block_size ({}), got {}",
                       o.block_size, o.chunk_size);
@@ -82,6 +82,7 @@ XAttnEstimateParams check_estimate_inputs(const TensorView& query, const TensorV
   p.dtype = query.dtype();
   p.score_scale =
       1.0 / (std::sqrt(static_cast<double>(p.head_dim)) * static_cast<double>(o.stride) * o.norm);
+  detail::check_float32_scale(p.score_scale, "norm", "1 / (sqrt(D) * stride * norm)", o.norm);
   p.causal = o.causal;
   p.device_index = query.device().is_cuda() ? query.device().index : 0;
   p.stream = o.stream;
@@ -165,8 +166,9 @@ Shape xattn_estimate_shape(const TensorView& query, const TensorView& key,
 void xattn_estimate(const TensorView& query, const TensorView& key, const TensorView& attn_sums,
                     const TensorView& block_mask, const XAttnEstimateOptions& options) {
   XAttnEstimateParams p = detail::check_estimate_inputs(query, key, options);
-  const std::vector<double> thresholds = detail::resolve_thresholds(options, p.num_q_heads);
+  detail::check_select_options(options, p.num_q_heads);
   detail::check_estimate_outputs(p, query, key, attn_sums, block_mask);
+  const std::vector<double> thresholds = detail::head_thresholds(options, p.num_q_heads);
   p.select.thresholds = thresholds.data();
   if (options.backend == Backend::kNative) {
     detail::check_native_device(query, "query", "xattn_estimate");
@@ -192,10 +194,14 @@ void find_blocks_chunked(const TensorView& attn_sums, const TensorView& block_ma
   s.num_heads = attn_sums.size(1);
   s.q_blocks = attn_sums.size(2);
   s.k_blocks = attn_sums.size(3);
-  const std::vector<double> thresholds = detail::resolve_thresholds(options, s.num_heads);
+  detail::check_select_options(options, s.num_heads);
   s.block_size = options.block_size;
-  s.q_len = options.q_len.value_or(s.q_blocks * s.block_size);
-  s.k_len = options.k_len.value_or(s.k_blocks * s.block_size);
+  s.q_len = options.q_len ? *options.q_len
+                          : detail::checked_size_product(s.q_blocks, s.block_size, "block_size",
+                                                         "attn_sums.shape[2] * block_size");
+  s.k_len = options.k_len ? *options.k_len
+                          : detail::checked_size_product(s.k_blocks, s.block_size, "block_size",
+                                                         "attn_sums.shape[3] * block_size");
   if (options.q_len && (s.q_len < 0 || ceil_div(s.q_len, s.block_size) != s.q_blocks)) {
     throw_value_error(
         "q_len: expected a query length of {} blocks of {} (attn_sums.shape[2]), got {}",
@@ -214,6 +220,7 @@ void find_blocks_chunked(const TensorView& attn_sums, const TensorView& block_ma
   }
   check_select_outputs(attn_sums, block_mask, attn_sums.shape(), "the shape of attn_sums",
                        attn_sums.device(), "attn_sums", false);
+  const std::vector<double> thresholds = detail::head_thresholds(options, s.num_heads);
   s.thresholds = thresholds.data();
   s.causal = options.causal;
   s.keep_sink = options.keep_sink;

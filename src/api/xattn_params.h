@@ -111,7 +111,7 @@ struct BlockSparseAttnParams {
   const void* q = nullptr;
   int64_t q_stride[4] = {};
   const int32_t* cu_seqlens_q = nullptr;  // [batch + 1], or null (padded)
-  int64_t cu_seqlens_q_stride = 1;
+  int64_t cu_seqlens_q_stride = 0;        // entry b at cu_seqlens_q[b * stride]
   int64_t total_q = 0;                    // varlen: q.shape[0]; padded: batch * max_seqlen_q
 
   // Keys and values, same layout (see XAttnKVLayout); strides in the order
@@ -123,7 +123,7 @@ struct BlockSparseAttnParams {
   const void* v = nullptr;
   int64_t v_stride[4] = {};
   const int32_t* cu_seqlens_k = nullptr;  // kVarlen: [batch + 1]; otherwise null
-  int64_t cu_seqlens_k_stride = 1;
+  int64_t cu_seqlens_k_stride = 0;        // entry b at cu_seqlens_k[b * stride]
   int64_t total_k = 0;                    // kVarlen: k.shape[0]
   const int32_t* block_table = nullptr;   // kPaged: [batch, max_pages]; otherwise null
   int64_t block_table_stride[2] = {};

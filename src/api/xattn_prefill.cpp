@@ -61,12 +61,12 @@ void xattention_prefill(const TensorView& query, const TensorView& key, const Te
         "size), got {}",
         kBlockSparseBlockSize, kBlockSparseBlockSize, options.block_size);
   }
-  const std::vector<double> thresholds = detail::resolve_thresholds(options, e.num_q_heads);
+  detail::check_select_options(options, e.num_q_heads);
   detail::check_rank(value, "value", {4});
   detail::check_float_input(value, "value", &query, "query");
   detail::check_shape(value, "value", key.shape(), "the shape of key");
   if (options.softmax_scale) {
-    detail::check_positive_scalar(*options.softmax_scale, "softmax_scale");
+    detail::check_float32_scale(*options.softmax_scale, "softmax_scale");
   }
   detail::check_estimate_outputs(e, query, key, attn_sums, block_mask);
   detail::check_xattn_output(out, "out", query.dtype(), query.shape(), "the shape of query",
@@ -87,6 +87,7 @@ void xattention_prefill(const TensorView& query, const TensorView& key, const Te
   for (const auto& [t, name] : {std::pair{attn_sums, "attn_sums"}, {block_mask, "block_mask"}}) {
     check_no_overlap(t, name, value, "value");
   }
+  const std::vector<double> thresholds = detail::head_thresholds(options, e.num_q_heads);
   e.select.thresholds = thresholds.data();
 
   // The attention step: every head block-sparse through the estimate's mask.

@@ -28,12 +28,13 @@ template <typename... Args>
   throw ValueError(fmt::format(f, std::forward<Args>(args)...));
 }
 
-// Reads cu_seqlens [batch + 1] and checks the promise: non-decreasing offsets in [0, total],
-// lengths <= max_len.
-std::vector<int64_t> read_offsets(const int32_t* cu, int64_t batch, int64_t total, int64_t max_len,
-                                  const char* name, const char* total_name, const char* max_name) {
+// Reads cu_seqlens [batch + 1] (entry b at cu[b * stride]) and checks the promise:
+// non-decreasing offsets in [0, total], lengths <= max_len.
+std::vector<int64_t> read_offsets(const int32_t* cu, int64_t stride, int64_t batch, int64_t total,
+                                  int64_t max_len, const char* name, const char* total_name,
+                                  const char* max_name) {
   std::vector<int64_t> off(static_cast<size_t>(batch + 1));
-  for (int64_t b = 0; b <= batch; ++b) off[b] = cu[b];
+  for (int64_t b = 0; b <= batch; ++b) off[b] = cu[b * stride];
   if (off[0] < 0 || off[0] > total) {
     broken("{}: expected offsets within [0, {} = {}], got {}[0] = {}", name, total_name, total,
            name, off[0]);
@@ -55,8 +56,8 @@ std::vector<int64_t> read_offsets(const int32_t* cu, int64_t batch, int64_t tota
 std::vector<Sequence> read_sequences(const BlockSparseAttnParams& p) {
   std::vector<Sequence> seqs(static_cast<size_t>(p.batch));
   if (p.cu_seqlens_q != nullptr) {
-    const auto off = read_offsets(p.cu_seqlens_q, p.batch, p.total_q, p.max_seqlen_q,
-                                  "cu_seqlens_q", "total_q", "max_seqlen_q");
+    const auto off = read_offsets(p.cu_seqlens_q, p.cu_seqlens_q_stride, p.batch, p.total_q,
+                                  p.max_seqlen_q, "cu_seqlens_q", "total_q", "max_seqlen_q");
     for (int64_t b = 0; b < p.batch; ++b) {
       seqs[b].q_start = off[b];
       seqs[b].q_len = off[b + 1] - off[b];
@@ -69,8 +70,8 @@ std::vector<Sequence> read_sequences(const BlockSparseAttnParams& p) {
       for (auto& s : seqs) s.k_len = p.max_seqlen_k;
       break;
     case XAttnKVLayout::kVarlen: {
-      const auto off = read_offsets(p.cu_seqlens_k, p.batch, p.total_k, p.max_seqlen_k,
-                                    "cu_seqlens_k", "total_k", "max_seqlen_k");
+      const auto off = read_offsets(p.cu_seqlens_k, p.cu_seqlens_k_stride, p.batch, p.total_k,
+                                    p.max_seqlen_k, "cu_seqlens_k", "total_k", "max_seqlen_k");
       for (int64_t b = 0; b < p.batch; ++b) {
         seqs[b].k_start = off[b];
         seqs[b].k_len = off[b + 1] - off[b];

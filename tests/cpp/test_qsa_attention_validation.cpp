@@ -410,6 +410,13 @@ std::vector<Rule> rules() {
   add(
       "scale_underflows_float32", [](Call& c) { c.o.scale = 1e-60; }, K::kValue, "scale");
   add(
+      "scale_overflows_float32", [](Call& c) { c.o.scale = 1e39; }, K::kValue,
+      "scale: expected a value representable as a positive finite float32");
+  // Finite in float32, but the exp2-based softmax's scale * log2(e) is not.
+  add(
+      "scale_log2_overflows_float32", [](Call& c) { c.o.scale = 3e38; }, K::kValue,
+      "scale: expected scale * log2(e) to be");
+  add(
       "num_splits_beyond_int32", [](Call& c) { c.o.num_splits = int64_t{1} << 40; }, K::kValue,
       "num_splits");
   add(

@@ -716,6 +716,21 @@ std::vector<ValidationCase> validation_cases() {
       "score_score_scale_negative",
       [=] { score(q, k, out, with(ref, [](auto& o) { o.score_scale = -2.0; })); }, Kind::kValue,
       "score_scale");
+  // Scales are applied in FP32: out of its range they would give inf, NaN or zeros.
+  for (const auto& [bad, tag] : {std::pair{1e39, "1e39"}, {1e-46, "1e_46"}}) {
+    add(
+        std::string("score_scale_") + tag,
+        [=] { score(q, k, out, with(ref, [=](auto& o) { o.scale = bad; })); }, Kind::kValue,
+        "scale: expected a value representable as a positive finite float32");
+    add(
+        std::string("score_score_scale_") + tag,
+        [=] { score(q, k, out, with(ref, [=](auto& o) { o.score_scale = bad; })); }, Kind::kValue,
+        "score_scale: expected a value representable as a positive finite float32");
+  }
+  add(
+      "score_score_scale_reciprocal_overflows",
+      [=] { score(q, k, out, with(ref, [](auto& o) { o.score_scale = 1e-40; })); }, Kind::kValue,
+      "score_scale: expected 1 / score_scale to be representable");
   // --- paged keys ---
   add(
       "score_page_size_mismatch",
@@ -1014,6 +1029,22 @@ std::vector<ValidationCase> validation_cases() {
         prefill(pq, pk, ps, pe, pout, o);
       },
       Kind::kValue, "score_scale");
+  add(
+      "prefill_scale_outside_float32",
+      [=] {
+        MqaScoreOptions o = reference_mqa();
+        o.scale = 1e39;
+        prefill(pq, pk, ps, pe, pout, o);
+      },
+      Kind::kValue, "scale: expected a value representable as a positive finite float32");
+  add(
+      "prefill_score_scale_outside_float32",
+      [=] {
+        MqaScoreOptions o = reference_mqa();
+        o.score_scale = 1e-46;
+        prefill(pq, pk, ps, pe, pout, o);
+      },
+      Kind::kValue, "score_scale: expected a value representable as a positive finite float32");
   add(
       "prefill_out_shape", [=] { prefill(pq, pk, ps, pe, pout.narrow(1, 0, 10)); }, Kind::kValue,
       "out");

@@ -121,6 +121,43 @@ TEST(Check, VectorLoadLayoutMessage) {
   EXPECT_THROW(detail::check_vector_load_layout(odd, "q"), ValueError);
 }
 
+TEST(Check, Float32ScaleRule) {
+  EXPECT_EQ(detail::check_float32_scale(0.5, "scale"), 0.5f);
+  EXPECT_GT(detail::check_float32_scale(1e-40, "scale"), 0.f);  // a float32 subnormal
+  for (double bad : {0.0, -1.0, 1e39, 1e-46, std::nan(""), HUGE_VAL}) {
+    try {
+      detail::check_float32_scale(bad, "scale");
+      ADD_FAILURE() << bad;
+    } catch (const ValueError& e) {
+      EXPECT_EQ(std::string(e.what()).rfind("scale: expected a value representable as a positive "
+                                            "finite float32",
+                                            0),
+                0u)
+          << e.what();
+    }
+  }
+  try {
+    detail::check_float32_scale(1.0 / 1e-40, "score_scale", "1 / score_scale", 1e-40);
+    FAIL();
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("score_scale: expected 1 / score_scale to be"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Check, SizeProductsThatOverflowAreValueErrors) {
+  EXPECT_EQ(detail::checked_size_product(int64_t{1} << 40, int64_t{1} << 20, "x", "a * b"),
+            int64_t{1} << 60);
+  try {
+    detail::checked_size_product(int64_t{1} << 40, int64_t{1} << 30, "block_table",
+                                 "max_pages * page_size");
+    FAIL();
+  } catch (const ValueError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("block_table: max_pages * page_size", 0), 0u) << e.what();
+  }
+}
+
 TEST(Check, RowViewCollapse) {
   Tensor t = Tensor::empty({2, 3, 4}, DType::kF32);
   EXPECT_NO_THROW(detail::check_row_view(t.view(), "query", 2));

@@ -233,6 +233,27 @@ TEST(BlockSparseAttention, StridedOutputAndTransposedLse) {
   EXPECT_TRUE(std::isnan(get(out_buf, {0, 0, 0})));  // outside the view: untouched
 }
 
+// cu_seqlens as every other element of a wider buffer whose odd elements would be wrong offsets:
+// read without the stride, the call would see the garbage.
+Tensor every_other(const Tensor& cu) {
+  const int64_t n = cu.numel();
+  std::vector<int32_t> spread(static_cast<size_t>(2 * n), 999);
+  for (int64_t i = 0; i < n; ++i) spread[2 * i] = cu.data_as<int32_t>()[i];
+  return testing::int32_tensor({2 * n}, spread);
+}
+
+TEST(BlockSparseAttention, StridedCuSeqlens) {
+  auto rng = make_rng();
+  Varlen p({140, 60, 90}, {140, 200, 90}, {1, 0, 1, 1}, 2, 16, DType::kBF16, rng);
+  const Tensor cu_q_buf = every_other(p.cu_q);
+  const Tensor cu_k_buf = every_other(p.cu_k);
+  const TensorView cu_q = cu_q_buf.view().as_strided({4}, {2});
+  const TensorView cu_k = cu_k_buf.view().as_strided({4}, {2});
+  block_sparse_attention(p.q, p.k, p.v, cu_q, cu_k, p.mask_arg(), p.max_q, p.max_k, p.out, p.lse,
+                         p.options());
+  p.check("strided cu_seqlens");
+}
+
 TEST(BlockSparseAttention, ExplicitSoftmaxScale) {
   auto rng = make_rng();
   Varlen p({100}, {180}, {1, 0}, 1, 16, DType::kF32, rng);
@@ -282,6 +303,13 @@ TEST_P(BlockSparseAttentionPaged, EqualsVarlenOnTheSameKeys) {
   block_sparse_attention_paged(p.q, kc, vc, bt, sk, p.cu_q, p.mask_arg(), p.max_q, p.max_k, p.out,
                                p.lse, p.options());
   p.check("paged");
+  // The same with cu_seqlens_q as a strided view.
+  poison(p.out);
+  poison(p.lse);
+  const Tensor cu_q_buf = every_other(p.cu_q);
+  block_sparse_attention_paged(p.q, kc, vc, bt, sk, cu_q_buf.view().as_strided({batch + 1}, {2}),
+                               p.mask_arg(), p.max_q, p.max_k, p.out, p.lse, p.options());
+  p.check("paged, strided cu_seqlens_q");
 }
 
 INSTANTIATE_TEST_SUITE_P(PageSizes, BlockSparseAttentionPaged, ::testing::Values(5, 16, 64, 100, 128, 256),

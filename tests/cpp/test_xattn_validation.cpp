@@ -116,6 +116,14 @@ TEST_F(EstimateArgs, NormMustBePositive) {
   expect_error<ValueError>([&] { run(); }, "norm");
 }
 
+TEST_F(EstimateArgs, NormAndTheScoreScaleMustBeFloat32) {
+  o.norm = 1e39;
+  expect_error<ValueError>([&] { run(); }, "norm");
+  // A subnormal float32 norm makes 1 / (sqrt(D) * stride * norm) overflow float32.
+  o.norm = 1e-44;
+  expect_error<ValueError>([&] { run(); }, "norm");
+}
+
 TEST_F(EstimateArgs, ChunkSizeMustBeAMultipleOfBlockSize) {
   o.chunk_size = 1000;
   expect_error<ValueError>([&] { run(); }, "chunk_size");
@@ -256,6 +264,20 @@ TEST_F(FindBlocksArgs, ThresholdMustBeAFraction) {
   expect_error<ValueError>([&] { run(sums, mask); }, "threshold");
 }
 
+// A broadcast view may claim any number of heads; nothing sized by it is built before the
+// (non-broadcasting) outputs are checked, so the error is a ValueError, not std::bad_alloc.
+TEST_F(FindBlocksArgs, HugeBroadcastHeadsGiveTheOutputError) {
+  const int64_t heads = int64_t{1} << 40;
+  TensorView s = sums.view().as_strided({1, heads, 2, 3}, {0, 0, 3, 1});
+  TensorView m = mask.view().as_strided({1, heads, 2, 3}, {0, 0, 3, 1});
+  expect_error<ValueError>([&] { run(s, m); }, "block_mask");
+}
+
+TEST_F(FindBlocksArgs, BlockCountTimesBlockSizeMustFitInt64) {
+  o.block_size = int64_t{1} << 62;
+  expect_error<ValueError>([&] { run(sums, mask); }, "block_size");
+}
+
 TEST_F(FindBlocksArgs, BlockMaskMustNotOverlapAttnSums) {
   TensorView m(sums.data(), DType::kBool, Device::cpu(), {1, 2, 2, 3});
   expect_error<ValueError>([&] { run(sums, m); }, "block_mask");
@@ -356,6 +378,27 @@ TEST_F(AttentionArgs, DropoutMustBeZero) {
 TEST_F(AttentionArgs, SoftmaxScaleMustBePositive) {
   o.softmax_scale = -1.0;
   expect_error<ValueError>([&] { run(); }, "softmax_scale");
+}
+
+TEST_F(AttentionArgs, HugeBroadcastHeadsGiveAValueError) {
+  // All heads block-sparse by default: the per-head table is built only after validation.
+  o.head_mask_type.clear();
+  o.streaming_info.clear();
+  const int64_t heads = int64_t{1} << 40;
+  TensorView qv = q.view().as_strided({160, heads, 16}, {64, 0, 1});
+  TensorView ov = out.view().as_strided({160, heads, 16}, {64, 0, 1});
+  expect_error<ValueError>(
+      [&] {
+        block_sparse_attention(qv, k, v, cu_q, cu_k, mask_arg, max_q, max_k, ov, std::nullopt, o);
+      },
+      "base_blockmask");
+}
+
+TEST_F(AttentionArgs, SoftmaxScaleMustBeFloat32) {
+  for (double bad : {1e39, 1e-46}) {
+    o.softmax_scale = bad;
+    expect_error<ValueError>([&] { run(); }, "softmax_scale");
+  }
 }
 
 TEST_F(AttentionArgs, HeadMaskTypeNeedsOneEntryPerQueryHead) {
@@ -572,6 +615,8 @@ TEST_F(PrefillArgs, OutMustNotOverlapValue) {
 
 TEST_F(PrefillArgs, SoftmaxScaleMustBePositive) {
   po.softmax_scale = 0.0;
+  expect_error<ValueError>([&] { run_prefill(val, out, lse); }, "softmax_scale");
+  po.softmax_scale = 1e39;
   expect_error<ValueError>([&] { run_prefill(val, out, lse); }, "softmax_scale");
 }
 
