@@ -28,7 +28,13 @@ def _thresholds(threshold):
         return threshold, None
     if getattr(threshold, "shape", None) == ():  # numpy scalar, 0-d tensor
         return float(threshold), None
-    return 0.0, rt.host_list(threshold)
+    values = rt.host_list(threshold)
+    if isinstance(values, (list, tuple)) and not values:
+        # The binding reads an empty list as "no per-head thresholds", which would select
+        # with the placeholder 0.0.
+        raise ValueError("threshold: expected a number or one threshold per query head, got an "
+                         "empty sequence")
+    return 0.0, values
 
 
 def _blocks(length, block_size):
@@ -66,8 +72,11 @@ def xattn_estimate(query_states, key_states, block_size, stride, norm=1, softmax
         shape = _estimate_shape(query_states, key_states, block_size)
         attn_sums = rt.empty(shape, query_states, "query_states", "float32")
         simple_masks = rt.empty(shape, query_states, "query_states", "bool")
-    else:
+    elif isinstance(out, (tuple, list)) and len(out) == 2:
         attn_sums, simple_masks = out
+    else:
+        raise TypeError(f"out: expected a pair (attn_sums, simple_masks), got {rt.describe(out)}"
+                        + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
     rt.run(_C.xattn_estimate, "xattn_estimate", query_states,
            (query_states, key_states, attn_sums, simple_masks, threshold, head_thresholds,
             causal, keep_sink, keep_recent, block_size, stride, norm, chunk_size, select_mode,
@@ -100,7 +109,8 @@ def find_blocks_chunked(input_tensor, current_index, threshold, num_to_choose, d
     shape = tuple(getattr(input_tensor, "shape", ()))
     if out is None:
         out = rt.empty(shape, input_tensor, "input_tensor", "bool")
-    sums, mask = input_tensor, out
+    options = (threshold, head_thresholds, causal, keep_sink, keep_recent, block_size, None, None,
+               backend)
     if len(shape) == 4 and (causal or keep_recent) and current_index != shape[3] - shape[2]:
         # The diagonal of query block i is key block current_index + i: the blocks after the
         # last diagonal are past every query (never kept), and the call sees the rest.
@@ -111,11 +121,18 @@ def find_blocks_chunked(input_tensor, current_index, threshold, num_to_choose, d
         if not causal:
             _not_supported("current_index", "keep_recent without causal places the diagonal "
                            "at k_blocks - q_blocks only")
+        # The slices would hide what is wrong with the whole arguments (out's shape, dtype or
+        # layout, an overlap with input_tensor past `end`), and nothing may be written before
+        # the checks: validate the call on the whole tensors first (at the default diagonal; a
+        # selection over block sums costs little), then select on the blocks the call sees.
+        rt.run(_C.find_blocks_chunked, "find_blocks_chunked", input_tensor,
+               (input_tensor, out, *options))
+        rt.run(_C.find_blocks_chunked, "find_blocks_chunked", input_tensor,
+               (input_tensor[..., :end], out[..., :end], *options))
         out[..., end:] = False
-        sums, mask = input_tensor[..., :end], out[..., :end]
+        return out
     rt.run(_C.find_blocks_chunked, "find_blocks_chunked", input_tensor,
-           (sums, mask, threshold, head_thresholds, causal, keep_sink, keep_recent, block_size,
-            None, None, backend))
+           (input_tensor, out, *options))
     return out
 
 
