@@ -1158,10 +1158,10 @@ def find_blocks_case(draw):
 # XAttention: block_sparse_attn_func, block_sparse_attn_paged_func, Xattention_prefill
 # --------------------------------------------------------------------------------------------
 
-def head_list(draw, rng, values, dtype=I32):
+def head_list(draw, values):
     """values as a list or an int32 tensor (upstream passes device tensors; both are read on
     the host)."""
-    return list(values) if draw(st.booleans()) else torch.tensor(values, dtype=dtype)
+    return list(values) if draw(st.booleans()) else torch.tensor(values, dtype=I32)
 
 
 @st.composite
@@ -1198,8 +1198,8 @@ def block_sparse_case(draw, paged=False):
     softmax_scale = draw(st.sampled_from([None, 0.1, 0.7]))
     cu_q_t = maybe_strided(draw, int32(cu_q))
     mask_arg = mask if sparse_heads else None
-    head_types = None if types == [1] * hq and draw(st.booleans()) else head_list(draw, rng, types)
-    streaming_arg = None if streaming is None else head_list(draw, rng, streaming)
+    head_types = None if types == [1] * hq and draw(st.booleans()) else head_list(draw, types)
+    streaming_arg = None if streaming is None else head_list(draw, streaming)
     out = out_arg(draw, (total_q, hq, D), dt)
     lse_layout = draw(st.sampled_from(["none", "contiguous", "transposed"]))
     lse = None if lse_layout == "none" else (
