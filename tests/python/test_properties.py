@@ -272,7 +272,7 @@ def malformed_params():
 
 
 @pytest.mark.parametrize("name,family", malformed_params())
-@profile(8)
+@profile(20)
 @given(data=st.data())
 def test_malformed_calls_raise_an_error_naming_an_argument(name, family, data):
     """Every malformation of the family, on each drawn valid call."""
@@ -359,7 +359,7 @@ def run_and_check(case, kw):
 
 
 @pytest.mark.parametrize("name", NAMES)
-@profile(25)
+@profile(40)
 @given(data=st.data())
 def test_valid_calls_match_the_oracle(name, data):
     case = data.draw(BUILDERS[name](), label="call")
@@ -382,7 +382,7 @@ def to_cuda(value, output):
 @needs_cuda
 @pytest.mark.skipif(not sparse_attn.built_with_cuda, reason="built without CUDA")
 @pytest.mark.parametrize("name", NAMES)
-@profile(25)
+@profile(40)
 @given(data=st.data())
 def test_native_matches_the_oracle(name, data):
     case = data.draw(BUILDERS[name](), label="call")
