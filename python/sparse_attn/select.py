@@ -36,9 +36,12 @@ def qsa_expand_blocks(block_ids, query_positions, *, return_block_indices=False,
     given as token_indices= / block_indices= are written and returned."""
     rt.require_bool(return_block_indices, "return_block_indices")
     rank = len(getattr(block_ids, "shape", ()))
+    if rank not in (2, 3):
+        # Not a [rows, k] / [B, Q, k] tensor: the shape function raises the error naming
+        # block_ids (block_ids.shape below is not there to read).
+        _C.qsa_expand_blocks_token_shape(block_ids)
     if token_indices is None:
-        token_shape = (*block_ids.shape[:-1], 4 * block_ids.shape[-1] + 3) if rank in (2, 3) \
-            else _C.qsa_expand_blocks_token_shape(block_ids)
+        token_shape = (*block_ids.shape[:-1], 4 * block_ids.shape[-1] + 3)
     try:
         if token_indices is None:
             token_indices = rt.empty(token_shape, block_ids, "block_ids", "int32")

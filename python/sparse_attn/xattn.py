@@ -28,7 +28,13 @@ def _thresholds(threshold):
         return threshold, None
     if getattr(threshold, "shape", None) == ():  # numpy scalar, 0-d tensor
         return float(threshold), None
-    return 0.0, rt.host_list(threshold)
+    values = rt.host_list(threshold)
+    if isinstance(values, (list, tuple)) and not values:
+        # The binding reads an empty list as "no per-head thresholds", which would select
+        # with the placeholder 0.0.
+        raise ValueError("threshold: expected a number or one threshold per query head, got an "
+                         "empty sequence")
+    return 0.0, values
 
 
 def _blocks(length, block_size):
@@ -70,13 +76,15 @@ def xattn_estimate(query_states, key_states, block_size, stride, norm=1, softmax
             attn_sums = rt.empty(shape, query_states, "query_states", "float32")
             simple_masks = rt.empty(shape, query_states, "query_states", "bool")
         except rt.ALLOCATION_ERRORS as e:
-            # The C++ checks call the mask block_mask.
-            rt.explain_allocation_failure(e, query_states,
-                                          ("attn_sums", "simple_masks", "block_mask"),
+            # The binding names the estimate's outputs out[0] and out[1].
+            rt.explain_allocation_failure(e, query_states, ("out[0]", "out[1]"),
                                           lambda p: _C.xattn_estimate(
                                               query_states, key_states, p, p, *options, None))
-    else:
+    elif isinstance(out, (tuple, list)) and len(out) == 2:
         attn_sums, simple_masks = out
+    else:
+        raise TypeError(f"out: expected a pair (attn_sums, simple_masks), got {rt.describe(out)}"
+                        + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
     rt.run(_C.xattn_estimate, "xattn_estimate", query_states,
            (query_states, key_states, attn_sums, simple_masks, *options))
     return attn_sums, simple_masks
@@ -105,16 +113,15 @@ def find_blocks_chunked(input_tensor, current_index, threshold, num_to_choose, d
         raise TypeError(f"current_index: expected an int, got {rt.describe(current_index)}")
     threshold, head_thresholds = _thresholds(threshold)
     shape = tuple(getattr(input_tensor, "shape", ()))
+    options = (threshold, head_thresholds, causal, keep_sink, keep_recent, block_size, None, None,
+               backend)
     if out is None:
         try:
             out = rt.empty(shape, input_tensor, "input_tensor", "bool")
         except rt.ALLOCATION_ERRORS as e:
-            # The C++ checks call the mask block_mask.
             rt.explain_allocation_failure(
-                e, input_tensor, ("out", "block_mask"), lambda p: _C.find_blocks_chunked(
-                    input_tensor, p, threshold, head_thresholds, causal, keep_sink, keep_recent,
-                    block_size, None, None, backend, None))
-    sums, mask = input_tensor, out
+                e, input_tensor, ("out",),
+                lambda p: _C.find_blocks_chunked(input_tensor, p, *options, None))
     if len(shape) == 4 and (causal or keep_recent) and current_index != shape[3] - shape[2]:
         # The diagonal of query block i is key block current_index + i: the blocks after the
         # last diagonal are past every query (never kept), and the call sees the rest.
@@ -125,11 +132,18 @@ def find_blocks_chunked(input_tensor, current_index, threshold, num_to_choose, d
         if not causal:
             _not_supported("current_index", "keep_recent without causal places the diagonal "
                            "at k_blocks - q_blocks only")
+        # The slices would hide what is wrong with the whole arguments (out's shape, dtype or
+        # layout, an overlap with input_tensor past `end`), and nothing may be written before
+        # the checks: validate the call on the whole tensors first (at the default diagonal; a
+        # selection over block sums costs little), then select on the blocks the call sees.
+        rt.run(_C.find_blocks_chunked, "find_blocks_chunked", input_tensor,
+               (input_tensor, out, *options))
+        rt.run(_C.find_blocks_chunked, "find_blocks_chunked", input_tensor,
+               (input_tensor[..., :end], out[..., :end], *options))
         out[..., end:] = False
-        sums, mask = input_tensor[..., :end], out[..., :end]
+        return out
     rt.run(_C.find_blocks_chunked, "find_blocks_chunked", input_tensor,
-           (sums, mask, threshold, head_thresholds, causal, keep_sink, keep_recent, block_size,
-            None, None, backend))
+           (input_tensor, out, *options))
     return out
 
 

@@ -4,14 +4,56 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
 
+#include <initializer_list>
+#include <string>
+#include <string_view>
+#include <utility>
+
 #include "bind.h"
 #include "convert.h"
+#include "sparse_attn/errors.h"
 #include "sparse_attn/xattn.h"
 
 namespace sparse_attn::python {
 namespace {
 
 using nb::handle;
+
+// The C++ API names its arguments query, key, value, attn_sums, block_mask, head_thresholds,
+// max_seqlen_q, ...; the Python functions keep the upstream names (query_states, input_tensor,
+// out, threshold, max_seqlen_q_, ...). An error of the C++ call starts with the argument it is
+// about ("key: expected ...", "head_thresholds[1]: ..."); it is rethrown, same type, with that
+// name replaced by the caller's, so that every message names a parameter of the function the
+// caller called.
+using Rename = std::pair<std::string_view, std::string_view>;  // (C++ name, Python name)
+
+std::string with_python_name(std::string_view message, std::initializer_list<Rename> names) {
+  for (const auto& [cpp, py] : names) {
+    if (message.size() > cpp.size() && message.substr(0, cpp.size()) == cpp &&
+        (message[cpp.size()] == ':' || message[cpp.size()] == '[')) {
+      return std::string(py) + std::string(message.substr(cpp.size()));
+    }
+  }
+  return std::string(message);
+}
+
+// Runs fn without the GIL, translating the argument names of its ValueError, NotSupportedError
+// and TypeError; other errors (CUDA failures) pass unchanged.
+template <typename Fn>
+void call_with_python_names(std::initializer_list<Rename> names, Fn&& fn) {
+  try {
+    nb::gil_scoped_release release;
+    fn();
+  } catch (const NotSupportedError& e) {
+    throw NotSupportedError(with_python_name(e.what(), names));
+  } catch (const ValueError& e) {
+    throw ValueError(with_python_name(e.what(), names));
+  } catch (const TypeError& e) {
+    throw TypeError(with_python_name(e.what(), names));
+  }
+}
+
+constexpr Rename kThreshold{"head_thresholds", "threshold"};
 
 // threshold (a float) or head_thresholds (a list, one per query head; None for none).
 void fill_select(BlockSelectOptions& o, handle threshold, handle head_thresholds, handle causal,
@@ -46,8 +88,8 @@ void find_blocks(handle attn_sums, handle block_mask, handle threshold, handle h
               stream);
   o.q_len = optional_int(q_len, "q_len");
   o.k_len = optional_int(k_len, "k_len");
-  nb::gil_scoped_release release;
-  find_blocks_chunked(sums, mask, o);
+  call_with_python_names({{"attn_sums", "input_tensor"}, {"block_mask", "out"}, kThreshold},
+                         [&] { find_blocks_chunked(sums, mask, o); });
 }
 
 XAttnEstimateOptions estimate_options(handle threshold, handle head_thresholds, handle causal,
@@ -68,20 +110,30 @@ void estimate(handle query, handle key, handle attn_sums, handle block_mask, han
   Borrowed b;
   const TensorView q = b.tensor(query, "query_states");
   const TensorView k = b.tensor(key, "key_states");
-  const TensorView sums = b.tensor(attn_sums, "attn_sums", true);
-  const TensorView mask = b.tensor(block_mask, "simple_masks", true);
+  // Python's out=(attn_sums, simple_masks).
+  const TensorView sums = b.tensor(attn_sums, "out[0]", true);
+  const TensorView mask = b.tensor(block_mask, "out[1]", true);
   const XAttnEstimateOptions o =
       estimate_options(threshold, head_thresholds, causal, keep_sink, keep_recent, block_size,
                        stride, norm, chunk_size, select_mode, backend, stream);
-  nb::gil_scoped_release release;
-  xattn_estimate(q, k, sums, mask, o);
+  call_with_python_names({{"query", "query_states"},
+                          {"key", "key_states"},
+                          {"attn_sums", "out[0]"},
+                          {"block_mask", "out[1]"},
+                          kThreshold},
+                         [&] { xattn_estimate(q, k, sums, mask, o); });
 }
 
 Shape estimate_shape(handle query, handle key, handle block_size) {
   Borrowed b;
   XAttnEstimateOptions o;
   o.block_size = to_int(block_size, "block_size");
-  return xattn_estimate_shape(b.tensor(query, "query_states"), b.tensor(key, "key_states"), o);
+  const TensorView q = b.tensor(query, "query_states");
+  const TensorView k = b.tensor(key, "key_states");
+  Shape shape;
+  call_with_python_names({{"query", "query_states"}, {"key", "key_states"}},
+                         [&] { shape = xattn_estimate_shape(q, k, o); });
+  return shape;
 }
 
 BlockSparseAttentionOptions attention_options(handle head_mask_type, handle streaming_info,
@@ -115,8 +167,10 @@ void attention(handle q, handle k, handle v, handle cu_seqlens_q, handle cu_seql
   const std::optional<TensorView> l = b.optional_tensor(lse, "lse", true);
   const BlockSparseAttentionOptions opts = attention_options(
       head_mask_type, streaming_info, softmax_scale, is_causal, p_dropout, backend, stream);
-  nb::gil_scoped_release release;
-  block_sparse_attention(qv, kv, vv, cu_q, cu_k, mask, max_q, max_k, o, l, opts);
+  // block_sparse_attn_func keeps Block-Sparse-Attention's max_seqlen_q_ / max_seqlen_k_.
+  call_with_python_names({{"max_seqlen_q", "max_seqlen_q_"}, {"max_seqlen_k", "max_seqlen_k_"}},
+                         [&] { block_sparse_attention(qv, kv, vv, cu_q, cu_k, mask, max_q, max_k,
+                                                      o, l, opts); });
 }
 
 void attention_paged(handle q, handle k_cache, handle v_cache, handle block_table, handle seqlens_k,
@@ -160,8 +214,9 @@ void prefill(handle query, handle key, handle value, handle attn_sums, handle bl
       estimate_options(threshold, head_thresholds, causal, keep_sink, keep_recent, block_size,
                        stride, norm, chunk_size, select_mode, backend, stream);
   opts.softmax_scale = optional_float(softmax_scale, "softmax_scale");
-  nb::gil_scoped_release release;
-  xattention_prefill(q, k, v, sums, mask, o, l, opts);
+  call_with_python_names(
+      {{"query", "query_states"}, {"key", "key_states"}, {"value", "value_states"}, kThreshold},
+      [&] { xattention_prefill(q, k, v, sums, mask, o, l, opts); });
 }
 
 }  // namespace

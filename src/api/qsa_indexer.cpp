@@ -71,13 +71,15 @@ void check_int32(const TensorView& t, const char* name, const Shape& shape, std:
   detail::check_data(t, name);
 }
 
-// FP32 output of the given shape on `device`, writable by strides, overlapping no input.
+// FP32 output of the given shape on `device`, writable by strides (no two elements at one
+// address: the kernels write every element once, from different threads), overlapping no input.
 void check_out(const TensorView& out, const Shape& shape, std::string_view what, Device device,
                const char* device_ref, std::initializer_list<Named> inputs) {
   detail::check_dtype(out, "out", {DType::kF32});
   detail::check_shape(out, "out", shape, what);
   detail::check_device(out, "out", device, device_ref);
   detail::check_positive_strides(out, "out");
+  detail::check_no_self_overlap(out, "out");
   detail::check_data(out, "out");
   for (const auto& [in, name] : inputs) {
     if (in != nullptr) detail::check_no_overlap(out, "out", *in, name);

@@ -31,13 +31,15 @@ Shape with_last(const TensorView& t, int64_t last) {
   return s;
 }
 
-// An int32 output of an exact shape on `device`, writable by strides.
+// An int32 output of an exact shape on `device`, writable by strides (no two elements at one
+// address: each element is written once, by one thread of many).
 void check_int32_out(const TensorView& t, const char* name, const Shape& shape,
                      std::string_view what, Device device, const char* device_ref) {
   detail::check_dtype(t, name, {DType::kI32});
   detail::check_shape(t, name, shape, what);
   detail::check_device(t, name, device, device_ref);
   detail::check_positive_strides(t, name);
+  detail::check_no_self_overlap(t, name);
   detail::check_data(t, name);
 }
 

@@ -913,6 +913,10 @@ std::vector<ValidationCase> validation_cases() {
       },
       Kind::kValue, "out");
   add(
+      "score_out_elements_overlap",
+      [=] { score(q, k, out.as_strided({2, 5, 6}, {30, 1, 1}), ref); }, Kind::kValue,
+      "out: elements overlap");
+  add(
       "score_out_overlaps_q_idx",
       [=] {
         score(q, k, TensorView(q.data(), DType::kF32, Device::cpu(), {2, 5, 6}), ref);
@@ -1049,6 +1053,10 @@ std::vector<ValidationCase> validation_cases() {
       "prefill_out_shape", [=] { prefill(pq, pk, ps, pe, pout.narrow(1, 0, 10)); }, Kind::kValue,
       "out");
   add(
+      "prefill_out_elements_overlap",
+      [=] { prefill(pq, pk, ps, pe, pout.as_strided({9, 11}, {1, 1})); }, Kind::kValue,
+      "out: elements overlap");
+  add(
       "prefill_out_overlaps_k",
       [=] {
         prefill(pq, pk, ps, pe, TensorView(pk.data(), DType::kF32, Device::cpu(), {9, 11}));
@@ -1162,6 +1170,10 @@ std::vector<ValidationCase> validation_cases() {
       Kind::kValue, "score_scale");
   add(
       "decode_out_shape", [=] { decode(dq, cache, table, ctx, 21, dout); }, Kind::kValue, "out");
+  add(
+      "decode_out_elements_overlap",
+      [=] { decode(dq, cache, table, ctx, 20, dout.as_strided(dout.shape(), {1, 1})); }, Kind::kValue,
+      "out: elements overlap");
   add(
       "decode_out_overlaps_context_lens",
       [=] {

@@ -334,6 +334,12 @@ TEST(QsaSelectValidation, TopkOutPositiveStrides) {
   expect_error<ValueError>([&] { qsa_topk_blocks(in.scores, 3, out); }, "out");
 }
 
+TEST(QsaSelectValidation, TopkOutElementsOverlap) {
+  SelectInputs in;
+  TensorView out = in.out.view().as_strided({4, 3}, {1, 1});  // positive strides, shared elements
+  expect_error<ValueError>([&] { qsa_topk_blocks(in.scores, 3, out); }, "out: elements overlap");
+}
+
 TEST(QsaSelectValidation, TopkOutOverlapsScores) {
   SelectInputs in;
   TensorView out(in.scores.data(), DType::kI32, Device::cpu(), {4, 3});
@@ -394,6 +400,16 @@ TEST(QsaSelectValidation, ExpandBlockIndicesShape) {
   Tensor blocks = Tensor::empty({4, 4}, DType::kI32);
   expect_error<ValueError>([&] { qsa_expand_blocks(in.ids, in.pos, in.tokens, blocks.view()); },
                            "block_indices");
+}
+
+TEST(QsaSelectValidation, ExpandOutputsElementsOverlap) {
+  SelectInputs in;
+  TensorView tokens = in.tokens.view().as_strided({4, 15}, {2, 1});
+  expect_error<ValueError>([&] { qsa_expand_blocks(in.ids, in.pos, tokens); },
+                           "token_indices: elements overlap");
+  TensorView blocks = in.blocks.view().as_strided({4, 3}, {1, 1});
+  expect_error<ValueError>([&] { qsa_expand_blocks(in.ids, in.pos, in.tokens, blocks); },
+                           "block_indices: elements overlap");
 }
 
 TEST(QsaSelectValidation, ExpandBlockIndicesOverlapsTokenIndices) {

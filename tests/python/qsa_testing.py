@@ -108,7 +108,7 @@ def ref_indexer_padded(q, k, scale, positions=None, seq_lens_q=None):
 
 
 def ref_mqa_prefill(q, k, row_starts, row_ends, scale):
-    k2 = k.reshape(k.shape[0], -1)
+    k2 = k.reshape(k.shape[0], k.shape[-1])
     out = ref_relu_scores(q, k2, scale)
     cols = torch.arange(k.shape[0])
     mask = (cols[None, :] >= row_starts.long().cpu()[:, None]) & \
@@ -180,8 +180,8 @@ def ref_attention_rows(q, ids, kv_of_row, positions, seq_lens_k, active, scale, 
 
 def expand_blocks(blocks, positions):
     """The SPEC's expansion: each kept block b (b >= 0 and 4b + 3 <= p) -> 4b..4b+3 in input
-    order, then the tail 4*((p+1)//4) .. p; valid ids to the front, -1 after; width
-    4 * nb + 3. Returns (token ids, kept block ids padded with -1)."""
+    order, then the tail 4*((p+1)//4) .. p (none for p < 0); valid ids to the front, -1
+    after; width 4 * nb + 3. Returns (token ids, kept block ids padded with -1)."""
     rows, nb = blocks.shape
     tokens = torch.full((rows, 4 * nb + 3), -1, dtype=torch.int32)
     kept = torch.full((rows, nb), -1, dtype=torch.int32)
@@ -189,6 +189,7 @@ def expand_blocks(blocks, positions):
         p = int(positions[r])
         ids = [b for b in blocks[r].tolist() if b >= 0 and 4 * b + 3 <= p]
         kept[r, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        toks = [4 * b + t for b in ids for t in range(4)] + list(range(4 * ((p + 1) // 4), p + 1))
+        tail = range(4 * ((p + 1) // 4), p + 1) if p >= 0 else range(0)
+        toks = [4 * b + t for b in ids for t in range(4)] + list(tail)
         tokens[r, :len(toks)] = torch.tensor(toks, dtype=torch.int32)
     return tokens, kept
