@@ -14,31 +14,15 @@ blocks half (causal), 4 * D flops per pair and head. Also measured: the GEMM cei
 Usage: PYTHONPATH=build/python:python python3 bench/block_sparse_bench.py [--quick] [--csv F]
 """
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import sparse_attn
+from cuda_timing import time_ms
 
 BLOCK = 128
-flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-
-
-def time_ms(fn, warmup=2, reps=5):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def gemm_ceiling():

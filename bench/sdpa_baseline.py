@@ -11,29 +11,14 @@ decode: what a framework does without a sparse kernel: gather the 2051 selected 
 Timing: CUDA events, warm-up, L2 flushed before every timed run, median. Usage:
     python3 bench/sdpa_baseline.py [results.csv]
 """
-import statistics
 import sys
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from cuda_timing import time_ms
+
 HQ, HKV, D, PAGE, WIDTH = 24, 2, 256, 64, 2051
-flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-
-
-def time_ms(fn, warmup=2, reps=7):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def prefill(n):
