@@ -1,6 +1,8 @@
 """Framework glue shared by the op wrappers: output allocation, the caller's stream, and
 the choice between the direct binding call and the torch custom op (under torch.compile)."""
 
+from . import _C
+
 try:
     import torch
 except ImportError:  # numpy and other DLPack producers work without torch
@@ -79,24 +81,26 @@ def empty(shape, like, name, dtype=None):
 ALLOCATION_ERRORS = (RuntimeError, MemoryError, ValueError, TypeError, OverflowError)
 
 
-def explain_allocation_failure(error, like, outputs, validate):
+def explain_allocation_failure(error, outputs, validate):
     """Raises the error of a call whose output allocation failed with `error`.
 
     The wrappers allocate outputs before the binding validates the call, which keeps a call to
     one binding call; the sizes come from the arguments, so a malformed call (k=-1, a wrong
-    dtype next to a broadcast input of 2**40 rows) can fail in the allocator first. Here the
-    binding validates it after all: validate(placeholder) runs the op's binding with an empty
-    tensor in place of each output named in `outputs`. The C++ side checks every input before
-    the outputs, so an error that names one of them means the inputs are valid and the
-    allocation failure stands; any other ValueError or TypeError is the call's own."""
+    dtype or a wrong lse= next to a broadcast input of 2**40 rows) can fail in the allocator
+    first. Here the binding validates it after all: validate(placeholder) runs the op's binding
+    with _C.MISSING_OUTPUT in place of each output named in `outputs` (those the wrapper had
+    to allocate) and the given outputs as given. The C++ op skips the checks of a missing
+    output, checks every other argument (the inputs, then the given outputs), and only then
+    raises a ValueError naming the first missing one (src/api/check.h). So the rule is: an
+    error naming one of `outputs` means everything the caller passed is well-formed, and the
+    allocation failure stands; any other ValueError or TypeError (naming an input or a given
+    output) is the call's own. (An empty tensor as the placeholder would not do: its own shape
+    check could fail before a malformed given output is looked at.) Only this failure path
+    makes the extra binding call."""
     if _is_compiling is not None and _is_compiling():
         raise error  # fake tensors cannot reach the binding
     try:
-        placeholder = empty((0,), like, outputs[0])
-    except Exception:
-        raise error from None
-    try:
-        validate(placeholder)
+        validate(_C.MISSING_OUTPUT)
     except (ValueError, TypeError) as e:
         if not str(e).startswith(tuple(f"{name}:" for name in outputs)):
             raise e from None

@@ -77,7 +77,7 @@ def qsa_indexer_mqa_score(
         try:
             out = rt.empty(shape, q_idx, "q_idx", "float32")
         except rt.ALLOCATION_ERRORS as e:
-            rt.explain_allocation_failure(e, q_idx, ("out",), lambda p: _C.qsa_indexer_mqa_score(
+            rt.explain_allocation_failure(e, ("out",), lambda p: _C.qsa_indexer_mqa_score(
                 q_idx, block_keys, p, *options, None))
     rt.run(_C.qsa_indexer_mqa_score, "qsa_indexer_mqa_score", q_idx,
            (q_idx, block_keys, out, *options))
@@ -96,7 +96,7 @@ def qsa_mqa_prefill(q, k, row_starts, row_ends, score_scale=None, *, scale=None,
         try:
             out = rt.empty(shape, q, "q", "float32")
         except rt.ALLOCATION_ERRORS as e:
-            rt.explain_allocation_failure(e, q, ("out",), lambda p: _C.qsa_mqa_prefill(
+            rt.explain_allocation_failure(e, ("out",), lambda p: _C.qsa_mqa_prefill(
                 q, k, row_starts, row_ends, p, score_scale, scale, backend, None))
     rt.run(_C.qsa_mqa_prefill, "qsa_mqa_prefill", q,
            (q, k, row_starts, row_ends, out, score_scale, scale, backend))
@@ -131,7 +131,7 @@ def qsa_mqa_decode(q, k_cache, page_table, context_lens, max_model_len, score_sc
             else:
                 out = rt.empty(shape, q, "q", "float32")
         except rt.ALLOCATION_ERRORS as e:
-            rt.explain_allocation_failure(e, q, ("out",), lambda p: _C.qsa_mqa_decode(
+            rt.explain_allocation_failure(e, ("out",), lambda p: _C.qsa_mqa_decode(
                 q, k_cache, page_table, context_lens, max_model_len, p, score_scale, scale,
                 backend, None))
     rt.run(_C.qsa_mqa_decode, "qsa_mqa_decode", q,
@@ -253,7 +253,6 @@ def qsa_sparse_attention(
 def _explain_attention_allocation(error, out, lse, return_lse, args):
     # args: qsa_sparse_attention's arguments in the binding's order, less out and lse. The
     # outputs still unallocated (None) get the placeholder.
-    query = args[0]
     missing = (("out",) if out is None else ()) + (("lse",) if return_lse and lse is None else ())
 
     def validate(placeholder):
@@ -261,7 +260,7 @@ def _explain_attention_allocation(error, out, lse, return_lse, args):
         l = placeholder if return_lse and lse is None else lse
         _C.qsa_sparse_attention(*args[:4], o, l, *args[4:], None, None)
 
-    rt.explain_allocation_failure(error, query, missing, validate)
+    rt.explain_allocation_failure(error, missing, validate)
 
 
 def qsa_sparse_attention_workspace_size(

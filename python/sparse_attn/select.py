@@ -20,8 +20,8 @@ def qsa_topk_blocks(scores, k=QSA_TOPK_BLOCKS, *, out=None):
         try:
             out = rt.empty(shape, scores, "scores", "int32")
         except rt.ALLOCATION_ERRORS as e:
-            rt.explain_allocation_failure(e, scores, ("out",),
-                                          lambda p: _C.qsa_topk_blocks(scores, k, p, None))
+            rt.explain_allocation_failure(
+                e, ("out",), lambda p: _C.qsa_topk_blocks(scores, k, p, None))
     rt.run(_C.qsa_topk_blocks, "qsa_topk_blocks", scores, (scores, k, out))
     return out
 
@@ -53,7 +53,7 @@ def qsa_expand_blocks(block_ids, query_positions, *, return_block_indices=False,
         blocks_missing = return_block_indices and block_indices is None
         missing = (("token_indices",) if tokens_missing else ()) + \
             (("block_indices",) if blocks_missing else ())
-        rt.explain_allocation_failure(e, block_ids, missing, lambda p: _C.qsa_expand_blocks(
+        rt.explain_allocation_failure(e, missing, lambda p: _C.qsa_expand_blocks(
             block_ids, query_positions, p if tokens_missing else token_indices,
             p if blocks_missing else block_indices, None))
     rt.run(_C.qsa_expand_blocks, "qsa_expand_blocks", block_ids,

@@ -77,9 +77,8 @@ def xattn_estimate(query_states, key_states, block_size, stride, norm=1, softmax
             simple_masks = rt.empty(shape, query_states, "query_states", "bool")
         except rt.ALLOCATION_ERRORS as e:
             # The binding names the estimate's outputs out[0] and out[1].
-            rt.explain_allocation_failure(e, query_states, ("out[0]", "out[1]"),
-                                          lambda p: _C.xattn_estimate(
-                                              query_states, key_states, p, p, *options, None))
+            rt.explain_allocation_failure(e, ("out[0]", "out[1]"), lambda p: _C.xattn_estimate(
+                query_states, key_states, p, p, *options, None))
     elif isinstance(out, (tuple, list)) and len(out) == 2:
         attn_sums, simple_masks = out
     else:
@@ -120,8 +119,7 @@ def find_blocks_chunked(input_tensor, current_index, threshold, num_to_choose, d
             out = rt.empty(shape, input_tensor, "input_tensor", "bool")
         except rt.ALLOCATION_ERRORS as e:
             rt.explain_allocation_failure(
-                e, input_tensor, ("out",),
-                lambda p: _C.find_blocks_chunked(input_tensor, p, *options, None))
+                e, ("out",), lambda p: _C.find_blocks_chunked(input_tensor, p, *options, None))
     if len(shape) == 4 and (causal or keep_recent) and current_index != shape[3] - shape[2]:
         # The diagonal of query block i is key block current_index + i: the blocks after the
         # last diagonal are past every query (never kept), and the call sees the rest.
@@ -168,7 +166,7 @@ def block_sparse_attn_func(q, k, v, cu_seqlens_q, cu_seqlens_k, head_mask_type, 
         try:
             out = rt.empty(tuple(getattr(q, "shape", ())), q, "q")
         except rt.ALLOCATION_ERRORS as e:
-            rt.explain_allocation_failure(e, q, ("out",), lambda p: _C.block_sparse_attention(
+            rt.explain_allocation_failure(e, ("out",), lambda p: _C.block_sparse_attention(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, base_blockmask, max_seqlen_q_,
                 max_seqlen_k_, p, lse, head_mask_type, streaming_info, softmax_scale, is_causal,
                 p_dropout, backend, None))
@@ -191,7 +189,7 @@ def block_sparse_attn_paged_func(q, k_cache, v_cache, block_table, seqlens_k, cu
         try:
             out = rt.empty(tuple(getattr(q, "shape", ())), q, "q")
         except rt.ALLOCATION_ERRORS as e:
-            rt.explain_allocation_failure(e, q, ("out",), lambda p: _C.block_sparse_attention_paged(
+            rt.explain_allocation_failure(e, ("out",), lambda p: _C.block_sparse_attention_paged(
                 q, k_cache, v_cache, block_table, seqlens_k, cu_seqlens_q, base_blockmask,
                 max_seqlen_q, max_seqlen_k, p, lse, head_mask_type, streaming_info,
                 softmax_scale, is_causal, 0.0, backend, None))
@@ -225,7 +223,7 @@ def Xattention_prefill(query_states, key_states, value_states, stride, norm=1, t
     except rt.ALLOCATION_ERRORS as e:
         # attn_sums and block_mask are the binding's names of the scratch outputs.
         rt.explain_allocation_failure(
-            e, query_states, ("attn_sums", "block_mask") + (() if out_given else ("out",)),
+            e, ("attn_sums", "block_mask") + (() if out_given else ("out",)),
             lambda p: _C.xattention_prefill(query_states, key_states, value_states, p, p,
                                             out if out_given else p, lse, *options, None))
     rt.run(_C.xattention_prefill, "xattention_prefill", query_states,

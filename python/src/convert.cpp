@@ -269,6 +269,18 @@ nb::object dlpack_source(nb::handle obj) {
 
 const char* py_type_name(nb::handle obj) { return Py_TYPE(obj.ptr())->tp_name; }
 
+namespace {
+PyObject* g_missing_output = nullptr;
+}  // namespace
+
+nb::handle missing_output() {
+  if (g_missing_output == nullptr) {
+    g_missing_output = PyObject_CallNoArgs(reinterpret_cast<PyObject*>(&PyBaseObject_Type));
+    if (g_missing_output == nullptr) throw nb::python_error();
+  }
+  return g_missing_output;
+}
+
 TensorView Borrowed::tensor(nb::handle obj, const char* name, bool writable) {
   const TorchExport& te = torch_export();
   if (is_torch_tensor(te, obj)) {
@@ -285,6 +297,8 @@ TensorView Borrowed::tensor(nb::handle obj, const char* name, bool writable) {
     }
   }
   if (writable) {
+    // (Not on the torch path above: a real output costs no extra comparison.)
+    if (obj.ptr() == g_missing_output) return TensorView();
     if (num_outputs_ == kCapacity) throw Error("sparse_attn binding: too many output tensors");
     nb::ndarray<>& slot = outputs_[num_outputs_];
     if (!nb::try_cast(dlpack_source(obj), slot, false)) raise_import_failure(obj, name, true);

@@ -22,6 +22,13 @@ namespace sparse_attn::python {
 
 namespace nb = nanobind;
 
+// The placeholder for an output the caller could not allocate (_C.MISSING_OUTPUT, a plain
+// object): passed where an op binding takes an output, it becomes a missing TensorView
+// (default-constructed), which the C++ op reports by name only after checking every other
+// argument (src/api/check.h). _runtime.explain_allocation_failure passes it. Created once, by
+// the module's init.
+nb::handle missing_output();
+
 // Keeps the DLPack imports of one call alive while the C++ call runs (the views borrow their
 // memory). Fixed capacity: no allocation on the hot path; an op binding with more tensor
 // arguments than this is a programming error caught on its first call.

@@ -57,6 +57,8 @@ NB_MODULE(_C, m) {
 
   m.def("tensor_info", &tensor_info, nb::arg("tensor").none(),
         "(dtype, device, shape, strides, data pointer) of the view the binding makes of `tensor`");
+  // The placeholder of an output that could not be allocated (convert.h, missing_output).
+  m.attr("MISSING_OUTPUT") = missing_output();
   // Set by python/CMakeLists.txt from the library's configuration.
   m.attr("built_with_cuda") = nb::bool_(SPARSE_ATTN_PY_WITH_CUDA != 0);
   bind_qsa(m);

@@ -131,8 +131,18 @@ void check_vector_load_layout(const TensorView& t, std::string_view name) {
   }
 }
 
+void check_not_missing(const TensorView& t, std::string_view name) {
+  if (is_missing(t)) {
+    throw_value_error(
+        "{}: missing output (an empty TensorView: nothing allocated); the other arguments passed "
+        "their checks",
+        name);
+  }
+}
+
 void check_no_overlap(const TensorView& out, std::string_view out_name, const TensorView& in,
                       std::string_view in_name) {
+  if (is_missing(out) || is_missing(in)) return;
   if (views_overlap(out, in)) {
     throw_value_error("{}: output memory overlaps {}; outputs must not alias inputs", out_name,
                       in_name);

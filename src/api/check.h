@@ -4,9 +4,15 @@
 //
 // Every op checks all of its inputs before any of its outputs, and builds nothing sized by an
 // input (per-head tables) before the outputs are checked: an input may be a broadcast view
-// of any logical size, an output's size is backed by memory. The Python wrappers rely on the
-// order to report a malformed call whose output they could not allocate
-// (_runtime.explain_allocation_failure).
+// of any logical size, an output's size is backed by memory.
+//
+// An output may be passed missing (a default-constructed TensorView, see is_missing): the op
+// skips that output's checks, checks every other argument (inputs and the outputs given),
+// and then raises ValueError naming the first missing output, before it builds or runs
+// anything. The Python wrappers pass one in place of each output they could not allocate, so
+// that a malformed call (a wrong lse next to a broadcast input of 2**40 rows) still gets the
+// error naming what is wrong, and an error naming a missing output means the call is
+// well-formed (_runtime.explain_allocation_failure).
 #pragma once
 
 #include <fmt/format.h>
@@ -78,7 +84,20 @@ void check_row_view(const TensorView& t, std::string_view name, int n);
 // outer axis longer than 1 with a positive stride whose byte span is a multiple of 16.
 void check_vector_load_layout(const TensorView& t, std::string_view name);
 
-// ValueError unless the output `out` shares no byte with the input `in`.
+// True for a missing output: a default-constructed TensorView (no dimensions, no data). No
+// tensor import produces one (a 0-d tensor has an element, so memory), and no op has 0-d
+// outputs.
+inline bool is_missing(const TensorView& t) { return t.dim() == 0 && t.data() == nullptr; }
+
+// ValueError naming the output unless it is given (not is_missing). Called once every other
+// argument of the op is checked; the output's own checks skip a missing view.
+void check_not_missing(const TensorView& t, std::string_view name);
+inline void check_not_missing(const std::optional<TensorView>& t, std::string_view name) {
+  if (t) check_not_missing(*t, name);
+}
+
+// ValueError unless the output `out` shares no byte with the input `in` (nothing to check
+// when either is a missing output).
 void check_no_overlap(const TensorView& out, std::string_view out_name, const TensorView& in,
                       std::string_view in_name);
 

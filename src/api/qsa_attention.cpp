@@ -424,6 +424,7 @@ void check_outputs(const Views& v, bool physical) {
   const int nrow_axes = q.dim() == 4 ? 2 : 1;
   auto check_output = [&](const TensorView& out, const char* name, DType dtype, const Shape& shape,
                           std::string_view what) {
+    if (detail::is_missing(out)) return;  // reported after the workspace checks
     check_dtype(out, name, {dtype});
     check_shape(out, name, shape, what);
     check_device(out, name, q.device(), "query");
@@ -677,6 +678,9 @@ void qsa_sparse_attention(const TensorView& query, const TensorView& key, const 
   }
   // The reference needs no scratch; a workspace given to it must still be a valid one.
   if (options.workspace) check_workspace(*options.workspace, v, physical);
+  // Missing outputs (api/check.h) once every other argument is checked, the other output too.
+  detail::check_not_missing(out, "out");
+  detail::check_not_missing(lse, "lse");
   if (options.backend == Backend::kNative) {
     check_native(v, params);
     fill_params(params, v);

@@ -73,8 +73,11 @@ void check_int32(const TensorView& t, const char* name, const Shape& shape, std:
 
 // FP32 output of the given shape on `device`, writable by strides (no two elements at one
 // address: the kernels write every element once, from different threads), overlapping no input.
+// The last check of each scoring op (their only output), so a missing out (api/check.h) is
+// reported here: every other argument has passed.
 void check_out(const TensorView& out, const Shape& shape, std::string_view what, Device device,
                const char* device_ref, std::initializer_list<Named> inputs) {
+  detail::check_not_missing(out, "out");
   detail::check_dtype(out, "out", {DType::kF32});
   detail::check_shape(out, "out", shape, what);
   detail::check_device(out, "out", device, device_ref);
@@ -215,6 +218,15 @@ ScoreLayout check_score(const TensorView& q, const TensorView& k, const IndexerS
       l.batch = key_batch;
       check_int32(*o.cu_seqlens_q, "cu_seqlens_q", {key_batch + 1},
                   l.paged ? "block_table.shape[0] + 1" : "block_keys.shape[0] + 1", dev, "q_idx");
+      // The int32 offsets end at total_q (the reference checks the values): more rows than
+      // INT32_MAX cannot be described. Checked here from the shape, so that a broadcast q_idx
+      // of 2**40 rows is refused by name before its output is allocated.
+      if (l.q_len > INT32_MAX) {
+        throw_value_error(
+            "q_idx: expected at most {} rows (cu_seqlens_q's int32 offsets end at total_q), got "
+            "shape {}",
+            INT32_MAX, q.shape_str());
+      }
     } else {
       check_int32(*o.token_to_req, "token_to_req", {l.q_len}, "q_idx.shape[0]", dev, "q_idx");
       l.batch = o.num_requests.value_or(key_batch);

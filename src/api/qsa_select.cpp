@@ -35,6 +35,7 @@ Shape with_last(const TensorView& t, int64_t last) {
 // address: each element is written once, by one thread of many).
 void check_int32_out(const TensorView& t, const char* name, const Shape& shape,
                      std::string_view what, Device device, const char* device_ref) {
+  if (detail::is_missing(t)) return;  // reported after the op's other checks
   detail::check_dtype(t, name, {DType::kI32});
   detail::check_shape(t, name, shape, what);
   detail::check_device(t, name, device, device_ref);
@@ -71,6 +72,7 @@ void qsa_topk_blocks(const TensorView& scores, int64_t k, const TensorView& out,
   }
   check_int32_out(out, "out", shape, "scores.shape[:-1] + [k]", scores.device(), "scores");
   detail::check_no_overlap(out, "out", scores, "scores");
+  detail::check_not_missing(out, "out");
 
   const Strides3 ss = strides3(scores);
   const Strides3 os = strides3(out);
@@ -128,6 +130,10 @@ void qsa_expand_blocks(const TensorView& block_ids, const TensorView& query_posi
     detail::check_no_overlap(*block_indices, "block_indices", query_positions, "query_positions");
     detail::check_no_overlap(*block_indices, "block_indices", token_indices, "token_indices");
   }
+  // Missing outputs (api/check.h) after both outputs' checks: a given block_indices is
+  // checked even when token_indices is missing.
+  detail::check_not_missing(token_indices, "token_indices");
+  detail::check_not_missing(block_indices, "block_indices");
 
   const Strides3 is = strides3(block_ids);
   const Strides3 ts = strides3(token_indices);

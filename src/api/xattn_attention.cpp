@@ -162,7 +162,8 @@ BlockSparseAttnParams validate(const Views& v, int kv_heads_dim, int64_t max_seq
   return p;
 }
 
-// out like q, lse FP32 [total_q, Hq]; neither overlapping the other nor any input.
+// out like q, lse FP32 [total_q, Hq]; neither overlapping the other nor any input. The last
+// checks of both ops.
 void check_outputs(const Views& v) {
   const TensorView& q = v.q;
   const Device dev = q.device();
@@ -185,6 +186,9 @@ void check_outputs(const Views& v) {
     check_no_overlap(v.out, "out", *t, name);
     if (v.lse) check_no_overlap(*v.lse, "lse", *t, name);
   }
+  // Missing outputs (api/check.h) last: a given lse is checked even when out is missing.
+  detail::check_not_missing(v.out, "out");
+  detail::check_not_missing(v.lse, "lse");
 }
 
 void fill_pointers(BlockSparseAttnParams& p, const Views& v, bool paged) {

@@ -18,7 +18,8 @@ namespace sparse_attn::detail {
 inline int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }
 
 // An output: dtype, exact shape, device, data pointer, positive strides, no two elements at
-// one address.
+// one address. Nothing for a missing output (api/check.h): the op calls check_not_missing
+// once every other argument is checked.
 void check_xattn_output(const TensorView& t, std::string_view name, DType dtype, const Shape& shape,
                         std::string_view what, Device device, std::string_view device_of);
 
@@ -54,7 +55,8 @@ XAttnEstimateParams check_estimate_inputs(const TensorView& query, const TensorV
                                           const XAttnEstimateOptions& o);
 
 // Checks the estimate's outputs: FP32 / bool with the shape from `p`, on the query's device,
-// disjoint from each other and from query and key.
+// disjoint from each other and from query and key. Missing ones are skipped (the caller
+// reports them after its remaining checks).
 void check_estimate_outputs(const XAttnEstimateParams& p, const TensorView& query,
                             const TensorView& key, const TensorView& attn_sums,
                             const TensorView& block_mask);

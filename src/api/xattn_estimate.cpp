@@ -168,6 +168,8 @@ void xattn_estimate(const TensorView& query, const TensorView& key, const Tensor
   XAttnEstimateParams p = detail::check_estimate_inputs(query, key, options);
   detail::check_select_options(options, p.num_q_heads);
   detail::check_estimate_outputs(p, query, key, attn_sums, block_mask);
+  detail::check_not_missing(attn_sums, "attn_sums");
+  detail::check_not_missing(block_mask, "block_mask");
   const std::vector<double> thresholds = detail::head_thresholds(options, p.num_q_heads);
   p.select.thresholds = thresholds.data();
   if (options.backend == Backend::kNative) {
@@ -220,6 +222,7 @@ void find_blocks_chunked(const TensorView& attn_sums, const TensorView& block_ma
   }
   check_select_outputs(attn_sums, block_mask, attn_sums.shape(), "the shape of attn_sums",
                        attn_sums.device(), "attn_sums", false);
+  detail::check_not_missing(block_mask, "block_mask");
   const std::vector<double> thresholds = detail::head_thresholds(options, s.num_heads);
   s.thresholds = thresholds.data();
   s.causal = options.causal;

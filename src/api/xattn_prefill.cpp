@@ -87,6 +87,11 @@ void xattention_prefill(const TensorView& query, const TensorView& key, const Te
   for (const auto& [t, name] : {std::pair{attn_sums, "attn_sums"}, {block_mask, "block_mask"}}) {
     check_no_overlap(t, name, value, "value");
   }
+  // Missing outputs (api/check.h) once everything else is checked, given outputs included.
+  detail::check_not_missing(attn_sums, "attn_sums");
+  detail::check_not_missing(block_mask, "block_mask");
+  detail::check_not_missing(out, "out");
+  detail::check_not_missing(lse, "lse");
   const std::vector<double> thresholds = detail::head_thresholds(options, e.num_q_heads);
   e.select.thresholds = thresholds.data();
 

@@ -43,21 +43,60 @@ struct ScoreRow {
   int64_t out_off;
 };
 
-// Resolves every row's request and position, checking the metadata contents first.
+// Checks the metadata contents the rows are resolved from (request lengths, offsets, request
+// ids). Allocates nothing: q_len comes from q_idx, which may be a broadcast view of any size,
+// so nothing sized by it is built before these checks pass.
+void check_score_metadata(const MqaScoreParams& p) {
+  if (!p.varlen) {
+    if (!p.seq_lens_q) return;
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const int64_t valid_rows = p.seq_lens_q[b * p.seq_lens_q_stride];
+      if (valid_rows < 0 || valid_rows > p.q_len) {
+        throw_value_error(
+            "seq_lens_q: expected values in [0, {}] (q_idx.shape[1]), got "
+            "seq_lens_q[{}] = {}",
+            p.q_len, b, valid_rows);
+      }
+    }
+    return;
+  }
+  if (p.cu_seqlens_q) {
+    auto cu = [&](int64_t r) -> int64_t { return p.cu_seqlens_q[r * p.cu_seqlens_q_stride]; };
+    if (cu(0) != 0 || cu(p.batch) != p.q_len) {
+      throw_value_error("cu_seqlens_q: expected offsets from 0 to total_q = {}, got {} .. {}",
+                        p.q_len, cu(0), cu(p.batch));
+    }
+    for (int64_t r = 0; r < p.batch; ++r) {
+      if (cu(r + 1) < cu(r)) {
+        throw_value_error(
+            "cu_seqlens_q: expected non-decreasing offsets, got cu_seqlens_q[{}] = "
+            "{} > cu_seqlens_q[{}] = {}",
+            r, cu(r), r + 1, cu(r + 1));
+      }
+    }
+    return;
+  }
+  for (int64_t row = 0; row < p.q_len; ++row) {
+    const int64_t r = p.token_to_req[row * p.token_to_req_stride];
+    if (r < 0 || r >= p.batch) {
+      throw_value_error(
+          "token_to_req: expected request ids in [0, {}) (num_requests), got "
+          "token_to_req[{}] = {}",
+          p.batch, row, r);
+    }
+  }
+}
+
+// Resolves every row's request and position, checking the metadata contents first. With no
+// block to score there is nothing to write (out is empty) and no row is built: the rows of an
+// empty output are not bounded by any memory the caller has.
 std::vector<ScoreRow> score_rows(const MqaScoreParams& p) {
+  check_score_metadata(p);
   std::vector<ScoreRow> rows;
+  if (p.num_blocks == 0) return rows;
   if (!p.varlen) {
     for (int64_t b = 0; b < p.batch; ++b) {
-      int64_t valid_rows = p.q_len;
-      if (p.seq_lens_q) {
-        valid_rows = p.seq_lens_q[b * p.seq_lens_q_stride];
-        if (valid_rows < 0 || valid_rows > p.q_len) {
-          throw_value_error(
-              "seq_lens_q: expected values in [0, {}] (q_idx.shape[1]), got "
-              "seq_lens_q[{}] = {}",
-              p.q_len, b, valid_rows);
-        }
-      }
+      const int64_t valid_rows = p.seq_lens_q ? p.seq_lens_q[b * p.seq_lens_q_stride] : p.q_len;
       for (int64_t i = 0; i < p.q_len; ++i) {
         const int64_t pos = p.query_positions
                                 ? p.query_positions[b * p.query_positions_batch_stride +
@@ -73,19 +112,7 @@ std::vector<ScoreRow> score_rows(const MqaScoreParams& p) {
   std::vector<int64_t> local(p.q_len);
   if (p.cu_seqlens_q) {
     auto cu = [&](int64_t r) -> int64_t { return p.cu_seqlens_q[r * p.cu_seqlens_q_stride]; };
-    if (cu(0) != 0 || cu(p.batch) != p.q_len) {
-      throw_value_error("cu_seqlens_q: expected offsets from 0 to total_q = {}, got {} .. {}",
-                        p.q_len, cu(0), cu(p.batch));
-    }
-    for (int64_t r = 0; r < p.batch; ++r) {
-      if (cu(r + 1) < cu(r)) {
-        throw_value_error(
-            "cu_seqlens_q: expected non-decreasing offsets, got cu_seqlens_q[{}] = "
-            "{} > cu_seqlens_q[{}] = {}",
-            r, cu(r), r + 1, cu(r + 1));
-      }
-    }
-    // Monotonic from 0 to q_len: every offset lies in [0, q_len].
+    // Monotonic from 0 to q_len (checked): every offset lies in [0, q_len].
     for (int64_t r = 0; r < p.batch; ++r) {
       for (int64_t row = cu(r); row < cu(r + 1); ++row) {
         req[row] = r;
@@ -95,13 +122,7 @@ std::vector<ScoreRow> score_rows(const MqaScoreParams& p) {
   } else {
     std::vector<int64_t> seen(p.batch, 0);
     for (int64_t row = 0; row < p.q_len; ++row) {
-      const int64_t r = p.token_to_req[row * p.token_to_req_stride];
-      if (r < 0 || r >= p.batch) {
-        throw_value_error(
-            "token_to_req: expected request ids in [0, {}) (num_requests), got "
-            "token_to_req[{}] = {}",
-            p.batch, row, r);
-      }
+      const int64_t r = p.token_to_req[row * p.token_to_req_stride];  // in [0, batch) (checked)
       req[row] = r;
       local[row] = seen[r]++;
     }

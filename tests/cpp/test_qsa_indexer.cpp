@@ -375,6 +375,52 @@ TEST(IndexerScore, ReferenceRejectsBrokenCuSeqlens) {
   }
 }
 
+TEST(IndexerScore, VarlenRowsPastInt32AreRefusedFromTheShape) {
+  // cu_seqlens_q's int32 offsets cannot end at 2**40: refused by name before the output is
+  // looked at (here it is missing, as when the Python wrapper could not allocate it).
+  Tensor q = Tensor::empty({1, 4, 16}, DType::kBF16);
+  Tensor k = Tensor::empty({2, 3, 16}, DType::kBF16);
+  Tensor cu = int32_tensor({3}, {0, 0, 0});
+  const TensorView qv = q.view().as_strided({int64_t{1} << 40, 4, 16}, {0, 16, 1});
+  IndexerScoreOptions o = reference_score();
+  o.cu_seqlens_q = cu.view();
+  try {
+    qsa_indexer_mqa_score(qv, k, TensorView(), o);
+    ADD_FAILURE() << "expected a ValueError naming q_idx";
+  } catch (const ValueError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("q_idx:", 0), 0u) << e.what();
+  }
+}
+
+TEST(IndexerScore, ReferenceChecksCuSeqlensBeforeBuildingRows) {
+  // INT32_MAX broadcast rows and broken offsets: the reference refuses the offsets before it
+  // builds anything per row (it used to allocate two vectors of q_len first).
+  Tensor q = Tensor::empty({1, 4, 16}, DType::kBF16);
+  Tensor k = Tensor::empty({2, 0, 16}, DType::kBF16);
+  Tensor cu = int32_tensor({3}, {0, 0, 0});
+  const int64_t rows = 2147483647;
+  const TensorView qv = q.view().as_strided({rows, 4, 16}, {0, 16, 1});
+  Tensor out = Tensor::empty({rows, 0}, DType::kF32);
+  IndexerScoreOptions o = reference_score();
+  o.cu_seqlens_q = cu.view();
+  try {
+    qsa_indexer_mqa_score(qv, k, out, o);
+    ADD_FAILURE() << "expected a ValueError naming cu_seqlens_q";
+  } catch (const ValueError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("cu_seqlens_q:", 0), 0u) << e.what();
+  }
+}
+
+TEST(IndexerScore, EmptyOutputOfHugeBroadcastRowsBuildsNoRows) {
+  // No block to score: out [1, 2**40, 0] is empty and nothing per row is built.
+  Tensor q = Tensor::empty({1, 1, 4, 16}, DType::kBF16);
+  Tensor k = Tensor::empty({1, 0, 16}, DType::kBF16);
+  const int64_t rows = int64_t{1} << 40;
+  const TensorView qv = q.view().as_strided({1, rows, 4, 16}, {0, 0, 16, 1});
+  Tensor out = Tensor::empty({1, rows, 0}, DType::kF32);
+  EXPECT_NO_THROW(qsa_indexer_mqa_score(qv, k, out, reference_score()));
+}
+
 TEST(IndexerScore, ReferenceRejectsRequestIdOutOfRange) {
   auto rng = make_rng();
   Tensor q = random_tensor({4, 4, 16}, DType::kBF16, rng);

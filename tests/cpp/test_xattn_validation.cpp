@@ -394,6 +394,24 @@ TEST_F(AttentionArgs, HugeBroadcastHeadsGiveAValueError) {
       "base_blockmask");
 }
 
+// A missing output (a default-constructed TensorView) is reported only after every other
+// argument, the given outputs included, is checked (api/check.h): what the Python wrappers rely
+// on when an output they allocate does not fit.
+TEST_F(AttentionArgs, MissingOutIsReportedAfterTheGivenLse) {
+  Tensor l2 = Tensor::empty({160, 3}, DType::kF32);
+  lse_arg = l2.view();
+  expect_error<ValueError>([&] { run_out(TensorView()); }, "lse");
+  lse_arg = lse.view();
+  expect_error<ValueError>([&] { run_out(TensorView()); }, "out");
+  lse_arg = std::nullopt;
+  expect_error<ValueError>([&] { run_out(TensorView()); }, "out");
+}
+
+TEST_F(AttentionArgs, MissingOutStillLetsTheInputsBeChecked) {
+  max_q = -1;
+  expect_error<ValueError>([&] { run_out(TensorView()); }, "max_seqlen_q");
+}
+
 TEST_F(AttentionArgs, SoftmaxScaleMustBeFloat32) {
   for (double bad : {1e39, 1e-46}) {
     o.softmax_scale = bad;
@@ -611,6 +629,20 @@ TEST_F(PrefillArgs, OutMustNotOverlapValue) {
   TensorView vv = buf.view().as_strided({1, 2, 300, 16}, {9600, 4800, 16, 1});
   TensorView ov = buf.view().as_strided({1, 4, 200, 16}, {12800, 3200, 16, 1}, 1000);
   expect_error<ValueError>([&] { run_prefill(vv, ov, lse); }, "out");
+}
+
+TEST_F(PrefillArgs, MissingScratchOutputsAreReportedAfterTheGivenOutAndLse) {
+  Tensor o2 = Tensor::empty({1, 4, 300, 16}, DType::kBF16);
+  Tensor l2 = Tensor::empty({1, 200, 4}, DType::kF32);
+  auto missing_scratch = [&](const TensorView& ov, const TensorView& lv) {
+    xattention_prefill(q, k, val, TensorView(), TensorView(), ov, lv, po);
+  };
+  expect_error<ValueError>([&] { missing_scratch(o2, lse); }, "out");
+  expect_error<ValueError>([&] { missing_scratch(out, l2); }, "lse");
+  expect_error<ValueError>([&] { missing_scratch(TensorView(), l2); }, "lse");
+  expect_error<ValueError>([&] { missing_scratch(out, lse); }, "attn_sums");
+  expect_error<ValueError>([&] { xattention_prefill(q, k, val, sums, TensorView(), out, lse, po); },
+                           "block_mask");
 }
 
 TEST_F(PrefillArgs, SoftmaxScaleMustBePositive) {

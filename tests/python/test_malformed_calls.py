@@ -309,14 +309,15 @@ HUGE_CASES = [
     ("qsa_sparse_attention", 0, 2, 1, lambda t: t.float(), "key"),
     ("qsa_topk_blocks", 0, 0, 0, lambda t: t.half(), "scores"),
     ("qsa_expand_blocks", 0, 0, 1, lambda t: t.long(), "query_positions"),
-    # The C++ checks of the XAttention estimate name query_states and key_states query and key.
-    ("xattn_estimate", 0, 1, 1, lambda t: t.half(), "key"),
-    ("xattn_estimate", 0, 2, 1, lambda t: t.half(), "key"),
-    ("find_blocks_chunked", 0, 1, 0, lambda t: t.half(), "attn_sums"),
+    # The XAttention bindings name the Python parameters (key_states, input_tensor), not the
+    # C++ arguments (key, attn_sums).
+    ("xattn_estimate", 0, 1, 1, lambda t: t.half(), "key_states"),
+    ("xattn_estimate", 0, 2, 1, lambda t: t.half(), "key_states"),
+    ("find_blocks_chunked", 0, 1, 0, lambda t: t.half(), "input_tensor"),
     ("block_sparse_attn_func", 0, 0, 1, lambda t: t.float(), "k"),
     ("block_sparse_attn_func", 0, 1, 1, lambda t: t.float(), "k"),
     ("block_sparse_attn_paged_func", 0, 1, 2, lambda t: t.float(), "v_cache"),
-    ("Xattention_prefill", 0, 1, 1, lambda t: t.half(), "key"),
+    ("Xattention_prefill", 0, 1, 1, lambda t: t.half(), "key_states"),
 ]
 
 
@@ -350,8 +351,56 @@ def test_huge_broadcast_heads_with_given_out_are_value_errors_not_memory_errors(
                                            out=q, backend="reference")
     sums = zeros(1, 1, 1, 1, dtype=torch.float32).expand(1, HUGE, 2, 2)
     mask = torch.zeros((1, 1, 1, 1), dtype=torch.bool).expand(1, HUGE, 2, 2)
-    with pytest.raises(ValueError, match="^block_mask: expected positive strides"):
+    # find_blocks_chunked's output is its parameter out (the C++ block_mask).
+    with pytest.raises(ValueError, match="^out: expected positive strides"):
         sparse_attn.find_blocks_chunked(sums, 0, 0.9, None, False, out=mask, backend="reference")
+
+
+def test_huge_broadcast_input_with_a_malformed_given_output_names_that_output():
+    # The wrapper allocates only the outputs not given; when that fails, a given output that is
+    # itself malformed must still be the error (the binding checks it before reporting the
+    # placeholder of the missing one).
+    cu = ints(0, 0)
+    q = zeros(1, 1, 8).expand(HUGE, 1, 8)
+    kv = zeros(0, 1, 8)
+    with pytest.raises(ValueError, match="^lse: expected shape"):
+        sparse_attn.block_sparse_attn_func(q, kv, kv, cu, cu, None, None, zeros(
+            1, 1, 0, 0, dtype=torch.bool), 0, 0, 0.0, backend="reference", lse=zeros(
+                0, 1, dtype=torch.float32))
+    query = zeros(1, 1, 1, 8).expand(1, HUGE, 1, 8)
+    key = zeros(1, 1, 1, 8)
+    with pytest.raises(ValueError, match="^out: expected shape"):
+        sparse_attn.Xattention_prefill(query, key, key, 4, threshold=0.0, causal=False,
+                                       backend="reference", out=zeros(1, 1, 1, 8))
+    block_ids = torch.zeros((1, 2), dtype=I32).expand(HUGE, 2)
+    positions = torch.zeros((1,), dtype=I32).expand(HUGE)
+    with pytest.raises(ValueError, match="^block_indices: expected shape"):
+        sparse_attn.qsa_expand_blocks(block_ids, positions, return_block_indices=True,
+                                      block_indices=torch.zeros(3, dtype=I32))
+    with pytest.raises(ValueError, match="^token_indices: expected shape"):
+        sparse_attn.qsa_expand_blocks(block_ids, positions, return_block_indices=True,
+                                      token_indices=torch.zeros(3, dtype=I32))
+
+
+def test_missing_output_placeholder_is_reported_after_every_other_argument():
+    # _C.MISSING_OUTPUT (what explain_allocation_failure passes) is named only once the rest
+    # of the call passed; a malformed input is still its own error.
+    scores = torch.rand(3, 20)
+    with pytest.raises(ValueError, match="^out: missing output"):
+        _C.qsa_topk_blocks(scores, 2, _C.MISSING_OUTPUT, None)
+    with pytest.raises(TypeError, match="^scores: "):
+        _C.qsa_topk_blocks(scores.half(), 2, _C.MISSING_OUTPUT, None)
+    with pytest.raises(TypeError, match="^scores: "):
+        _C.qsa_topk_blocks(_C.MISSING_OUTPUT, 2, torch.zeros(3, 2, dtype=I32), None)
+
+
+def test_huge_varlen_indexer_rows_are_refused_by_name():
+    # int32 cu_seqlens_q offsets cannot end at 2**40 rows: a ValueError before any allocation.
+    q = zeros(1, 1, 8).expand(HUGE, 1, 8)
+    for block_keys in (zeros(1, 0, 8), zeros(1, 1, 8)):
+        with pytest.raises(ValueError, match="^q_idx: expected at most 2147483647 rows"):
+            sparse_attn.qsa_indexer_mqa_score(q, block_keys, cu_seqlens_q=ints(0, 0),
+                                              backend="reference")
 
 
 def test_valid_call_whose_output_cannot_be_allocated_keeps_the_allocator_error():
