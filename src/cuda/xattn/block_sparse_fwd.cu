@@ -6,6 +6,7 @@
 #include <cutlass/numeric_types.h>
 
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "api/xattn_params.h"
@@ -85,6 +86,11 @@ void native_block_sparse_attention(const BlockSparseAttnParams& a) {
   const int64_t m_blocks = (a.max_seqlen_q + 127) / 128;
   const int64_t ctas = a.batch * a.num_q_heads * m_blocks;
   if (ctas == 0) return;
+  if (ctas > std::numeric_limits<int32_t>::max()) {
+    throw NotSupportedError(
+        "block_sparse_attention: backend 'native' launches one CTA per 128 query rows, head and "
+        "sequence, at most 2^31 - 1 of them; got " + std::to_string(ctas));
+  }
 
   BlockSparseFwdParams p;
   p.batch = static_cast<int32_t>(a.batch);
