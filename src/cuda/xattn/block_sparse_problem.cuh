@@ -44,11 +44,7 @@ struct BlockSparseProblem {
     // Broken promises (offsets outside the tensors, lengths past the bounds) are clamped, so no
     // access leaves its tensor or the mask.
     if (p.cu_seqlens_q) {
-      const int64_t q0 = clamp<int64_t>(p.cu_seqlens_q[b * p.cu_seqlens_q_stride], 0, p.total_q);
-      const int64_t q1 =
-          clamp<int64_t>(p.cu_seqlens_q[(b + 1) * p.cu_seqlens_q_stride], q0, p.total_q);
-      q_row0 = static_cast<int>(q0);
-      lq = static_cast<int>(min(q1 - q0, int64_t{p.max_seqlen_q}));
+      sequence_rows(p.cu_seqlens_q, p.cu_seqlens_q_stride, p.total_q, p.max_seqlen_q, q_row0, lq);
     } else {
       q_outer = b;
       lq = p.max_seqlen_q;
@@ -57,11 +53,7 @@ struct BlockSparseProblem {
       lk = clamp(p.seqlens_k[b * p.seqlens_k_stride], 0,
                  min(p.max_seqlen_k, p.max_pages * p.page_size));
     } else if (p.cu_seqlens_k) {
-      const int64_t k0 = clamp<int64_t>(p.cu_seqlens_k[b * p.cu_seqlens_k_stride], 0, p.total_k);
-      const int64_t k1 =
-          clamp<int64_t>(p.cu_seqlens_k[(b + 1) * p.cu_seqlens_k_stride], k0, p.total_k);
-      k_row0 = static_cast<int>(k0);
-      lk = static_cast<int>(min(k1 - k0, int64_t{p.max_seqlen_k}));
+      sequence_rows(p.cu_seqlens_k, p.cu_seqlens_k_stride, p.total_k, p.max_seqlen_k, k_row0, lk);
     } else {
       k_outer = b;
       lk = p.max_seqlen_k;
@@ -88,6 +80,16 @@ struct BlockSparseProblem {
   template <class T>
   __device__ static T clamp(T x, T lo, T hi) {
     return x < lo ? lo : (x > hi ? hi : x);
+  }
+
+  // Sequence b's rows of a varlen tensor: [cu[b], cu[b + 1]) clamped into [0, total) and to at
+  // most max_len rows.
+  __device__ void sequence_rows(const int32_t* cu, int64_t stride, int64_t total, int max_len,
+                                int& row0, int& len) const {
+    const int64_t r0 = clamp<int64_t>(cu[b * stride], 0, total);
+    const int64_t r1 = clamp<int64_t>(cu[(b + 1) * stride], r0, total);
+    row0 = static_cast<int>(r0);
+    len = static_cast<int>(min(r1 - r0, int64_t{max_len}));
   }
 
   __device__ bool has_rows() const { return kBlock * m < lq; }
