@@ -694,6 +694,19 @@ std::vector<Case> row_tile_cases() {
 INSTANTIATE_TEST_SUITE_P(RowTiles, GpuSparseAttention, ::testing::ValuesIn(row_tile_cases()),
                          case_name);
 
+// token_indices of one row as the expansion builds them from its hinted blocks: each block b
+// with b >= 0 and 4b + 3 <= p gives 4b .. 4b+3 in order, then the tail 4 * ((p + 1) / 4) .. p.
+// `row` holds the width's -1s on entry.
+void expand_hint_row(const int32_t* blocks, int64_t nb, int64_t p, int32_t* row) {
+  int64_t n = 0;
+  for (int64_t j = 0; j < nb; ++j) {
+    const int64_t b = blocks[j];
+    if (b < 0 || 4 * b + 3 > p) continue;
+    for (int t = 0; t < 4; ++t) row[n++] = static_cast<int32_t>(4 * b + t);
+  }
+  for (int64_t t = 4 * ((p + 1) / 4); t <= p; ++t) row[n++] = static_cast<int32_t>(t);
+}
+
 // The block hint with the compact-blocks contract and warp_specialized (canonical geometry):
 // the result is the token-only one, on the structured path (page sizes divisible by 4, with
 // and without SplitKV, the tail derived from the position) and where the hint is ignored (page
@@ -728,13 +741,8 @@ TEST_P(GpuSparseAttentionBlockHint, HintAndProducerContractGiveTheTokenResult) {
     std::iota(all.begin(), all.end(), 0);
     std::shuffle(all.begin(), all.end(), rng);
     all.resize(std::min<int64_t>(kNb, visible));
-    int64_t n = 0;
-    for (size_t j = 0; j < all.size(); ++j) {
-      blocks[r * kNb + j] = all[j];
-      for (int t = 0; t < 4; ++t) ids[r * c.width + n++] = 4 * all[j] + t;
-    }
-    for (int64_t t = 4 * ((p + 1) / 4); t <= p; ++t)
-      ids[r * c.width + n++] = static_cast<int32_t>(t);
+    std::copy(all.begin(), all.end(), blocks.begin() + r * kNb);
+    expand_hint_row(&blocks[r * kNb], kNb, p, &ids[r * c.width]);
   }
   pb.idx = testing::int32_tensor({pb.rows, c.width}, ids);
   DeviceProblem dp = to_device_problem(pb, rng);
@@ -823,14 +831,7 @@ TEST_P(GpuSparseAttentionEngineHint, RawTopkHintGivesTheTokenResult) {
       if (b == vis && 4 * b <= p) ++current_block_hints;
       blocks[r * hc.nb + j] = static_cast<int32_t>(b);
     }
-    int64_t n = 0;
-    for (int64_t j = 0; j < hc.nb; ++j) {
-      const int64_t b = blocks[r * hc.nb + j];
-      if (b < 0 || 4 * b + 3 > p) continue;
-      for (int t = 0; t < 4; ++t) ids[r * c.width + n++] = static_cast<int32_t>(4 * b + t);
-    }
-    for (int64_t t = 4 * ((p + 1) / 4); t <= p; ++t)
-      ids[r * c.width + n++] = static_cast<int32_t>(t);
+    expand_hint_row(&blocks[r * hc.nb], hc.nb, p, &ids[r * c.width]);
   }
   ASSERT_GT(current_block_hints, 0) << "no row hints its current incomplete block";
   pb.idx = testing::int32_tensor({pb.rows, c.width}, ids);
@@ -846,12 +847,16 @@ INSTANTIATE_TEST_SUITE_P(
     Engine, GpuSparseAttentionEngineHint,
     ::testing::Values(
         EngineHintCase{"page1600_rows96_pos6900_nb512_rowtiles", 1600, 1, {96}, {6950}, 512},
-        EngineHintCase{"page1600_rows40_3_requests_nb512_splits4", 1600, 4, {40, 1, 9},
-                       {6950, 3001, 2203}, 512},
-        EngineHintCase{"page800_rows60_25_nb128_heuristic", 800, std::nullopt, {60, 25},
-                       {4001, 903}, 128},
-        EngineHintCase{"page784_rows30_1_1_nb200_splits2", 784, 2, {30, 1, 1}, {5000, 1569, 786},
-                       200},
+        EngineHintCase{"page1600_rows40_3_requests_nb512_splits4",
+                       1600,
+                       4,
+                       {40, 1, 9},
+                       {6950, 3001, 2203},
+                       512},
+        EngineHintCase{
+            "page800_rows60_25_nb128_heuristic", 800, std::nullopt, {60, 25}, {4001, 903}, 128},
+        EngineHintCase{
+            "page784_rows30_1_1_nb200_splits2", 784, 2, {30, 1, 1}, {5000, 1569, 786}, 200},
         EngineHintCase{"page1616_rows70_nb64_short_rows", 1616, 1, {70}, {70}, 64},
         EngineHintCase{"page6_hint_ignored_rows33_8", 6, std::nullopt, {33, 8}, {1203, 500}, 128}),
     [](const ::testing::TestParamInfo<EngineHintCase>& info) { return info.param.name; });
