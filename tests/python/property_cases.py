@@ -17,8 +17,8 @@ import torch
 from hypothesis import strategies as st
 
 import sparse_attn
-from qsa_testing import assert_close, expand_blocks, ref_attention_rows, ref_mqa_decode, \
-    ref_mqa_prefill, ref_relu_scores, strided_copy
+from qsa_testing import assert_close, expand_blocks, paged_kv_of, padded_kv_of, \
+    ref_attention_rows, ref_mqa_decode, ref_mqa_prefill, ref_relu_scores, strided_copy
 from xattn_testing import cdiv, ref_block_sparse, ref_estimate_sums, ref_select
 
 BF16, F16, F32, I32, U8, BOOL = (torch.bfloat16, torch.float16, torch.float32, torch.int32,
@@ -547,32 +547,6 @@ def mqa_decode_case(draw):
 # --------------------------------------------------------------------------------------------
 # qsa_sparse_attention and its workspace size
 # --------------------------------------------------------------------------------------------
-
-def padded_kv_of(key, value, req):
-    def kv(r):
-        return key[req[r]], value[req[r]], [True] * key.shape[1]
-    return kv
-
-
-def paged_kv_of(key, value, table, req):
-    pages, page_size = key.shape[:2]
-    max_pages = table.shape[1]
-
-    def kv(r):
-        b = req[r]
-        L = max_pages * page_size
-        K = torch.zeros((L, *key.shape[2:]), dtype=torch.float64)
-        V = torch.zeros_like(K)
-        present = [False] * L
-        for slot in range(max_pages):
-            page = int(table[b, slot])
-            if 0 <= page < pages:
-                K[slot * page_size:(slot + 1) * page_size] = key[page].double()
-                V[slot * page_size:(slot + 1) * page_size] = value[page].double()
-                present[slot * page_size:(slot + 1) * page_size] = [True] * page_size
-        return K, V, present
-    return kv
-
 
 def varlen_kv_of(key, value, cu_k, req):
     def kv(r):

@@ -140,6 +140,37 @@ def ref_mqa_decode(q, k_cache, page_table, context_lens, max_model_len, scale):
 # sigmoid(gate)).
 # --------------------------------------------------------------------------------------------
 
+# Oracles' K/V of a query row (for ref_attention_rows' kv_of_row): the row's request's keys and
+# values as float64 on the CPU, with the per-key "present" flags (a paged slot whose page is
+# -1 or out of range is absent).
+def padded_kv_of(key, value, b_of_row):
+    def kv(r):
+        b = b_of_row[r]
+        return key[b].cpu(), value[b].cpu(), [True] * key.shape[1]
+    return kv
+
+
+def paged_kv_of(key, value, table, b_of_row):
+    pages, page_size = key.shape[:2]
+    max_pages = table.shape[1]
+
+    def kv(r):
+        b = b_of_row[r]
+        L = max_pages * page_size
+        K = torch.zeros((L, *key.shape[2:]), dtype=torch.float64)
+        V = torch.zeros_like(K)
+        present = [False] * L
+        for slot in range(max_pages):
+            page = int(table[b, slot])
+            if 0 <= page < pages:
+                K[slot * page_size:(slot + 1) * page_size] = key[page].double().cpu()
+                V[slot * page_size:(slot + 1) * page_size] = value[page].double().cpu()
+                for t in range(slot * page_size, (slot + 1) * page_size):
+                    present[t] = True
+        return K, V, present
+    return kv
+
+
 def ref_attention_rows(q, ids, kv_of_row, positions, seq_lens_k, active, scale, gate=None,
                        out_dtype=None, causal=True):
     """q [R, Hq, D]; ids [R, W]; kv_of_row(r) -> (K [L, Hkv, D], V, present bool [L]) for

@@ -9,8 +9,8 @@ import torch
 
 import sparse_attn
 from qsa_testing import (DEVICES, FLOAT_DTYPES, assert_close, backends_for,
-                         call_native_or_skip, expand_blocks, needs_cuda, poisoned, randn,
-                         ref_attention_rows, strided_copy)
+                         call_native_or_skip, expand_blocks, needs_cuda, paged_kv_of,
+                         padded_kv_of, poisoned, randn, ref_attention_rows, strided_copy)
 
 OUT_TOL = {torch.bfloat16: dict(rtol=1e-2, atol=1e-2), torch.float16: dict(rtol=2e-3, atol=2e-3)}
 LSE_TOL = dict(rtol=1e-4, atol=1e-4)
@@ -25,34 +25,6 @@ def cases():
                 out.append(pytest.param(device, backend, dtype, marks=marks,
                                         id=f"{device}-{backend}-{dtype}"))
     return out
-
-
-def padded_kv_of(key, value, b_of_row):
-    def kv(r):
-        b = b_of_row[r]
-        return key[b].cpu(), value[b].cpu(), [True] * key.shape[1]
-    return kv
-
-
-def paged_kv_of(key, value, table, b_of_row):
-    pages, page_size = key.shape[:2]
-    max_pages = table.shape[1]
-
-    def kv(r):
-        b = b_of_row[r]
-        L = max_pages * page_size
-        K = torch.zeros((L, *key.shape[2:]), dtype=torch.float64)
-        V = torch.zeros_like(K)
-        present = [False] * L
-        for slot in range(max_pages):
-            page = int(table[b, slot])
-            if 0 <= page < pages:
-                K[slot * page_size:(slot + 1) * page_size] = key[page].double().cpu()
-                V[slot * page_size:(slot + 1) * page_size] = value[page].double().cpu()
-                for t in range(slot * page_size, (slot + 1) * page_size):
-                    present[t] = True
-        return K, V, present
-    return kv
 
 
 @pytest.mark.parametrize("device,backend,dtype", cases())
