@@ -71,8 +71,17 @@ CUtensorMap tensor_map(const void* base, DType dtype, const int64_t (&size)[4],
   return map;
 }
 
-// Keys per K/V tile of the instantiation for a head dim (block_sparse_launch.cuh).
-int block_n(int64_t head_dim) { return head_dim == 256 ? 64 : 128; }
+// Keys per K/V tile of the instantiation for a head dim (validated: 64, 128 or 256).
+int block_n(int64_t head_dim) {
+  switch (head_dim) {
+    case 64:
+      return BlockSparseTile<64>::kBlockN;
+    case 128:
+      return BlockSparseTile<128>::kBlockN;
+    default:
+      return BlockSparseTile<256>::kBlockN;
+  }
+}
 
 }  // namespace
 }  // namespace sparse_attn::cuda

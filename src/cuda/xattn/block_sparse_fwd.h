@@ -14,6 +14,27 @@ enum class BlockSparseKV : int32_t {
   kPaged,  // pages of page_size rows: key t of sequence b in page block_table[b, t / page_size]
 };
 
+// Tile configuration per head dim (keys per tile, pipeline stages), for 128-row CTAs of two
+// consumer warpgroups. A tile never straddles a 128-key mask block, so kBlockN divides 128.
+// d64 / d128: 128-key tiles (S and P of a 64 x 128 tile and O fit the consumers' 240
+// registers); d256: 64-key tiles, since O alone takes 128 registers a thread. Stages: two, as
+// FlashAttention-3 uses (d128: 32 KB Q + 2 x 64 KB K/V; d256: 64 KB + 2 x 64 KB); d64 has room
+// for three. A third d128 stage would fit (224 KB) and is unmeasured (docs/perf-notes.md).
+template <int kHeadDim>
+struct BlockSparseTile;
+template <>
+struct BlockSparseTile<64> {
+  static constexpr int kBlockN = 128, kStages = 3;
+};
+template <>
+struct BlockSparseTile<128> {
+  static constexpr int kBlockN = 128, kStages = 2;
+};
+template <>
+struct BlockSparseTile<256> {
+  static constexpr int kBlockN = 64, kStages = 2;
+};
+
 struct BlockSparseFwdParams {
   static constexpr int kMaxHeads = 256;  // per-head tables below
 
