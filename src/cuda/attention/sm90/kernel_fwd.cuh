@@ -161,6 +161,9 @@ __device__ void consume(Problem& prob, typename Traits::SharedStorage& ss,
       pipe_k.consumer_wait(read_k);
       named_sync(FwdBarrier::kSchedulerWG1, wg, Traits::kConsumerThreads);
       warpgroup_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+      // O to the row maxima the previous softmax moved to (P_{n-1} is relative to them) before
+      // P V adds to it: in the shadow of the S GEMM just issued, not after the P V wait.
+      OnlineSoftmax<2>::scale_rows(tOrO, rescale);
       pipe_v.consumer_wait(read_v);
       warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrVt(_, _, _, read_v.index()), tOrO);
       if (wg == 0 || more) {
@@ -176,10 +179,10 @@ __device__ void consume(Problem& prob, typename Traits::SharedStorage& ss,
       warpgroup_wait<0>();
       pipe_v.consumer_release(read_v);
       ++read_v;
-      OnlineSoftmax<2>::scale_rows(tOrO, rescale);
       convert_fragment(tSrS_as_a, tOrP);
     }
     // ----- the last P V --------------------------------------------------------------------
+    OnlineSoftmax<2>::scale_rows(tOrO, rescale);
     pipe_v.consumer_wait(read_v);
     warpgroup_gemm<false, 0>(mma_pv, tOrP, tOrVt(_, _, _, read_v.index()), tOrO);
     pipe_v.consumer_release(read_v);

@@ -34,29 +34,52 @@ struct OnlineSoftmax {
     return x + __shfl_xor_sync(0xffffffff, x, 2);
   }
 
+  // 2^x by the SFU alone: flush-to-zero drops exp2f's denormal-range fix-up (a compare and two
+  // multiplies a score); weights below 2^-126 are 0 at the output's precision anyway.
+  __device__ static float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+  }
+
   // One tile of scores (an accumulator fragment): moves the row maxima, turns the scores into
   // unnormalised weights exp2(s * scale_log2 - max) in place, adds them to the sums, and
-  // returns in `rescale` the factor by which earlier partial outputs must be multiplied.
+  // returns in `rescale` the factor by which earlier partial outputs must be multiplied. The
+  // maximum is taken over the raw scores (scale_log2 > 0 keeps the order) and scaled once, so
+  // a score costs a max, one fused multiply-add, the exponential and an add. The max and the
+  // sum of a row run as kChains independent chains: while a warpgroup is in its softmax the
+  // other one is issuing GEMMs, so a scheduler has little else to hide a serial chain behind.
   template <class Fragment>
   __device__ void update(Fragment& s, float (&rescale)[kRows]) {
     auto rc = cute::make_tensor(s.data(), accumulator_rows_cols(s.layout()));
+    constexpr int kCols = decltype(cute::size<1>(rc))::value;
+    constexpr int kChains = kCols % 4 == 0 ? 4 : 1;
     static_assert(decltype(cute::size<0>(rc))::value == kRows);
     CUTE_UNROLL
     for (int i = 0; i < kRows; ++i) {
-      float m = row_max[i];
+      float part[kChains];
       CUTE_UNROLL
-      for (int j = 0; j < cute::size<1>(rc); ++j) m = fmaxf(m, rc(i, j) * scale_log2);
-      m = quad_max(m);
+      for (int c = 0; c < kChains; ++c) part[c] = -INFINITY;
+      CUTE_UNROLL
+      for (int j = 0; j < kCols; ++j) part[j % kChains] = fmaxf(part[j % kChains], rc(i, j));
+      float raw = part[0];
+      CUTE_UNROLL
+      for (int c = 1; c < kChains; ++c) raw = fmaxf(raw, part[c]);
+      const float m = fmaxf(row_max[i], quad_max(raw) * scale_log2);
       // -inf - -inf would be NaN: a row with nothing visible yet subtracts 0 (its weights are 0).
       const float m_use = m == -INFINITY ? 0.f : m;
-      rescale[i] = exp2f(row_max[i] - m_use);
+      rescale[i] = exp2_ftz(row_max[i] - m_use);
       row_max[i] = m;
-      float sum = 0.f;
       CUTE_UNROLL
-      for (int j = 0; j < cute::size<1>(rc); ++j) {
-        rc(i, j) = exp2f(rc(i, j) * scale_log2 - m_use);
-        sum += rc(i, j);
+      for (int c = 0; c < kChains; ++c) part[c] = 0.f;
+      CUTE_UNROLL
+      for (int j = 0; j < kCols; ++j) {
+        rc(i, j) = exp2_ftz(fmaf(rc(i, j), scale_log2, -m_use));
+        part[j % kChains] += rc(i, j);
       }
+      float sum = part[0];
+      CUTE_UNROLL
+      for (int c = 1; c < kChains; ++c) sum += part[c];
       row_sum[i] = row_sum[i] * rescale[i] + sum;
     }
   }
