@@ -17,6 +17,7 @@
 #include "commands.h"
 #include "common.h"
 #include "sparse_attn/bench_cases.h"
+#include "sparse_attn/cpu.h"
 #include "sparse_attn/dtype.h"
 #include "sparse_attn/errors.h"
 #include "sparse_attn/qsa.h"
@@ -48,29 +49,6 @@ double measure_bandwidth(Device dev) {
     if (i > 0) best = std::min(best, sw.seconds());
   }
   return 2.0 * double(n) / best;
-}
-
-// CPU compute ceiling of this build: independent FP32 multiply-adds on every core.
-double measure_cpu_flops() {
-  constexpr int kLanes = 64;
-  constexpr int64_t kIters = 1 << 22;
-  double best = INFINITY;
-  float sink = 0;
-  for (int rep = 0; rep < 3; ++rep) {
-    Stopwatch sw;
-#pragma omp parallel reduction(+ : sink)
-    {
-      float acc[kLanes];
-      for (int l = 0; l < kLanes; ++l) acc[l] = float(l) * 1e-3f;
-      const float m = 0.999999f, c = 1e-7f;
-      for (int64_t i = 0; i < kIters; ++i)
-        for (int l = 0; l < kLanes; ++l) acc[l] = acc[l] * m + c;
-      for (int l = 0; l < kLanes; ++l) sink += acc[l];
-    }
-    best = std::min(best, sw.seconds());
-  }
-  if (sink == 12345.f) std::printf(" ");  // keeps the loop from being optimised away
-  return 2.0 * kLanes * double(kIters) * omp_get_max_threads() / best;
 }
 
 struct Prepared {
@@ -332,8 +310,9 @@ int run_bench(const BenchOptions& o) {
     peak = 989e12;
     peak_src = "H100/H200 SXM BF16 dense spec, not measured; --peak-tflops overrides";
   } else if (peak <= 0) {
-    peak = measure_cpu_flops();
-    peak_src = fmt::format("measured: FP32 multiply-add loop on {} threads", omp_get_max_threads());
+    peak = 2 * measure_cpu_fma_rate();
+    peak_src = fmt::format("measured: FP32 fused multiply-adds ({}) on {} threads",
+                           cpu_backend_isa(), omp_get_max_threads());
   }
   std::printf(
       "sparse-attn bench on %s; ceilings: %.3g TB/s (%s), %.3g TFLOP/s (%s); median of "

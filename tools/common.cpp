@@ -89,10 +89,6 @@ Backend BackendPolicy::run(const std::string& op_name, const std::function<void(
     op(b);
     return b;
   }
-  if (!device_.is_cuda()) {
-    op(Backend::kReference);
-    return Backend::kReference;
-  }
   try {
     op(Backend::kNative);
     return Backend::kNative;

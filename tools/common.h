@@ -34,9 +34,9 @@ struct RunDevice {
 RunDevice choose_device(const std::string& spec);
 bool cuda_usable(int index);
 
-// --backend auto|native|reference. auto runs each op natively on CUDA tensors and falls back
-// to the reference, per op, when the native backend does not support the call (the fallback
-// is reported, never silent); on the CPU it is the reference.
+// --backend auto|native|reference. auto runs each op natively (CUDA kernels or the CPU
+// backend) and falls back to the reference, per op, when the native backend does not support
+// the call (the fallback is reported, never silent).
 class BackendPolicy {
  public:
   BackendPolicy(const std::string& flag, Device device);

@@ -7,6 +7,7 @@
 #include "api/staging.h"
 #include "api/xattn_checks.h"
 #include "api/xattn_params.h"
+#include "cpu/cpu_kernels.h"
 #include "reference/xattn_ref.h"
 #include "sparse_attn/xattn.h"
 
@@ -251,8 +252,12 @@ Views stage(detail::HostStaging& s, const Views& v) {
 
 void run(BlockSparseAttnParams& p, const Views& v, bool paged, const BlockSparseAttentionOptions& o,
          const char* op) {
+  if (o.backend == Backend::kNative && !v.q.device().is_cuda()) {  // the CPU backend
+    fill_pointers(p, v, paged);
+    cpu_block_sparse_attention(p);
+    return;
+  }
   if (o.backend == Backend::kNative) {
-    detail::check_native_device(v.q, "q", op);
     detail::check_native_block_sparse(
         {{&v.q, "q"}, {&v.k, v.k_name}, {&v.v, v.v_name}, {&v.out, "out"}}, p.num_q_heads, op);
     if (paged && p.page_size % 8 != 0) {

@@ -16,13 +16,6 @@ namespace {
 // floor(a / b) for b > 0 and any a (C++ division truncates toward zero).
 int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 
-// One sequence's extent: its first query row and key (varlen offsets; 0 when padded or
-// paged) and its lengths.
-struct Sequence {
-  int64_t q_start = 0, q_len = 0;
-  int64_t k_start = 0, k_len = 0;
-};
-
 template <typename... Args>
 [[noreturn]] void broken(fmt::format_string<Args...> f, Args&&... args) {
   throw ValueError(fmt::format(f, std::forward<Args>(args)...));
@@ -52,9 +45,10 @@ std::vector<int64_t> read_offsets(const int32_t* cu, int64_t stride, int64_t bat
   return off;
 }
 
-// Resolves every sequence's extent from the metadata, checking what the caller promised.
-std::vector<Sequence> read_sequences(const BlockSparseAttnParams& p) {
-  std::vector<Sequence> seqs(static_cast<size_t>(p.batch));
+}  // namespace
+
+std::vector<XAttnSequence> read_block_sparse_sequences(const BlockSparseAttnParams& p) {
+  std::vector<XAttnSequence> seqs(static_cast<size_t>(p.batch));
   if (p.cu_seqlens_q != nullptr) {
     const auto off = read_offsets(p.cu_seqlens_q, p.cu_seqlens_q_stride, p.batch, p.total_q,
                                   p.max_seqlen_q, "cu_seqlens_q", "total_q", "max_seqlen_q");
@@ -103,8 +97,10 @@ std::vector<Sequence> read_sequences(const BlockSparseAttnParams& p) {
   return seqs;
 }
 
+namespace {
+
 // The keys and values of one (sequence, KV head), widened to float: [k_len, D] each.
-void load_kv(const BlockSparseAttnParams& p, const Sequence& s, int64_t b, int64_t kvh,
+void load_kv(const BlockSparseAttnParams& p, const XAttnSequence& s, int64_t b, int64_t kvh,
              std::vector<float>& k, std::vector<float>& v) {
   const int64_t D = p.head_dim;
   k.resize(static_cast<size_t>(s.k_len * D));
@@ -133,7 +129,7 @@ void load_kv(const BlockSparseAttnParams& p, const Sequence& s, int64_t b, int64
 }  // namespace
 
 void reference_block_sparse_attention(const BlockSparseAttnParams& p) {
-  const std::vector<Sequence> seqs = read_sequences(p);
+  const std::vector<XAttnSequence> seqs = read_block_sparse_sequences(p);
   const int64_t D = p.head_dim;
   const int64_t BS = p.block_size;
 
@@ -145,7 +141,7 @@ void reference_block_sparse_attention(const BlockSparseAttnParams& p) {
 
   std::vector<float> k, v;
   for (int64_t b = 0; b < p.batch; ++b) {
-    const Sequence& s = seqs[b];
+    const XAttnSequence& s = seqs[b];
     const int64_t offset = s.k_len - s.q_len;  // position of query row 0
     const int64_t k_blocks = (s.k_len + BS - 1) / BS;
     for (int64_t kvh = 0; kvh < p.num_kv_heads; ++kvh) {

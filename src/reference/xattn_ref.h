@@ -4,6 +4,8 @@
 // lengths, page ids) are checked here first, raising ValueError before anything is written.
 #pragma once
 
+#include <vector>
+
 #include "api/xattn_params.h"
 
 namespace sparse_attn {
@@ -16,5 +18,17 @@ void reference_find_blocks(const BlockSelectParams& p);
 
 // Writes out (every element of every real query row) and, when wanted, lse.
 void reference_block_sparse_attention(const BlockSparseAttnParams& p);
+
+// One sequence of block-sparse attention: its first query row and key (varlen offsets; 0 when
+// padded or paged) and its lengths.
+struct XAttnSequence {
+  int64_t q_start = 0, q_len = 0;
+  int64_t k_start = 0, k_len = 0;
+};
+
+// Every sequence's extent from the metadata, checking what the caller promised (offsets
+// non-decreasing and in range, lengths within the maxima, page ids of used page slots in range):
+// ValueError naming the tensor otherwise. Shared with the CPU backend.
+std::vector<XAttnSequence> read_block_sparse_sequences(const BlockSparseAttnParams& p);
 
 }  // namespace sparse_attn

@@ -497,15 +497,19 @@ TEST_F(AttentionArgs, LseMustBeFloat32) {
   expect_error<TypeError>([&] { run(); }, "lse");
 }
 
-TEST_F(AttentionArgs, NativeBackendNeedsCudaTensors) {
+// Backend native on host tensors is the CPU backend (test_cpu_block_sparse.cpp compares it).
+TEST_F(AttentionArgs, NativeBackendOnHostTensorsRuns) {
   o.backend = Backend::kNative;
-  expect_error<NotSupportedError>([&] { run(); }, "q");
+  EXPECT_NO_THROW(run());
 }
 
-// Contents are the caller's promise; the reference checks them as it reads them.
-TEST_F(AttentionArgs, ReferenceRejectsDecreasingCuSeqlensQ) {
+// Contents are the caller's promise; both host backends check them as they read them.
+TEST_F(AttentionArgs, HostBackendsRejectDecreasingCuSeqlensQ) {
   cu_q = testing::int32_tensor({3}, {0, 100, 90});
-  expect_error<ValueError>([&] { run(); }, "cu_seqlens_q");
+  for (Backend b : {Backend::kReference, Backend::kNative}) {
+    o.backend = b;
+    expect_error<ValueError>([&] { run(); }, "cu_seqlens_q");
+  }
 }
 
 TEST_F(AttentionArgs, ReferenceRejectsSequencesLongerThanMaxSeqlen) {

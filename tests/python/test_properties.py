@@ -367,6 +367,28 @@ def test_valid_calls_match_the_oracle(name, data):
 
 
 # --------------------------------------------------------------------------------------------
+# The native backend on the CPU (the CPU backend): every valid call of the functions it covers
+# runs there (it takes whatever the reference takes), matches the oracle and reruns bitwise.
+# --------------------------------------------------------------------------------------------
+
+CPU_NATIVE = ["block_sparse_attn_func", "block_sparse_attn_paged_func"]
+
+
+@pytest.mark.parametrize("name", CPU_NATIVE)
+@profile(40)
+@given(data=st.data())
+def test_cpu_native_matches_the_oracle(name, data):
+    case = data.draw(BUILDERS[name](), label="call")
+    kw = dict(case.kw, backend="native")
+    result = case.fn(**kw)
+    case.check(result, kw)
+    again_kw = fresh_outputs(case, kw)
+    again = case.fn(**again_kw)
+    for a, b in zip(case.written(result, kw), case.written(again, again_kw)):
+        assert same_bits(a, b), "a native rerun gave different bits"
+
+
+# --------------------------------------------------------------------------------------------
 # The native backend on CUDA
 # --------------------------------------------------------------------------------------------
 

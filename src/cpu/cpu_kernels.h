@@ -1,0 +1,19 @@
+// The CPU backend: multithreaded (OpenMP) and vectorised (Highway, dispatched at run time to
+// the best of AVX-512 / AVX2 / SSE4 the CPU has) forms of the ops, selected by backend 'native'
+// on CPU tensors. Same params and results as the reference (docs/xattention.md), FP32
+// accumulation instead of the reference's FP64; the reference stays the spec.
+#pragma once
+
+#include "api/xattn_params.h"
+
+namespace sparse_attn {
+
+// Writes out (every element of every real query row) and, when wanted, lse. Host memory;
+// metadata contents are checked as the reference checks them, before anything is written.
+void cpu_block_sparse_attention(const BlockSparseAttnParams& params);
+
+// The instruction set the CPU kernels run with on this machine (Highway's target name, e.g.
+// "AVX3" for AVX-512, "AVX2").
+const char* cpu_kernel_target();
+
+}  // namespace sparse_attn
