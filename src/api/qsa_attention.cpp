@@ -12,6 +12,7 @@
 #include "api/check.h"
 #include "api/qsa_attention_params.h"
 #include "api/staging.h"
+#include "cpu/cpu_kernels.h"
 #include "reference/qsa_attention_ref.h"
 #include "sparse_attn/qsa.h"
 
@@ -681,6 +682,11 @@ void qsa_sparse_attention(const TensorView& query, const TensorView& key, const 
   // Missing outputs (api/check.h) once every other argument is checked, the other output too.
   detail::check_not_missing(out, "out");
   detail::check_not_missing(lse, "lse");
+  if (options.backend == Backend::kNative && !query.device().is_cuda()) {  // the CPU backend
+    fill_params(params, v);
+    cpu_sparse_attention(params);
+    return;
+  }
   if (options.backend == Backend::kNative) {
     check_native(v, params);
     fill_params(params, v);

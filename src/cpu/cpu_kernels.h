@@ -1,9 +1,10 @@
 // The CPU backend: multithreaded (OpenMP) and vectorised (Highway, dispatched at run time to
 // the best of AVX-512 / AVX2 / SSE4 the CPU has) forms of the ops, selected by backend 'native'
-// on CPU tensors. Same params and results as the reference (docs/xattention.md), FP32
-// accumulation instead of the reference's FP64; the reference stays the spec.
+// on CPU tensors. Same params and results as the reference (docs/qsa.md, docs/xattention.md),
+// FP32 accumulation; the reference stays the spec.
 #pragma once
 
+#include "api/qsa_attention_params.h"
 #include "api/xattn_params.h"
 
 namespace sparse_attn {
@@ -11,6 +12,11 @@ namespace sparse_attn {
 // Writes out (every element of every real query row) and, when wanted, lse. Host memory;
 // metadata contents are checked as the reference checks them, before anything is written.
 void cpu_block_sparse_attention(const BlockSparseAttnParams& params);
+
+// Writes out (every element) and, when wanted, lse, as reference_sparse_attention does, with
+// the same checks of the metadata. Host memory. The block hint is not read (the result equals
+// the token-only one by definition).
+void cpu_sparse_attention(const SparseAttentionParams& params);
 
 // The instruction set the CPU kernels run with on this machine (Highway's target name, e.g.
 // "AVX3" for AVX-512, "AVX2").

@@ -15,25 +15,11 @@ using detail::throw_value_error;
 
 int32_t at(const int32_t* p, int64_t stride, int64_t i) { return p[i * stride]; }
 
-// What the metadata says about one query row.
-struct RowInfo {
-  bool active = false;  // false: padding row (or a request-less row of an empty batch)
-  int64_t request = 0;
-  int64_t position = 0;   // causal position p (logical mode)
-  int64_t seq_len_k = 0;  // valid ids are < seq_len_k (logical mode)
-};
+}  // namespace
 
-// Request-level sizes, read once and checked against the layout's capacity.
-struct Requests {
-  std::vector<int64_t> rows;       // query rows each request holds in the layout
-  std::vector<int64_t> seq_len_q;  // seq_lens_q, or `rows`
-  std::vector<int64_t> seq_len_k;  // seq_lens_k, or the capacity
-  std::vector<int64_t> kv_start;   // kVarlen: first row of the request in K/V
-};
-
-Requests read_requests(const SparseAttentionParams& p) {
+QsaRequests read_qsa_requests(const SparseAttentionParams& p) {
   const int64_t B = p.batch;
-  Requests r;
+  QsaRequests r;
   r.rows.assign(B, 0);
   switch (p.row_mapping) {
     case RowMapping::kPadded:
@@ -134,8 +120,8 @@ Requests read_requests(const SparseAttentionParams& p) {
   return r;
 }
 
-std::vector<RowInfo> read_rows(const SparseAttentionParams& p, const Requests& req) {
-  std::vector<RowInfo> rows(p.rows);
+std::vector<QsaRow> read_qsa_rows(const SparseAttentionParams& p, const QsaRequests& req) {
+  std::vector<QsaRow> rows(p.rows);
   if (p.kv_layout == KVLayout::kPhysical) {
     for (auto& r : rows) r.active = true;
     return rows;
@@ -162,7 +148,7 @@ std::vector<RowInfo> read_rows(const SparseAttentionParams& p, const Requests& r
       case RowMapping::kNone:
         break;
     }
-    RowInfo& info = rows[r];
+    QsaRow& info = rows[r];
     info.request = b;
     info.active = i < req.seq_len_q[b];
     info.seq_len_k = req.seq_len_k[b];
@@ -179,9 +165,8 @@ std::vector<RowInfo> read_rows(const SparseAttentionParams& p, const Requests& r
   return rows;
 }
 
-// Element offsets of token `t`'s (K, V) row (head 0, feature 0), or false when it is masked.
-bool locate(const SparseAttentionParams& p, const Requests& req, const RowInfo& row, int64_t t,
-            int64_t* k_off, int64_t* v_off) {
+bool locate_qsa_token(const SparseAttentionParams& p, const QsaRequests& req, const QsaRow& row,
+                      int64_t t, int64_t* k_off, int64_t* v_off) {
   if (p.kv_layout == KVLayout::kPhysical) {
     if (t < 0 || t >= p.total_kv) return false;
     *k_off = t * p.k_token_stride;
@@ -216,11 +201,9 @@ bool locate(const SparseAttentionParams& p, const Requests& req, const RowInfo& 
   return false;
 }
 
-}  // namespace
-
 void reference_sparse_attention(const SparseAttentionParams& p) {
-  const Requests req = read_requests(p);
-  const std::vector<RowInfo> rows = read_rows(p, req);
+  const QsaRequests req = read_qsa_requests(p);
+  const std::vector<QsaRow> rows = read_qsa_rows(p, req);
   const int64_t D = p.head_dim;
   const DType dt = p.dtype;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -237,7 +220,7 @@ void reference_sparse_attention(const SparseAttentionParams& p) {
     o.resize(D);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r = 0; r < p.rows; ++r) {
-      const RowInfo& row = rows[r];
+      const QsaRow& row = rows[r];
       k_offs.clear();
       v_offs.clear();
       if (row.active) {
@@ -245,7 +228,7 @@ void reference_sparse_attention(const SparseAttentionParams& p) {
           const int64_t t =
               p.token_indices[r * p.token_indices_row_stride + j * p.token_indices_col_stride];
           int64_t ko = 0, vo = 0;
-          if (locate(p, req, row, t, &ko, &vo)) {
+          if (locate_qsa_token(p, req, row, t, &ko, &vo)) {
             k_offs.push_back(ko);
             v_offs.push_back(vo);
           }

@@ -85,6 +85,8 @@ std::vector<BenchCase> standard_bench_cases() {
   cases.push_back(xattn_case("cpu/xattn-estimate/2k", BenchOp::kXAttnEstimate, 2048, false));
   cases.push_back(xattn_case("cpu/block-sparse/1k", BenchOp::kBlockSparse, 1024, false));
   // The CPU backend's bar (issue 18): a whole 8K prompt.
+  cases.push_back(
+      qsa_case("cpu/sparse-prefill/8k", BenchOp::kSparsePrefill, 1, 8192, 8192, 0, false));
   cases.push_back(xattn_case("cpu/block-sparse/8k", BenchOp::kBlockSparse, 8192, false));
   return cases;
 }

@@ -1,6 +1,7 @@
-// qsa_sparse_attention, reference backend, against a double-precision computation written
-// here: padded / flattened queries, padded / varlen / paged K/V, masks, GQA, gates, LSE, strided
-// outputs, the block hint and physical indices.
+// qsa_sparse_attention on both host backends (the reference, and backend native on host
+// tensors: the CPU backend) against a double-precision computation written here: padded /
+// flattened queries, padded / varlen / paged K/V, masks, GQA, gates, LSE, strided outputs, the
+// block hint and physical indices.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -55,7 +56,11 @@ struct Case {
   bool strided_out = false;  // out / lse are views inside larger poisoned buffers
   bool block_hint = false;   // ids come from blocks + tail; also run with block_indices
   int64_t hint_blocks = 5;
+  Backend backend = Backend::kReference;  // or kNative: the CPU backend, same oracle
 };
+
+// Both host backends: the reference and the CPU backend (backend native on host tensors).
+constexpr Backend kHostBackends[] = {Backend::kReference, Backend::kNative};
 
 // Expected outputs (row-major over query.shape / query.shape[:-1]) from logical K/V in double.
 struct Expected {
@@ -70,7 +75,7 @@ class Problem {
 
   void run(const SparseAttentionOptions& extra, const std::optional<TensorView>& block_hint) {
     SparseAttentionOptions o = extra;
-    o.backend = Backend::kReference;
+    o.backend = c_.backend;
     o.block_indices = block_hint;
     if (cu_q_.data()) o.cu_seqlens_q = cu_q_.view();
     if (t2r_.data()) o.token_to_req = t2r_.view();
@@ -386,9 +391,9 @@ Expected Problem::expected() const {
   return e;
 }
 
-class SparseAttentionReference : public ::testing::TestWithParam<Case> {};
+class SparseAttentionHost : public ::testing::TestWithParam<Case> {};
 
-TEST_P(SparseAttentionReference, MatchesDoublePrecision) {
+TEST_P(SparseAttentionHost, MatchesDoublePrecision) {
   Problem p(GetParam());
   p.run();
   p.check();
@@ -501,14 +506,26 @@ std::vector<Case> cases() {
   return v;
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, SparseAttentionReference, ::testing::ValuesIn(cases()),
+std::vector<Case> on_cpu_backend(std::vector<Case> v) {
+  for (Case& c : v) c.backend = Backend::kNative;
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Reference, SparseAttentionHost, ::testing::ValuesIn(cases()),
+                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(CpuBackend, SparseAttentionHost,
+                         ::testing::ValuesIn(on_cpu_backend(cases())),
                          [](const auto& info) { return info.param.name; });
 
 // The block hint changes nothing: the same output and LSE, bitwise, as the token-only call,
 // for query positions with every remainder p % 4 (tails of 0 to 3 tokens).
 TEST(SparseAttentionBlockHint, SameResultAsTokenOnlyForEveryTailLength) {
-  for (KVForm kv : {KVForm::kPadded, KVForm::kPaged}) {
+  for (auto [kv, backend] : {std::pair{KVForm::kPadded, Backend::kReference},
+                             {KVForm::kPaged, Backend::kReference},
+                             {KVForm::kPadded, Backend::kNative},
+                             {KVForm::kPaged, Backend::kNative}}) {
     Case c;
+    c.backend = backend;
     c.name = "block_hint";
     c.block_hint = true;
     c.hint_blocks = 4;
@@ -546,24 +563,27 @@ TEST(SparseAttentionBlockHint, RightAlignedPositionsCoverEveryRemainder) {
 TEST(SparseAttentionGate, EqualsUnfusedPathBitwise) {
   for (Gate kind : {Gate::kElementwise, Gate::kPerHead}) {
     for (DType dt : {DType::kBF16, DType::kF16}) {
-      Case c;
-      c.name = "gate_unfused";
-      c.dtype = dt;
-      c.gate = kind;
-      Problem p(c);
-      p.run();
-      const std::vector<double> gated = to_vector(p.out());
-      c.gate = Gate::kNone;
-      Problem plain(c);  // same test name -> same random draws, minus the gate tensor
-      plain.run();
-      const std::vector<double> attn = to_vector(plain.out());
-      const std::vector<double> g = to_vector(p.gate());
-      const int64_t d = c.d;
-      for (size_t i = 0; i < attn.size(); ++i) {
-        const double gv = kind == Gate::kElementwise ? g[i] : g[i / d];
-        const float sig = 1.f / (1.f + std::exp(-static_cast<float>(gv)));
-        const float want = round_to(dt, static_cast<float>(attn[i]) * sig);
-        ASSERT_EQ(gated[i], static_cast<double>(want)) << "element " << i;
+      for (Backend backend : kHostBackends) {
+        Case c;
+        c.backend = backend;
+        c.name = "gate_unfused";
+        c.dtype = dt;
+        c.gate = kind;
+        Problem p(c);
+        p.run();
+        const std::vector<double> gated = to_vector(p.out());
+        c.gate = Gate::kNone;
+        Problem plain(c);  // same test name -> same random draws, minus the gate tensor
+        plain.run();
+        const std::vector<double> attn = to_vector(plain.out());
+        const std::vector<double> g = to_vector(p.gate());
+        const int64_t d = c.d;
+        for (size_t i = 0; i < attn.size(); ++i) {
+          const double gv = kind == Gate::kElementwise ? g[i] : g[i / d];
+          const float sig = 1.f / (1.f + std::exp(-static_cast<float>(gv)));
+          const float want = round_to(dt, static_cast<float>(attn[i]) * sig);
+          ASSERT_EQ(gated[i], static_cast<double>(want)) << "element " << i;
+        }
       }
     }
   }
@@ -671,20 +691,21 @@ TEST(SparseAttentionPhysical, DuplicatesKeptOutOfCapacityMasked) {
     if (r != 4) ids[r * W + 1] = ids[r * W] = 7;  // a duplicate in every nonempty row
   }
   Tensor sel = testing::int32_tensor({rows, W}, ids);
-  Tensor out = Tensor::empty({rows, hq, d}, DType::kBF16);
-  Tensor lse = Tensor::empty({rows, hq}, DType::kF32);
-  poison(out);
-  poison(lse);
-  SparseAttentionOptions o;
-  o.backend = Backend::kReference;
-  o.selected_kv_indices = sel.view();
-  o.scale = 0.1;
-  qsa_sparse_attention(q, k, v, std::nullopt, out, lse.view(), o);
-
   const testing::AttentionExpectation e =
       testing::expected_physical_attention(q, k, v, ids, W, 0.1);
-  EXPECT_TRUE(all_close(out, e.out, 1e-2, 1e-2));
-  EXPECT_TRUE(all_close(lse, e.lse, 1e-4, 1e-4));
+  for (Backend backend : kHostBackends) {
+    Tensor out = Tensor::empty({rows, hq, d}, DType::kBF16);
+    Tensor lse = Tensor::empty({rows, hq}, DType::kF32);
+    poison(out);
+    poison(lse);
+    SparseAttentionOptions o;
+    o.backend = backend;
+    o.selected_kv_indices = sel.view();
+    o.scale = 0.1;
+    qsa_sparse_attention(q, k, v, std::nullopt, out, lse.view(), o);
+    EXPECT_TRUE(all_close(out, e.out, 1e-2, 1e-2)) << backend_name(backend);
+    EXPECT_TRUE(all_close(lse, e.lse, 1e-4, 1e-4)) << backend_name(backend);
+  }
 }
 
 TEST(SparseAttentionReference, ZeroRowsIsANoOp) {
@@ -694,9 +715,11 @@ TEST(SparseAttentionReference, ZeroRowsIsANoOp) {
   Tensor v = testing::random_tensor({1, 8, 2, 16}, DType::kBF16, rng);
   Tensor t = Tensor::empty({0, 5}, DType::kI32);
   Tensor out = Tensor::empty({0, 4, 16}, DType::kBF16);
-  SparseAttentionOptions o;
-  o.backend = Backend::kReference;
-  EXPECT_NO_THROW(qsa_sparse_attention(q, k, v, t.view(), out, std::nullopt, o));
+  for (Backend backend : kHostBackends) {
+    SparseAttentionOptions o;
+    o.backend = backend;
+    EXPECT_NO_THROW(qsa_sparse_attention(q, k, v, t.view(), out, std::nullopt, o));
+  }
 }
 
 TEST(SparseAttentionReference, EmptyRowsGiveZeroAndMinusInfNeverNan) {
@@ -707,54 +730,58 @@ TEST(SparseAttentionReference, EmptyRowsGiveZeroAndMinusInfNeverNan) {
   Tensor v = testing::random_tensor({1, 10, 1, 8}, DType::kBF16, rng);
   // Positions 7, 8, 9 (right-aligned); seq_len_k 10.
   Tensor t = testing::int32_tensor({1, 3, 2}, {-1, -1, 10, 11, -5, 12});
-  Tensor out = Tensor::empty({1, 3, 2, 8}, DType::kBF16);
-  Tensor lse = Tensor::empty({1, 3, 2}, DType::kF32);
-  poison(out);
-  poison(lse);
-  SparseAttentionOptions o;
-  o.backend = Backend::kReference;
-  qsa_sparse_attention(q, k, v, t.view(), out, lse.view(), o);
-  EXPECT_TRUE(all_close(out, std::vector<double>(48, 0.0), 0, 0));
-  EXPECT_TRUE(all_close(lse, std::vector<double>(6, -kInf), 0, 0));
+  for (Backend backend : kHostBackends) {
+    Tensor out = Tensor::empty({1, 3, 2, 8}, DType::kBF16);
+    Tensor lse = Tensor::empty({1, 3, 2}, DType::kF32);
+    poison(out);
+    poison(lse);
+    SparseAttentionOptions o;
+    o.backend = backend;
+    qsa_sparse_attention(q, k, v, t.view(), out, lse.view(), o);
+    EXPECT_TRUE(all_close(out, std::vector<double>(48, 0.0), 0, 0)) << backend_name(backend);
+    EXPECT_TRUE(all_close(lse, std::vector<double>(6, -kInf), 0, 0)) << backend_name(backend);
+  }
 }
 
-// Contents the caller promises are checked by the reference, which reads them anyway.
+// Contents the caller promises are checked by both host backends, which read them anyway.
 TEST(SparseAttentionReferenceContents, BrokenMetadataRaisesValueError) {
-  auto rng = make_rng();
-  Tensor q = testing::random_tensor({4, 2, 8}, DType::kBF16, rng);
-  Tensor k = testing::random_tensor({2, 6, 1, 8}, DType::kBF16, rng);
-  Tensor v = testing::random_tensor({2, 6, 1, 8}, DType::kBF16, rng);
-  Tensor t = testing::random_int32({4, 3}, rng, -1, 5);
-  Tensor out = Tensor::empty({4, 2, 8}, DType::kBF16);
-  const auto expect_error = [&](const SparseAttentionOptions& o, const std::string& arg) {
-    try {
-      qsa_sparse_attention(q, k, v, t.view(), out, std::nullopt, o);
-      ADD_FAILURE() << arg << ": no error";
-    } catch (const ValueError& e) {
-      EXPECT_NE(std::string(e.what()).find(arg), std::string::npos) << e.what();
-    }
-  };
-  SparseAttentionOptions o;
-  o.backend = Backend::kReference;
-  Tensor cu_bad = testing::int32_tensor({3}, {0, 3, 2});
-  o.cu_seqlens_q = cu_bad.view();
-  expect_error(o, "cu_seqlens_q");
-  Tensor cu_short = testing::int32_tensor({3}, {0, 1, 3});
-  o.cu_seqlens_q = cu_short.view();
-  expect_error(o, "cu_seqlens_q");
-  o.cu_seqlens_q.reset();
-  Tensor t2r = testing::int32_tensor({4}, {0, 1, 2, 0});
-  o.token_to_req = t2r.view();
-  expect_error(o, "token_to_req");
-  Tensor t2r_ok = testing::int32_tensor({4}, {0, 1, 1, 0});
-  o.token_to_req = t2r_ok.view();
-  Tensor lens = testing::int32_tensor({2}, {6, 7});
-  o.seq_lens_k = lens.view();
-  expect_error(o, "seq_lens_k");
-  o.seq_lens_k.reset();
-  Tensor lens_q = testing::int32_tensor({2}, {3, 2});  // request 0 has 2 rows
-  o.seq_lens_q = lens_q.view();
-  expect_error(o, "seq_lens_q");
+  for (Backend backend : kHostBackends) {
+    auto rng = make_rng();
+    Tensor q = testing::random_tensor({4, 2, 8}, DType::kBF16, rng);
+    Tensor k = testing::random_tensor({2, 6, 1, 8}, DType::kBF16, rng);
+    Tensor v = testing::random_tensor({2, 6, 1, 8}, DType::kBF16, rng);
+    Tensor t = testing::random_int32({4, 3}, rng, -1, 5);
+    Tensor out = Tensor::empty({4, 2, 8}, DType::kBF16);
+    const auto expect_error = [&](const SparseAttentionOptions& o, const std::string& arg) {
+      try {
+        qsa_sparse_attention(q, k, v, t.view(), out, std::nullopt, o);
+        ADD_FAILURE() << arg << ": no error";
+      } catch (const ValueError& e) {
+        EXPECT_NE(std::string(e.what()).find(arg), std::string::npos) << e.what();
+      }
+    };
+    SparseAttentionOptions o;
+    o.backend = backend;
+    Tensor cu_bad = testing::int32_tensor({3}, {0, 3, 2});
+    o.cu_seqlens_q = cu_bad.view();
+    expect_error(o, "cu_seqlens_q");
+    Tensor cu_short = testing::int32_tensor({3}, {0, 1, 3});
+    o.cu_seqlens_q = cu_short.view();
+    expect_error(o, "cu_seqlens_q");
+    o.cu_seqlens_q.reset();
+    Tensor t2r = testing::int32_tensor({4}, {0, 1, 2, 0});
+    o.token_to_req = t2r.view();
+    expect_error(o, "token_to_req");
+    Tensor t2r_ok = testing::int32_tensor({4}, {0, 1, 1, 0});
+    o.token_to_req = t2r_ok.view();
+    Tensor lens = testing::int32_tensor({2}, {6, 7});
+    o.seq_lens_k = lens.view();
+    expect_error(o, "seq_lens_k");
+    o.seq_lens_k.reset();
+    Tensor lens_q = testing::int32_tensor({2}, {3, 2});  // request 0 has 2 rows
+    o.seq_lens_q = lens_q.view();
+    expect_error(o, "seq_lens_q");
+  }
 }
 
 TEST(SparseAttentionReferenceContents, VarlenKeyOffsetsChecked) {
@@ -764,14 +791,16 @@ TEST(SparseAttentionReferenceContents, VarlenKeyOffsetsChecked) {
   Tensor v = testing::random_tensor({10, 1, 8}, DType::kBF16, rng);
   Tensor t = testing::random_int32({2, 1, 3}, rng, -1, 5);
   Tensor out = Tensor::empty({2, 1, 2, 8}, DType::kBF16);
-  SparseAttentionOptions o;
-  o.backend = Backend::kReference;
-  Tensor cu = testing::int32_tensor({3}, {0, 6, 11});  // past key.shape[0]
-  o.cu_seqlens_k = cu.view();
-  EXPECT_THROW(qsa_sparse_attention(q, k, v, t.view(), out, std::nullopt, o), ValueError);
-  Tensor cu2 = testing::int32_tensor({3}, {0, 6, 4});
-  o.cu_seqlens_k = cu2.view();
-  EXPECT_THROW(qsa_sparse_attention(q, k, v, t.view(), out, std::nullopt, o), ValueError);
+  for (Backend backend : kHostBackends) {
+    SparseAttentionOptions o;
+    o.backend = backend;
+    Tensor cu = testing::int32_tensor({3}, {0, 6, 11});  // past key.shape[0]
+    o.cu_seqlens_k = cu.view();
+    EXPECT_THROW(qsa_sparse_attention(q, k, v, t.view(), out, std::nullopt, o), ValueError);
+    Tensor cu2 = testing::int32_tensor({3}, {0, 6, 4});
+    o.cu_seqlens_k = cu2.view();
+    EXPECT_THROW(qsa_sparse_attention(q, k, v, t.view(), out, std::nullopt, o), ValueError);
+  }
 }
 
 }  // namespace

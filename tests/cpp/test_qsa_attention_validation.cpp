@@ -662,9 +662,6 @@ std::vector<Rule> rules() {
       K::kValue, "workspace");
   // ----- native only --------------------------------------------------------------------
   add(
-      "native_needs_cuda_tensors", [](Call& c) { c.o.backend = Backend::kNative; },
-      K::kNotSupported, "device cpu");
-  add(
       "native_head_dim_256",
       [](Call& c) {
         c.q = c.make({2, 3, 4, 128}, DType::kBF16);

@@ -209,7 +209,7 @@ THRESHOLD_KIND = ["high", None, True]
 
 def backend_values(cpu=True):
     """Malformed backends; with cpu, also the native backend, which the function does not run on
-    CPU tensors (the CPU backend covers block-sparse attention only so far)."""
+    CPU tensors (the CPU backend covers sparse and block-sparse attention only so far)."""
     bad = ["auto", "", "REFERENCE", "cuda"]
     return bad + (["native", "tilelang"] if cpu else [])
 
@@ -770,8 +770,8 @@ def sparse_attention_case(draw, workspace_size=False):
     args["compute_dtype"] = Value(kind=[3, None, 1.5], value=[
         F32, torch.float64, I32, torch.float8_e4m3fn, "int8", "float64", "float32"]
         + ([F16, "half"] if dt == BF16 else []))
-    # The size of a native call on host tensors is 0 (no scratch): a valid question.
-    args["backend"] = Value(kind=BACKEND.kind, value=backend_values(cpu=not workspace_size))
+    # Native runs on host tensors (the CPU backend, no scratch: size 0).
+    args["backend"] = Value(kind=BACKEND.kind, value=backend_values(cpu=False))
     if not workspace_size:
         args["return_lse"] = Value(kind=BOOL_KIND)
         args["out"] = Arg((dt,), (q_rank,), pinned=tuple(range(q_rank)), out=True, required=False,

@@ -265,9 +265,12 @@ def test_out_overlapping_query_is_rejected():
         sparse_attn.qsa_sparse_attention(query, key, value, ids, out=query, backend="reference")
 
 
-def test_native_on_cpu_is_not_supported():
-    with pytest.raises(sparse_attn.NotSupportedError, match="native"):
-        sparse_attn.qsa_sparse_attention(*_args())
+def test_native_on_cpu_runs_the_cpu_backend():
+    # The default backend is native; on host tensors that is the CPU backend.
+    args = _args()
+    got = sparse_attn.qsa_sparse_attention(*args)
+    want = sparse_attn.qsa_sparse_attention(*args, backend="reference")
+    assert_close(got, want, atol=1e-2, rtol=1e-2)
 
 
 def test_missing_token_indices_is_a_value_error():
