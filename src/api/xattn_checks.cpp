@@ -67,15 +67,6 @@ std::vector<double> head_thresholds(const BlockSelectOptions& o, int64_t num_hea
   return std::vector<double>(static_cast<size_t>(num_heads), o.threshold);
 }
 
-void check_native_device(const TensorView& t, std::string_view name, std::string_view op) {
-  if (!t.device().is_cuda()) {
-    throw_not_supported(
-        "{}: backend 'native' of {} runs on CUDA tensors, got device {}; pass "
-        "backend='reference' for the CPU reference",
-        name, op, t.device().str());
-  }
-}
-
 void check_native_block_sparse(
     std::initializer_list<std::pair<const TensorView*, const char*>> tensors, int64_t num_q_heads,
     std::string_view op) {

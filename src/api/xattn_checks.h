@@ -38,9 +38,6 @@ void check_select_options(const BlockSelectOptions& o, int64_t num_heads);
 // of any size, while the outputs' memory (no broadcasting there) bounds it.
 std::vector<double> head_thresholds(const BlockSelectOptions& o, int64_t num_heads);
 
-// NotSupportedError unless t lives on a CUDA device (native backends run only there).
-void check_native_device(const TensorView& t, std::string_view name, std::string_view op);
-
 // NotSupportedError unless the native block-sparse attention kernel takes these tensors (16-bit
 // dtype, head dim 64 / 128 / 256, at most 256 query heads; every tensor's head dim contiguous
 // and its other strides and data pointer 16-byte aligned, as TMA and the 16-byte stores need).

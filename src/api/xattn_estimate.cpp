@@ -6,6 +6,7 @@
 #include "api/staging.h"
 #include "api/xattn_checks.h"
 #include "api/xattn_params.h"
+#include "cpu/cpu_kernels.h"
 #include "reference/xattn_ref.h"
 #include "sparse_attn/xattn.h"
 
@@ -172,8 +173,13 @@ void xattn_estimate(const TensorView& query, const TensorView& key, const Tensor
   detail::check_not_missing(block_mask, "block_mask");
   const std::vector<double> thresholds = detail::head_thresholds(options, p.num_q_heads);
   p.select.thresholds = thresholds.data();
+  if (options.backend == Backend::kNative && !query.device().is_cuda()) {  // the CPU backend
+    detail::fill_estimate_pointers(p, query, key, attn_sums, block_mask);
+    cpu_xattn_estimate_sums(p);
+    reference_find_blocks(p.select);
+    return;
+  }
   if (options.backend == Backend::kNative) {
-    detail::check_native_device(query, "query", "xattn_estimate");
     detail::fill_estimate_pointers(p, query, key, attn_sums, block_mask);
     native_xattn_estimate(p);
     return;
@@ -231,10 +237,15 @@ void find_blocks_chunked(const TensorView& attn_sums, const TensorView& block_ma
   s.device_index = attn_sums.device().is_cuda() ? attn_sums.device().index : 0;
   s.stream = options.stream;
 
-  if (options.backend == Backend::kNative) {
-    detail::check_native_device(attn_sums, "attn_sums", "find_blocks_chunked");
+  // The CPU backend's selection is the reference's (cpu/cpu_kernels.h says why).
+  if (options.backend == Backend::kNative && attn_sums.device().is_cuda()) {
     fill_select_pointers(s, attn_sums, block_mask);
     native_find_blocks(s);
+    return;
+  }
+  if (options.backend == Backend::kNative) {
+    fill_select_pointers(s, attn_sums, block_mask);
+    reference_find_blocks(s);
     return;
   }
   detail::HostStaging staging;

@@ -7,6 +7,7 @@
 #include "api/staging.h"
 #include "api/xattn_checks.h"
 #include "api/xattn_params.h"
+#include "cpu/cpu_kernels.h"
 #include "reference/xattn_ref.h"
 #include "sparse_attn/xattn.h"
 
@@ -119,8 +120,15 @@ void xattention_prefill(const TensorView& query, const TensorView& key, const Te
   a.stream = options.stream;
 
   const Views v{query, key, value, attn_sums, block_mask, out, lse};
+  if (options.backend == Backend::kNative && !query.device().is_cuda()) {  // the CPU backend
+    detail::fill_estimate_pointers(e, query, key, attn_sums, block_mask);
+    fill_attention(a, v);
+    cpu_xattn_estimate_sums(e);
+    reference_find_blocks(e.select);
+    cpu_block_sparse_attention(a);
+    return;
+  }
   if (options.backend == Backend::kNative) {
-    detail::check_native_device(query, "query", "xattention_prefill");
     detail::check_native_block_sparse(
         {{&query, "query"}, {&key, "key"}, {&value, "value"}, {&out, "out"}}, e.num_q_heads,
         "xattention_prefill");

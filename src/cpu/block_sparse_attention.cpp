@@ -6,12 +6,10 @@
 // (query head, 128-row query block), go to the threads heaviest first (the last blocks see the
 // most keys under a causal mask). An item keeps its rows' Q (pre-scaled by softmax_scale), O,
 // row maxima and sums, and for each kept key block computes S = Q K^T, masks it (causal, the
-// sequence end), folds it into the online softmax and adds P V. Both products are register-
-// blocked outer products: 4 rows x kVecs vectors of accumulators, one broadcast and one vector
-// load feeding 4 x kVecs multiply-adds.
+// sequence end), folds it into the online softmax and adds P V (the register-blocked products
+// of cpu/tile_products-inl.h).
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -28,6 +26,7 @@
 #include <hwy/highway.h>
 #include <hwy/aligned_allocator.h>
 #include <hwy/contrib/math/math-inl.h>
+#include "cpu/tile_products-inl.h"
 // clang-format on
 
 #ifndef SPARSE_ATTN_CPU_BLOCK_SPARSE_SHARED
@@ -35,7 +34,6 @@
 namespace sparse_attn::cpu {
 
 constexpr int64_t kBlock = 128;  // the mask's block size: keys per tile, rows per work item
-constexpr int kRows = 4;         // rows of a register block
 
 // One item's rows and where its keys end.
 struct Item {
@@ -58,70 +56,7 @@ inline int64_t floor_div_blocks(int64_t a) {
 
 HWY_BEFORE_NAMESPACE();
 namespace sparse_attn::cpu::HWY_NAMESPACE {
-namespace hn = hwy::HWY_NAMESPACE;
-using DF = hn::ScalableTag<float>;
-
-// Accumulator vectors per row of a register block: 4 on 512-bit vectors (16 accumulators of 32
-// registers), 2 on narrower ones (AVX2 has 16 registers).
-constexpr int vecs_per_row() { return HWY_MAX_BYTES >= 64 ? 4 : 2; }
-
-// The padded head dim: a multiple of one register block's columns.
-inline int64_t padded_dim(int64_t d) {
-  const int64_t cols = vecs_per_row() * static_cast<int64_t>(hn::Lanes(DF()));
-  return (d + cols - 1) / cols * cols;
-}
-
-// S[kRows * row block][kBlock] = Q[rows][Dp] K^T, K^T one key block [Dp][kBlock].
-void scores(const float* q, int64_t rows, int64_t dp, const float* kt, float* s) {
-  const DF df;
-  constexpr int kV = vecs_per_row();
-  const int64_t n = hn::Lanes(df);
-  for (int64_t i0 = 0; i0 < rows; i0 += kRows) {
-    for (int64_t j0 = 0; j0 < kBlock; j0 += kV * n) {
-      hn::Vec<DF> acc[kRows][kV];
-      for (auto& r : acc) {
-        for (auto& a : r) a = hn::Zero(df);
-      }
-      for (int64_t d = 0; d < dp; ++d) {
-        hn::Vec<DF> k[kV];
-        for (int v = 0; v < kV; ++v) k[v] = hn::Load(df, kt + d * kBlock + j0 + v * n);
-        for (int r = 0; r < kRows; ++r) {
-          const auto qv = hn::Set(df, q[(i0 + r) * dp + d]);
-          for (int v = 0; v < kV; ++v) acc[r][v] = hn::MulAdd(qv, k[v], acc[r][v]);
-        }
-      }
-      for (int r = 0; r < kRows; ++r) {
-        for (int v = 0; v < kV; ++v) hn::Store(acc[r][v], df, s + (i0 + r) * kBlock + j0 + v * n);
-      }
-    }
-  }
-}
-
-// O[rows][Dp] += P[rows][kBlock] V, V one key block [kBlock][Dp]; keys past `keys` have P = 0.
-void add_pv(const float* p, int64_t rows, int64_t keys, const float* v, int64_t dp, float* o) {
-  const DF df;
-  constexpr int kV = vecs_per_row();
-  const int64_t n = hn::Lanes(df);
-  for (int64_t i0 = 0; i0 < rows; i0 += kRows) {
-    for (int64_t c0 = 0; c0 < dp; c0 += kV * n) {
-      hn::Vec<DF> acc[kRows][kV];
-      for (int r = 0; r < kRows; ++r) {
-        for (int c = 0; c < kV; ++c) acc[r][c] = hn::Load(df, o + (i0 + r) * dp + c0 + c * n);
-      }
-      for (int64_t t = 0; t < keys; ++t) {
-        hn::Vec<DF> vv[kV];
-        for (int c = 0; c < kV; ++c) vv[c] = hn::Load(df, v + t * dp + c0 + c * n);
-        for (int r = 0; r < kRows; ++r) {
-          const auto pv = hn::Set(df, p[(i0 + r) * kBlock + t]);
-          for (int c = 0; c < kV; ++c) acc[r][c] = hn::MulAdd(pv, vv[c], acc[r][c]);
-        }
-      }
-      for (int r = 0; r < kRows; ++r) {
-        for (int c = 0; c < kV; ++c) hn::Store(acc[r][c], df, o + (i0 + r) * dp + c0 + c * n);
-      }
-    }
-  }
-}
+static_assert(kTile == kBlock, "a K^T tile is one mask block of keys");
 
 // One row of the online softmax over a tile's scores s[0, kBlock), of which [0, valid) are
 // visible: moves the row's max m and sum l, turns s into the weights exp(s - m), and scales the

@@ -18,6 +18,12 @@ void cpu_block_sparse_attention(const BlockSparseAttnParams& params);
 // the token-only one by definition).
 void cpu_sparse_attention(const SparseAttentionParams& params);
 
+// Writes p.attn_sums (every element) from query and key, as reference_xattn_estimate_sums does
+// (FP32 instead of FP64). The selection (block_mask) is the reference's reference_find_blocks
+// on these sums: sorting a row of block sums is not where the time goes, and its masks must
+// match the reference's bit for bit anyway.
+void cpu_xattn_estimate_sums(const XAttnEstimateParams& params);
+
 // The instruction set the CPU kernels run with on this machine (Highway's target name, e.g.
 // "AVX3" for AVX-512, "AVX2").
 const char* cpu_kernel_target();

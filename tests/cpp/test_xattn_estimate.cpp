@@ -1,4 +1,5 @@
-// xattn_estimate and find_blocks_chunked (reference backend) against double-precision
+// xattn_estimate and find_blocks_chunked (the reference; the estimation cases also on the CPU
+// backend, backend native on host tensors) against double-precision
 // computations written here from docs/xattention.md: the estimate in upstream's form
 // (explicitly interleaved Q/K, one matmul, masked softmax, block reshape-sum), the selection as
 // a repeated pick of the largest remaining block.
@@ -76,9 +77,13 @@ std::vector<double> expected_sums(const TensorView& q, const TensorView& k, int6
   return out;
 }
 
-XAttnEstimateOptions opts(int64_t stride = 8, int64_t chunk = 16384) {
+// Both host backends: the reference and the CPU backend (backend native on host tensors).
+constexpr Backend kHostBackends[] = {Backend::kReference, Backend::kNative};
+
+XAttnEstimateOptions opts(int64_t stride = 8, int64_t chunk = 16384,
+                          Backend backend = Backend::kReference) {
   XAttnEstimateOptions o;
-  o.backend = Backend::kReference;
+  o.backend = backend;
   o.stride = stride;
   o.chunk_size = chunk;
   return o;
@@ -105,6 +110,7 @@ struct EstimateCase {
   std::string name;
   int64_t batch, hq, hkv, lq, lk, dim, stride, chunk;
   bool causal;
+  Backend backend = Backend::kReference;
 };
 
 void PrintTo(const EstimateCase& c, std::ostream* os) { *os << c.name; }
@@ -116,7 +122,7 @@ TEST_P(XAttnEstimate, SumsAndMaskMatchDoubleComputation) {
   auto rng = make_rng();
   Tensor q = random_tensor({c.batch, c.hq, c.lq, c.dim}, DType::kBF16, rng, -2.f, 2.f);
   Tensor k = random_tensor({c.batch, c.hkv, c.lk, c.dim}, DType::kBF16, rng, -2.f, 2.f);
-  XAttnEstimateOptions o = opts(c.stride, c.chunk);
+  XAttnEstimateOptions o = opts(c.stride, c.chunk, c.backend);
   o.causal = c.causal;
   o.threshold = 0.85;
   const Estimated e = run_estimate(q, k, o);
@@ -163,7 +169,15 @@ std::vector<EstimateCase> estimate_cases() {
   };
 }
 
+std::vector<EstimateCase> on_cpu_backend(std::vector<EstimateCase> v) {
+  for (EstimateCase& c : v) c.backend = Backend::kNative;
+  return v;
+}
+
 INSTANTIATE_TEST_SUITE_P(Cases, XAttnEstimate, ::testing::ValuesIn(estimate_cases()),
+                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(CpuBackend, XAttnEstimate,
+                         ::testing::ValuesIn(on_cpu_backend(estimate_cases())),
                          [](const auto& info) { return info.param.name; });
 
 TEST(XAttnEstimateLayout, TransposedBLHDViewEqualsContiguous) {
@@ -174,8 +188,11 @@ TEST(XAttnEstimateLayout, TransposedBLHDViewEqualsContiguous) {
   // [B, L, H, D] seen as [B, H, L, D] without a copy.
   TensorView q = q_blhd.view().as_strided({B, H, L, D}, {L * H * D, D, H * D, 1});
   TensorView k = k_blhd.view().as_strided({B, Hkv, L, D}, {L * Hkv * D, D, Hkv * D, 1});
-  const Estimated e = run_estimate(q, k, opts());
-  EXPECT_TRUE(all_close(e.sums, expected_sums(q, k, 128, 8, 1.0, true), 1e-6, 1e-5));
+  for (Backend backend : kHostBackends) {
+    const Estimated e = run_estimate(q, k, opts(8, 16384, backend));
+    EXPECT_TRUE(all_close(e.sums, expected_sums(q, k, 128, 8, 1.0, true), 1e-6, 1e-5))
+        << backend_name(backend);
+  }
 }
 
 TEST(XAttnEstimateLayout, StridedOutputsAreWrittenThroughTheirStrides) {
@@ -185,21 +202,27 @@ TEST(XAttnEstimateLayout, StridedOutputsAreWrittenThroughTheirStrides) {
   // Outputs as the transposes of [B, k_blocks, H, q_blocks] buffers.
   Tensor sums_buf = Tensor::empty({1, 3, 2, 3}, DType::kF32);
   Tensor mask_buf = Tensor::empty({1, 3, 2, 3}, DType::kBool);
-  poison(sums_buf);
   TensorView sums = sums_buf.view().as_strided({1, 2, 3, 3}, {18, 3, 1, 6});
   TensorView mask = mask_buf.view().as_strided({1, 2, 3, 3}, {18, 3, 1, 6});
-  xattn_estimate(q, k, sums, mask, opts());
-  EXPECT_TRUE(all_close(sums, expected_sums(q, k, 128, 8, 1.0, true), 1e-6, 1e-5));
+  for (Backend backend : kHostBackends) {
+    poison(sums_buf);
+    xattn_estimate(q, k, sums, mask, opts(8, 16384, backend));
+    EXPECT_TRUE(all_close(sums, expected_sums(q, k, 128, 8, 1.0, true), 1e-6, 1e-5))
+        << backend_name(backend);
+  }
 }
 
 TEST(XAttnEstimateNorm, NormDividesTheScores) {
   auto rng = make_rng();
   Tensor q = random_tensor({1, 2, 256, 16}, DType::kBF16, rng, -3.f, 3.f);
   Tensor k = random_tensor({1, 2, 384, 16}, DType::kBF16, rng, -3.f, 3.f);
-  XAttnEstimateOptions o = opts();
-  o.norm = 0.5;
-  const Estimated e = run_estimate(q, k, o);
-  EXPECT_TRUE(all_close(e.sums, expected_sums(q, k, 128, 8, 0.5, true), 1e-6, 1e-5));
+  for (Backend backend : kHostBackends) {
+    XAttnEstimateOptions o = opts(8, 16384, backend);
+    o.norm = 0.5;
+    const Estimated e = run_estimate(q, k, o);
+    EXPECT_TRUE(all_close(e.sums, expected_sums(q, k, 128, 8, 0.5, true), 1e-6, 1e-5))
+        << backend_name(backend);
+  }
 }
 
 TEST(XAttnEstimateChunked, ChunkAgainstEarlierKeysEqualsFullPrefillRows) {

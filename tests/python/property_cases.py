@@ -209,7 +209,7 @@ THRESHOLD_KIND = ["high", None, True]
 
 def backend_values(cpu=True):
     """Malformed backends; with cpu, also the native backend, which the function does not run on
-    CPU tensors (the CPU backend covers sparse and block-sparse attention only so far)."""
+    CPU tensors (the CPU backend covers attention and the XAttention ops, not the indexer)."""
     bad = ["auto", "", "REFERENCE", "cuda"]
     return bad + (["native", "tilelang"] if cpu else [])
 
@@ -1054,7 +1054,7 @@ def estimate_case(draw):
         "select_mode": Value(kind=[3, None], value=["slash", "", "INVERSE"]),
         "softmax": Value(value=[False, 1, "yes"]),
         "kdb": Value(value=[2, 0, -1, 1.5]),
-        "backend": BACKEND,
+        "backend": Value(kind=BACKEND.kind, value=backend_values(cpu=False)),
         "out": Value(kind=[torch.zeros(3), "x", 1.5],
                      value=[(torch.empty(shape, dtype=F32),),
                             (torch.empty(shape, dtype=F32), torch.empty(shape, dtype=BOOL), None)]),
@@ -1114,7 +1114,7 @@ def find_blocks_case(draw):
         "decoding": Value(value=[True, 1]),
         "mode": Value(kind=[3, None], value=["decode", "", "BOTH"]),
         "block_size": Value(kind=[True, 128.0, "128", None], value=[0, -128, 2**63]),
-        "backend": BACKEND,
+        "backend": Value(kind=BACKEND.kind, value=backend_values(cpu=False)),
         "out": Arg((BOOL,), (4,), pinned=(0, 1, 2, 3), out=True, required=False,
                    make=lambda: torch.empty((B, H, qb, kb), dtype=BOOL)),
         **{flag: Value(kind=BOOL_KIND) for flag in BOOL_FLAGS},
@@ -1353,7 +1353,7 @@ def prefill_case(draw):
         "kdb": Value(value=[2, 0, -1, 1.5]),
         "chunk_size": Value(kind=[True, 1.5, "x"], value=[0, -128, 100, 2**63]),
         "softmax_scale": Value(kind=FLOAT_KIND, value=FINITE_POSITIVE_VALUES),
-        "backend": BACKEND,
+        "backend": Value(kind=BACKEND.kind, value=backend_values(cpu=False)),
         "out": Arg((dt,), (4,), pinned=(0, 1, 2, 3), out=True, required=False,
                    make=lambda: torch.empty((B, hq, Lq, D), dtype=dt)),
         "lse": Arg((F32,), (3,), pinned=(0, 1, 2), out=True, required=False,
