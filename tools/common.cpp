@@ -103,7 +103,7 @@ Backend BackendPolicy::run(const std::string& op_name, const std::function<void(
 
 bool BackendPolicy::native_supported(const std::string& op_name,
                                      const std::function<void(Backend)>& op) {
-  if (flag_ == "reference" || !device_.is_cuda()) return false;
+  if (flag_ == "reference") return false;
   if (flag_ != "auto") return true;
   try {
     op(Backend::kNative);

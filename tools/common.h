@@ -43,9 +43,9 @@ class BackendPolicy {
   // Runs op(backend) and returns the backend that ran it; notes records fallbacks.
   Backend run(const std::string& op_name, const std::function<void(Backend)>& op);
   // Whether op runs natively here, found by calling it natively (validation rejects an
-  // unsupported call before any work, so a small probe call costs one launch): false on the
-  // CPU and with --backend reference, true without a probe with --backend native (the real
-  // call then raises if it must). Used to avoid running the reference at GPU sizes.
+  // unsupported call before any work, so a small probe call costs one launch): false with
+  // --backend reference, true without a probe with --backend native (the real call then
+  // raises if it must). Used to avoid running the reference on whole prompts.
   bool native_supported(const std::string& op_name, const std::function<void(Backend)>& op);
   const std::vector<std::string>& notes() const { return notes_; }
 

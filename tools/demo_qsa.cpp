@@ -76,14 +76,15 @@ MethodResult run_qsa_demo(const DemoOptions& opt, const Workload& w, const RunDe
   const int64_t NB = w.index_key.shape()[1];
   const int64_t k = opt.topk, width = 4 * k + 3;
   const int64_t qoff = Lk - Lq;
-  // Metrics on `eval` rows; the pipeline runs every row on a GPU, only the eval rows on the CPU.
+  // Metrics on `eval` rows; the pipeline runs every row when every step runs natively (a GPU;
+  // the CPU backend once it has the indexer), else only the eval rows.
   const std::vector<int64_t> eval = sample_rows(w, opt.rows >= 0 ? opt.rows : 64);
-  const std::vector<int64_t> rows =
-      dev.is_cuda() && native_pipeline(w, dev, k, policy) ? sample_rows(w, 0) : eval;
+  const std::vector<int64_t> rows = native_pipeline(w, dev, k, policy) ? sample_rows(w, 0) : eval;
   const int64_t R = static_cast<int64_t>(rows.size()), E = static_cast<int64_t>(eval.size());
   const bool all_rows = R == Lq;
-  // Rows per call: small on the CPU so the progress line moves, large on a GPU.
-  const int64_t chunk = dev.is_cuda() ? 4096 : 8;
+  // Rows per call: small for the reference on the CPU so the progress line moves, large on a
+  // GPU.
+  const int64_t chunk = dev.is_cuda() ? 4096 : (all_rows ? 256 : 8);
 
   MethodResult res;
   res.method = "QSA";

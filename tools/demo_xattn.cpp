@@ -1,8 +1,9 @@
 // The XAttention pipeline of the demo: antidiagonal estimation with threshold selection
 // (xattn_estimate), then block-sparse attention over the kept 128x128 blocks.
 //
-// All rows (a GPU, or --rows all): one estimate over the whole prompt and one varlen
-// block_sparse_attention call; metrics on sampled rows. Sampled (the CPU default): the estimate
+// All rows (a native pipeline: a GPU or the CPU backend; or --rows all): one estimate over the
+// whole prompt and one varlen block_sparse_attention call; metrics on sampled rows. Sampled
+// (the reference on the CPU): the estimate
 // runs per sampled query block as a prefill chunk against all earlier keys, which gives exactly
 // the whole prompt's mask rows (docs/xattention.md), and attention runs only on a short run of
 // rows per block, each run one sequence over the shared K/V pages
@@ -88,10 +89,10 @@ MethodResult run_xattn_demo(const DemoOptions& opt, const Workload& w, const Run
   const int64_t Lk = o.seq_len, Lq = o.query_len, Hq = o.num_q_heads, Hkv = o.num_kv_heads,
                 D = o.head_dim, B = o.batch, qoff = Lk - Lq;
   const int64_t qb = (Lq + kBlock - 1) / kBlock, kb = (Lk + kBlock - 1) / kBlock;
-  // Whole-prompt calls on a GPU, with --rows all, or when chunks could not start on a block
-  // boundary of the prompt (then they would not reproduce its mask rows exactly).
-  const bool full = (dev.is_cuda() && native_pipeline(w, dev, opt, policy)) || opt.rows == 0 ||
-                    qoff % kBlock != 0;
+  // Whole-prompt calls when both steps run natively (a GPU, or the CPU backend), with --rows
+  // all, or when chunks could not start on a block boundary of the prompt (then they would not
+  // reproduce its mask rows exactly).
+  const bool full = native_pipeline(w, dev, opt, policy) || opt.rows == 0 || qoff % kBlock != 0;
 
   // Evaluated rows. Sampled mode: query blocks evenly spaced (ending with the last) plus each
   // needle's block, and in each a contiguous run of rows (the needle rows, else the last 8),
