@@ -76,8 +76,8 @@ MethodResult run_qsa_demo(const DemoOptions& opt, const Workload& w, const RunDe
   const int64_t NB = w.index_key.shape()[1];
   const int64_t k = opt.topk, width = 4 * k + 3;
   const int64_t qoff = Lk - Lq;
-  // Metrics on `eval` rows; the pipeline runs every row when every step runs natively (a GPU;
-  // the CPU backend once it has the indexer), else only the eval rows.
+  // Metrics on `eval` rows; the pipeline runs every row when every step runs natively (a GPU,
+  // or the CPU backend), else only the eval rows.
   const std::vector<int64_t> eval = sample_rows(w, opt.rows >= 0 ? opt.rows : 64);
   const std::vector<int64_t> rows = native_pipeline(w, dev, k, policy) ? sample_rows(w, 0) : eval;
   const int64_t R = static_cast<int64_t>(rows.size()), E = static_cast<int64_t>(eval.size());

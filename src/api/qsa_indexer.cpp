@@ -8,6 +8,7 @@
 #include "api/check.h"
 #include "api/qsa_indexer_params.h"
 #include "api/staging.h"
+#include "cpu/cpu_kernels.h"
 #include "reference/qsa_indexer_ref.h"
 #include "sparse_attn/qsa.h"
 
@@ -89,14 +90,8 @@ void check_out(const TensorView& out, const Shape& shape, std::string_view what,
   }
 }
 
-// What every native indexer kernel requires of a call.
+// What every native indexer kernel on CUDA requires of a call.
 void check_native(const char* op, const TensorView& q, const char* q_name) {
-  if (!q.device().is_cuda()) {
-    throw_not_supported(
-        "{}: backend 'native' runs on CUDA tensors, but {} is on {}; pass "
-        "backend='reference' for host tensors",
-        op, q_name, q.device().str());
-  }
   if (q.size(-2) != kNativeHeads || q.size(-1) != kNativeDim) {
     throw_not_supported(
         "{}: backend 'native' supports heads == {} and dim == {}, got {} of shape "
@@ -425,6 +420,10 @@ void qsa_indexer_mqa_score(const TensorView& q_idx, const TensorView& block_keys
              {opt_ptr(o.token_to_req), "token_to_req"},
              {opt_ptr(o.query_positions), "query_positions"},
              {opt_ptr(o.seq_lens_q), "seq_lens_q"}});
+  if (o.backend == Backend::kNative && !q_idx.device().is_cuda()) {  // the CPU backend
+    cpu_mqa_score(score_params(l, q_idx, block_keys, out, o, scale));
+    return;
+  }
   if (o.backend == Backend::kNative) {
     check_native("qsa_indexer_mqa_score", q_idx, "q_idx");
     detail::check_vector_load_layout(q_idx, "q_idx");
@@ -460,6 +459,10 @@ void qsa_mqa_prefill(const TensorView& q, const TensorView& k, const TensorView&
   const float scale = resolve_scale(o.scale, o.score_scale, q.size(-1));
   check_out(out, {q.size(0), k.size(0)}, "[q.shape[0], k.shape[0]]", dev, "q",
             {{&q, "q"}, {&k, "k"}, {&row_starts, "row_starts"}, {&row_ends, "row_ends"}});
+  if (o.backend == Backend::kNative && !q.device().is_cuda()) {  // the CPU backend
+    cpu_mqa_prefill(prefill_params(q, k, row_starts, row_ends, out, scale, o.stream));
+    return;
+  }
   if (o.backend == Backend::kNative) {
     check_native("qsa_mqa_prefill", q, "q");
     detail::check_vector_load_layout(q, "q");
@@ -501,6 +504,11 @@ void qsa_mqa_decode(const TensorView& q, const TensorView& k_cache, const Tensor
              {&k_cache, "k_cache"},
              {&page_table, "page_table"},
              {&context_lens, "context_lens"}});
+  if (o.backend == Backend::kNative && !q.device().is_cuda()) {  // the CPU backend
+    cpu_mqa_decode(
+        decode_params(q, k_cache, page_table, context_lens, max_model_len, out, scale, o.stream));
+    return;
+  }
   if (o.backend == Backend::kNative) {
     check_native("qsa_mqa_decode", q, "q");
     if (!native_decode_page_size(k_cache.size(1))) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "api/qsa_attention_params.h"
+#include "api/qsa_indexer_params.h"
 #include "api/xattn_params.h"
 
 namespace sparse_attn {
@@ -17,6 +18,12 @@ void cpu_block_sparse_attention(const BlockSparseAttnParams& params);
 // the same checks of the metadata. Host memory. The block hint is not read (the result equals
 // the token-only one by definition).
 void cpu_sparse_attention(const SparseAttentionParams& params);
+
+// The QSA indexer ops: every element of out, as reference_mqa_score / _prefill / _decode
+// write it, with the same checks of the metadata. Host memory.
+void cpu_mqa_score(const detail::MqaScoreParams& params);
+void cpu_mqa_prefill(const detail::MqaPrefillParams& params);
+void cpu_mqa_decode(const detail::MqaDecodeParams& params);
 
 // Writes p.attn_sums (every element) from query and key, as reference_xattn_estimate_sums does
 // (FP32 instead of FP64). The selection (block_mask) is the reference's reference_find_blocks

@@ -34,15 +34,6 @@ const void* offset(const void* base, DType dtype, int64_t elements) {
   return static_cast<const char*>(base) + elements * static_cast<int64_t>(dtype_size(dtype));
 }
 
-// Where a query row of the score op lives and what it sees.
-struct ScoreRow {
-  int64_t req;    // request index
-  int64_t pos;    // request-local position
-  bool valid;     // false: padded row past seq_lens_q (all -inf)
-  int64_t q_off;  // element offset of q[row, 0, 0]
-  int64_t out_off;
-};
-
 // Checks the metadata contents the rows are resolved from (request lengths, offsets, request
 // ids). Allocates nothing: q_len comes from q_idx, which may be a broadcast view of any size,
 // so nothing sized by it is built before these checks pass.
@@ -87,10 +78,9 @@ void check_score_metadata(const MqaScoreParams& p) {
   }
 }
 
-// Resolves every row's request and position, checking the metadata contents first. With no
-// block to score there is nothing to write (out is empty) and no row is built: the rows of an
-// empty output are not bounded by any memory the caller has.
-std::vector<ScoreRow> score_rows(const MqaScoreParams& p) {
+}  // namespace
+
+std::vector<ScoreRow> read_score_rows(const MqaScoreParams& p) {
   check_score_metadata(p);
   std::vector<ScoreRow> rows;
   if (p.num_blocks == 0) return rows;
@@ -135,10 +125,8 @@ std::vector<ScoreRow> score_rows(const MqaScoreParams& p) {
   return rows;
 }
 
-}  // namespace
-
 void reference_mqa_score(const MqaScoreParams& p) {
-  const std::vector<ScoreRow> rows = score_rows(p);
+  const std::vector<ScoreRow> rows = read_score_rows(p);
   const int64_t n = static_cast<int64_t>(rows.size());
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t i = 0; i < n; ++i) {

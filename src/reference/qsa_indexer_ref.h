@@ -8,6 +8,9 @@
 // lengths beyond the table) are masked, not errors. Nothing is written when it raises.
 #pragma once
 
+#include <cstdint>
+#include <vector>
+
 #include "api/qsa_indexer_params.h"
 
 namespace sparse_attn::detail {
@@ -15,5 +18,19 @@ namespace sparse_attn::detail {
 void reference_mqa_score(const MqaScoreParams& p);
 void reference_mqa_prefill(const MqaPrefillParams& p);
 void reference_mqa_decode(const MqaDecodeParams& p);
+
+// Where a query row of the score op lives and what it sees (shared with the CPU backend).
+struct ScoreRow {
+  int64_t req;    // request index
+  int64_t pos;    // request-local position
+  bool valid;     // false: padded row past seq_lens_q (all -inf)
+  int64_t q_off;  // element offset of q[row, 0, 0]
+  int64_t out_off;
+};
+
+// Resolves every row's request and position, checking the metadata contents first (ValueError
+// naming the tensor). With no block to score there is nothing to write (out is empty) and no
+// row is built: the rows of an empty output are not bounded by any memory the caller has.
+std::vector<ScoreRow> read_score_rows(const MqaScoreParams& p);
 
 }  // namespace sparse_attn::detail

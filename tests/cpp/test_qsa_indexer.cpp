@@ -960,8 +960,10 @@ std::vector<ValidationCase> validation_cases() {
       Kind::kValue, "out");
   add(
       "score_out_elements_overlap",
-      [=] { score(q, k, out.as_strided({2, 5, 6}, {30, 1, 1}), ref); }, Kind::kValue,
-      "out: elements overlap");
+      [=] {
+        score(q, k, out.as_strided({2, 5, 6}, {30, 1, 1}), ref);
+      },
+      Kind::kValue, "out: elements overlap");
   add(
       "score_out_overlaps_q_idx",
       [=] {
@@ -976,9 +978,6 @@ std::vector<ValidationCase> validation_cases() {
       },
       Kind::kValue, "overlaps block_table");
   // --- native ---
-  add(
-      "score_native_needs_cuda_tensors", [=] { score(q, k, out, IndexerScoreOptions{}); },
-      Kind::kNotSupported, "q_idx is on cpu");
   add(
       "score_native_heads_dim",
       [=] {
@@ -1100,8 +1099,10 @@ std::vector<ValidationCase> validation_cases() {
       "out");
   add(
       "prefill_out_elements_overlap",
-      [=] { prefill(pq, pk, ps, pe, pout.as_strided({9, 11}, {1, 1})); }, Kind::kValue,
-      "out: elements overlap");
+      [=] {
+        prefill(pq, pk, ps, pe, pout.as_strided({9, 11}, {1, 1}));
+      },
+      Kind::kValue, "out: elements overlap");
   add(
       "prefill_out_overlaps_k",
       [=] {
@@ -1114,10 +1115,6 @@ std::vector<ValidationCase> validation_cases() {
         prefill(pq, pk, ps, pe, TensorView(pe.data(), DType::kF32, Device::cpu(), {9, 11}));
       },
       Kind::kValue, "overlaps row_ends");
-  add(
-      "prefill_native_needs_cuda_tensors",
-      [=] { prefill(pq, pk, ps, pe, pout, MqaScoreOptions{}); }, Kind::kNotSupported,
-      "q is on cpu");
   add(
       "prefill_native_q_alignment",
       [=] {
@@ -1218,8 +1215,10 @@ std::vector<ValidationCase> validation_cases() {
       "decode_out_shape", [=] { decode(dq, cache, table, ctx, 21, dout); }, Kind::kValue, "out");
   add(
       "decode_out_elements_overlap",
-      [=] { decode(dq, cache, table, ctx, 20, dout.as_strided(dout.shape(), {1, 1})); }, Kind::kValue,
-      "out: elements overlap");
+      [=] {
+        decode(dq, cache, table, ctx, 20, dout.as_strided(dout.shape(), {1, 1}));
+      },
+      Kind::kValue, "out: elements overlap");
   add(
       "decode_out_overlaps_context_lens",
       [=] {
@@ -1227,10 +1226,6 @@ std::vector<ValidationCase> validation_cases() {
                TensorView(ctx.data(), DType::kF32, Device::cpu(), {2, 20}));
       },
       Kind::kValue, "overlaps context_lens");
-  add(
-      "decode_native_needs_cuda_tensors",
-      [=] { decode(dq, cache, table, ctx, 20, dout, MqaScoreOptions{}); }, Kind::kNotSupported,
-      "q is on cpu");
   add(
       "decode_native_page_size",
       [=] {

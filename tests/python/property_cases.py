@@ -207,14 +207,8 @@ BOOL_KIND = [1, 0, "yes", None]
 THRESHOLD_KIND = ["high", None, True]
 
 
-def backend_values(cpu=True):
-    """Malformed backends; with cpu, also the native backend, which the function does not run on
-    CPU tensors (the CPU backend covers attention and the XAttention ops, not the indexer)."""
-    bad = ["auto", "", "REFERENCE", "cuda"]
-    return bad + (["native", "tilelang"] if cpu else [])
-
-
-BACKEND = Value(kind=[3, None, b"reference"], value=backend_values())
+# Malformed backends. 'native' is valid everywhere: on CPU tensors it is the CPU backend.
+BACKEND = Value(kind=[3, None, b"reference"], value=["auto", "", "REFERENCE", "cuda"])
 
 
 def threshold_values(heads):
@@ -771,7 +765,7 @@ def sparse_attention_case(draw, workspace_size=False):
         F32, torch.float64, I32, torch.float8_e4m3fn, "int8", "float64", "float32"]
         + ([F16, "half"] if dt == BF16 else []))
     # Native runs on host tensors (the CPU backend, no scratch: size 0).
-    args["backend"] = Value(kind=BACKEND.kind, value=backend_values(cpu=False))
+    args["backend"] = BACKEND
     if not workspace_size:
         args["return_lse"] = Value(kind=BOOL_KIND)
         args["out"] = Arg((dt,), (q_rank,), pinned=tuple(range(q_rank)), out=True, required=False,
@@ -1054,7 +1048,7 @@ def estimate_case(draw):
         "select_mode": Value(kind=[3, None], value=["slash", "", "INVERSE"]),
         "softmax": Value(value=[False, 1, "yes"]),
         "kdb": Value(value=[2, 0, -1, 1.5]),
-        "backend": Value(kind=BACKEND.kind, value=backend_values(cpu=False)),
+        "backend": BACKEND,
         "out": Value(kind=[torch.zeros(3), "x", 1.5],
                      value=[(torch.empty(shape, dtype=F32),),
                             (torch.empty(shape, dtype=F32), torch.empty(shape, dtype=BOOL), None)]),
@@ -1114,7 +1108,7 @@ def find_blocks_case(draw):
         "decoding": Value(value=[True, 1]),
         "mode": Value(kind=[3, None], value=["decode", "", "BOTH"]),
         "block_size": Value(kind=[True, 128.0, "128", None], value=[0, -128, 2**63]),
-        "backend": Value(kind=BACKEND.kind, value=backend_values(cpu=False)),
+        "backend": BACKEND,
         "out": Arg((BOOL,), (4,), pinned=(0, 1, 2, 3), out=True, required=False,
                    make=lambda: torch.empty((B, H, qb, kb), dtype=BOOL)),
         **{flag: Value(kind=BOOL_KIND) for flag in BOOL_FLAGS},
@@ -1245,7 +1239,7 @@ def block_sparse_case(draw, paged=False):
                                 value=[[2] * hq, [-2] * hq, [1] * (hq + 1)]),
         "softmax_scale": Value(kind=FLOAT_KIND, value=FINITE_POSITIVE_VALUES),
         "is_causal": Value(kind=BOOL_KIND),
-        "backend": Value(kind=BACKEND.kind, value=backend_values(cpu=False)),
+        "backend": BACKEND,
         "out": Arg((dt,), (3,), pinned=(0, 1, 2), out=True, required=False,
                    make=lambda: torch.empty((total_q, hq, D), dtype=dt)),
         "lse": Arg((F32,), (2,), pinned=(0, 1), out=True, required=False,
@@ -1353,7 +1347,7 @@ def prefill_case(draw):
         "kdb": Value(value=[2, 0, -1, 1.5]),
         "chunk_size": Value(kind=[True, 1.5, "x"], value=[0, -128, 100, 2**63]),
         "softmax_scale": Value(kind=FLOAT_KIND, value=FINITE_POSITIVE_VALUES),
-        "backend": Value(kind=BACKEND.kind, value=backend_values(cpu=False)),
+        "backend": BACKEND,
         "out": Arg((dt,), (4,), pinned=(0, 1, 2, 3), out=True, required=False,
                    make=lambda: torch.empty((B, hq, Lq, D), dtype=dt)),
         "lse": Arg((F32,), (3,), pinned=(0, 1, 2), out=True, required=False,
