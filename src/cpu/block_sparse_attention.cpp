@@ -132,17 +132,7 @@ void BlockSparseAttention(const BlockSparseAttnParams& p) {
         for (int64_t d = 0; d < dp; ++d) ktb[d * kBlock] = 0.f;
         if (t >= sq.k_len) continue;
         int64_t kbase = 0, vbase = 0;
-        if (p.kv_layout == XAttnKVLayout::kPaged) {
-          const int64_t page = p.block_table[b * p.block_table_stride[0] +
-                                             (t / p.page_size) * p.block_table_stride[1]];
-          kbase = page * p.k_stride[0] + (t % p.page_size) * p.k_stride[1];
-          vbase = page * p.v_stride[0] + (t % p.page_size) * p.v_stride[1];
-        } else {
-          kbase = b * p.k_stride[0] + (sq.k_start + t) * p.k_stride[1];
-          vbase = b * p.v_stride[0] + (sq.k_start + t) * p.v_stride[1];
-        }
-        kbase += kvh * p.k_stride[2];
-        vbase += kvh * p.v_stride[2];
+        block_sparse_kv_offsets(p, sq, b, kvh, t, &kbase, &vbase);
         for (int64_t d = 0; d < D; ++d) {
           ktb[d * kBlock] = load_as_float(p.k, p.dtype, kbase + d * p.k_stride[3]);
           vrow[d] = load_as_float(p.v, p.dtype, vbase + d * p.v_stride[3]);

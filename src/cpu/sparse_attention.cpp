@@ -123,14 +123,19 @@ void SparseAttention(const SparseAttentionParams& p) {
               qt[d * gp + h] = load_as_float(p.q, dt, qb + d * p.q_dim_stride) * p.scale;
             }
           }
+          // Tokens [c0, c0 + cn) of K or V (KV head g) widened into kv, rows of dp floats.
+          auto widen_chunk = [&](const void* src, const std::vector<int64_t>& offs,
+                                 int64_t head_stride, int64_t dim_stride, int64_t c0, int64_t cn) {
+            for (int64_t j = 0; j < cn; ++j) {
+              float* dst = kv + j * dp;
+              widen(src, dt, offs[c0 + j] + g * head_stride, dim_stride, D, dst);
+              std::fill(dst + D, dst + dp, 0.f);
+            }
+          };
           // S[t][:] for every token, a chunk of widened K rows at a time.
           for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
             const int64_t cn = std::min(kChunk, n - c0);
-            for (int64_t j = 0; j < cn; ++j) {
-              float* dst = kv + j * dp;
-              widen(p.k, dt, sc.k_offs[c0 + j] + g * p.k_head_stride, p.k_dim_stride, D, dst);
-              std::fill(dst + D, dst + dp, 0.f);
-            }
+            widen_chunk(p.k, sc.k_offs, p.k_head_stride, p.k_dim_stride, c0, cn);
             for (int64_t hb = 0; hb < hv; ++hb) {
               for (int64_t j0 = 0; j0 < cn; j0 += kTokens) {
                 const int64_t jn = std::min<int64_t>(kTokens, cn - j0);
@@ -175,11 +180,7 @@ void SparseAttention(const SparseAttentionParams& p) {
           // O += P V, a chunk of widened V rows at a time.
           for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
             const int64_t cn = std::min(kChunk, n - c0);
-            for (int64_t j = 0; j < cn; ++j) {
-              float* dst = kv + j * dp;
-              widen(p.v, dt, sc.v_offs[c0 + j] + g * p.v_head_stride, p.v_dim_stride, D, dst);
-              std::fill(dst + D, dst + dp, 0.f);
-            }
+            widen_chunk(p.v, sc.v_offs, p.v_head_stride, p.v_dim_stride, c0, cn);
             for (int64_t hq = 0; hq < G; hq += kHeads) {
               const int64_t heads = std::min<int64_t>(kHeads, G - hq);
               for (int64_t col = 0; col < dp; col += kCols * lanes) {

@@ -97,6 +97,21 @@ std::vector<XAttnSequence> read_block_sparse_sequences(const BlockSparseAttnPara
   return seqs;
 }
 
+void block_sparse_kv_offsets(const BlockSparseAttnParams& p, const XAttnSequence& s, int64_t b,
+                             int64_t kvh, int64_t t, int64_t* k_off, int64_t* v_off) {
+  if (p.kv_layout == XAttnKVLayout::kPaged) {
+    const int64_t page =
+        p.block_table[b * p.block_table_stride[0] + (t / p.page_size) * p.block_table_stride[1]];
+    *k_off = page * p.k_stride[0] + (t % p.page_size) * p.k_stride[1];
+    *v_off = page * p.v_stride[0] + (t % p.page_size) * p.v_stride[1];
+  } else {
+    *k_off = b * p.k_stride[0] + (s.k_start + t) * p.k_stride[1];
+    *v_off = b * p.v_stride[0] + (s.k_start + t) * p.v_stride[1];
+  }
+  *k_off += kvh * p.k_stride[2];
+  *v_off += kvh * p.v_stride[2];
+}
+
 namespace {
 
 // The keys and values of one (sequence, KV head), widened to float: [k_len, D] each.
@@ -108,17 +123,7 @@ void load_kv(const BlockSparseAttnParams& p, const XAttnSequence& s, int64_t b, 
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < s.k_len; ++t) {
     int64_t kbase = 0, vbase = 0;
-    if (p.kv_layout == XAttnKVLayout::kPaged) {
-      const int64_t page =
-          p.block_table[b * p.block_table_stride[0] + (t / p.page_size) * p.block_table_stride[1]];
-      kbase = page * p.k_stride[0] + (t % p.page_size) * p.k_stride[1];
-      vbase = page * p.v_stride[0] + (t % p.page_size) * p.v_stride[1];
-    } else {
-      kbase = b * p.k_stride[0] + (s.k_start + t) * p.k_stride[1];
-      vbase = b * p.v_stride[0] + (s.k_start + t) * p.v_stride[1];
-    }
-    kbase += kvh * p.k_stride[2];
-    vbase += kvh * p.v_stride[2];
+    block_sparse_kv_offsets(p, s, b, kvh, t, &kbase, &vbase);
     for (int64_t d = 0; d < D; ++d) {
       k[t * D + d] = load_as_float(p.k, p.dtype, kbase + d * p.k_stride[3]);
       v[t * D + d] = load_as_float(p.v, p.dtype, vbase + d * p.v_stride[3]);

@@ -31,4 +31,8 @@ struct XAttnSequence {
 // ValueError naming the tensor otherwise. Shared with the CPU backend.
 std::vector<XAttnSequence> read_block_sparse_sequences(const BlockSparseAttnParams& p);
 
+// Element offsets of key t's K and V rows (KV head kvh, feature 0) of sequence b, t < k_len.
+void block_sparse_kv_offsets(const BlockSparseAttnParams& p, const XAttnSequence& s, int64_t b,
+                             int64_t kvh, int64_t t, int64_t* k_off, int64_t* v_off);
+
 }  // namespace sparse_attn
