@@ -12,6 +12,10 @@ blocks half (causal), 4 * D flops per pair and head. Also measured: the GEMM cei
 8192^3 through torch.matmul). Timing: CUDA events, L2 flushed before every timed run, median.
 
 Usage: PYTHONPATH=build/python:python python3 bench/block_sparse_bench.py [--quick] [--csv F]
+       [--only SUBSTRING] [--no-baselines] [--skip-check]
+--only keeps the cases whose name contains SUBSTRING (e.g. dense_32k_32_8_128); --no-baselines
+times ours alone (no cuDNN / FlexAttention, so no compile wait); --skip-check leaves out the
+native-vs-reference check, for timing variants that are wrong on purpose (a stage left out).
 """
 import argparse
 
@@ -55,17 +59,19 @@ def ours(q, k, v, n, head_types, mask):
         q, k, v, cu, cu, head_types, None, mask, n, n, 0.0, is_causal=True, out=out)
 
 
-def dense_rows(n, hq, hkv, d, gemm):
+def dense_rows(n, hq, hkv, d, gemm, baselines=True):
     q, k, v = inputs(n, hq, hkv, d, n + d)
     ms = time_ms(ours(q, k, v, n, [0] * hq, None), reps=3 if n > 65536 else 5)
     flops = 4.0 * hq * d * n * (n + 1) / 2
+    name = f"dense_{n // 1024}k_{hq}_{hkv}_{d}"
+    if not baselines:
+        return [(name, "ours", ms, flops / ms / 1e9, gemm)]
     qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     kt = kt.repeat_interleave(hq // hkv, dim=1)
     vt = vt.repeat_interleave(hq // hkv, dim=1)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         base = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
                        reps=3 if n > 65536 else 5)
-    name = f"dense_{n // 1024}k_{hq}_{hkv}_{d}"
     return [(name, "ours", ms, flops / ms / 1e9, gemm), (name, "cudnn", base, flops / base / 1e9, gemm)]
 
 
@@ -107,16 +113,18 @@ def flex_fn(q, k, v, keep, hq, hkv):
     return lambda: _flex(qt, kt, vt, block_mask=mask, enable_gqa=hq != hkv)
 
 
-def sparse_rows(n, hq, hkv, d, density, gemm):
+def sparse_rows(n, hq, hkv, d, density, gemm, baselines=True):
     q, k, v = inputs(n, hq, hkv, d, n + d + int(density * 100))
     qb = n // BLOCK
     keep = random_blocks(hq, qb, density, n + hq)
     pairs = causal_pairs(keep)
     flops = 4.0 * d * pairs
     ms = time_ms(ours(q, k, v, n, [1] * hq, keep.unsqueeze(0)), reps=3 if n > 65536 else 5)
+    name = f"sparse{int(density * 100)}_{n // 1024}k_{hq}_{hkv}_{d}"
+    if not baselines:
+        return [(name, "ours", ms, flops / ms / 1e9, gemm)]
     fn = flex_fn(q, k, v, keep, hq, hkv)
     base = time_ms(fn, warmup=2, reps=3 if n > 65536 else 5)
-    name = f"sparse{int(density * 100)}_{n // 1024}k_{hq}_{hkv}_{d}"
     return [(name, "ours", ms, flops / ms / 1e9, gemm), (name, "flex", base, flops / base / 1e9, gemm)]
 
 
@@ -137,26 +145,43 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="32K only")
     ap.add_argument("--csv")
+    ap.add_argument("--only", default="", help="cases whose name contains this")
+    ap.add_argument("--no-baselines", action="store_true", help="time ours alone")
+    ap.add_argument("--skip-check", action="store_true",
+                    help="no native-vs-reference check (variants wrong on purpose)")
     args = ap.parse_args()
-    check_once()
+    if not args.skip_check:
+        check_once()
     gemm = gemm_ceiling()
+    baselines = not args.no_baselines
     rows = []
+
+    def wanted(name):
+        return args.only in name
+
     sizes = [32768] if args.quick else [8192, 32768, 131072]
     for hq, hkv, d in ((32, 8, 128), (24, 2, 256)):
         for n in sizes:
-            rows += dense_rows(n, hq, hkv, d, gemm)
-            print(rows[-2], rows[-1], flush=True)
+            if wanted(f"dense_{n // 1024}k_{hq}_{hkv}_{d}"):
+                rows += dense_rows(n, hq, hkv, d, gemm, baselines)
+                print(*rows[-2 if baselines else -1:], flush=True)
     for hq, hkv, d in ((32, 8, 128), (24, 2, 256)):
         for n in ([32768] if args.quick else [32768, 131072]):
             for density in (0.3, 0.1):
-                rows += sparse_rows(n, hq, hkv, d, density, gemm)
-                print(rows[-2], rows[-1], flush=True)
+                if wanted(f"sparse{int(density * 100)}_{n // 1024}k_{hq}_{hkv}_{d}"):
+                    rows += sparse_rows(n, hq, hkv, d, density, gemm, baselines)
+                    print(*rows[-2 if baselines else -1:], flush=True)
     if args.csv:
         with open(args.csv, "w") as f:
             f.write("case,impl,ms,tflops,gemm_tflops\n")
             for r in rows:
                 f.write(",".join(str(x) for x in r) + "\n")
     print(f"\nGEMM ceiling {gemm:.0f} TFLOP/s (bf16 8192^3, this run)")
+    if not baselines:
+        print(f"{'case':<26} {'ours ms':>9} {'TFLOP/s':>8}")
+        for r in rows:
+            print(f"{r[0]:<26} {r[2]:9.3f} {r[3]:8.0f}")
+        return
     print(f"{'case':<26} {'ours ms':>9} {'TFLOP/s':>8} {'base':>6} {'base ms':>9} {'TFLOP/s':>8} "
           f"{'ratio':>6}")
     for i in range(0, len(rows), 2):
