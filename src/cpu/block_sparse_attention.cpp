@@ -212,8 +212,6 @@ void BlockSparseAttention(const BlockSparseAttnParams& p) {
   }
 }
 
-const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
-
 }  // namespace sparse_attn::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
@@ -221,14 +219,11 @@ HWY_AFTER_NAMESPACE();
 namespace sparse_attn {
 namespace cpu {
 HWY_EXPORT(BlockSparseAttention);
-HWY_EXPORT(TargetName);
 }  // namespace cpu
 
 void cpu_block_sparse_attention(const BlockSparseAttnParams& params) {
   HWY_DYNAMIC_DISPATCH(cpu::BlockSparseAttention)(params);
 }
-
-const char* cpu_kernel_target() { return HWY_DYNAMIC_DISPATCH(cpu::TargetName)(); }
 
 }  // namespace sparse_attn
 #endif

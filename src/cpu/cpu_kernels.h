@@ -31,8 +31,4 @@ void cpu_mqa_decode(const detail::MqaDecodeParams& params);
 // match the reference's bit for bit anyway.
 void cpu_xattn_estimate_sums(const XAttnEstimateParams& params);
 
-// The instruction set the CPU kernels run with on this machine (Highway's target name, e.g.
-// "AVX3" for AVX-512, "AVX2").
-const char* cpu_kernel_target();
-
 }  // namespace sparse_attn

@@ -7,7 +7,6 @@
 #include <chrono>
 #include <limits>
 
-#include "cpu/cpu_kernels.h"
 #include "sparse_attn/cpu.h"
 
 // clang-format off
@@ -37,6 +36,9 @@ int64_t FmaLoop(int64_t iters, float* sink) {
   return iters * kChains * static_cast<int64_t>(hn::Lanes(df));
 }
 
+// The target this file, like every kernel file, dispatches to here.
+const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
+
 }  // namespace sparse_attn::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
@@ -44,9 +46,10 @@ HWY_AFTER_NAMESPACE();
 namespace sparse_attn {
 namespace cpu {
 HWY_EXPORT(FmaLoop);
+HWY_EXPORT(TargetName);
 }  // namespace cpu
 
-std::string cpu_backend_isa() { return cpu_kernel_target(); }
+std::string cpu_backend_isa() { return HWY_DYNAMIC_DISPATCH(cpu::TargetName)(); }
 
 double measure_cpu_fma_rate(int threads) {
   const int n = threads > 0 ? threads : omp_get_max_threads();

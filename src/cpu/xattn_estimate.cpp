@@ -95,20 +95,20 @@ void XAttnEstimateSums(const XAttnEstimateParams& p) {
               return p.causal ? std::clamp<int64_t>(last_pos / S + 1, 0, k_groups) : k_groups;
             };
             const int64_t tiles = g1 > g0 ? (visible_of(g1 - 1) + kTile - 1) / kTile : 0;
-            // Score rows: [rows_padded][tiles * kTile], one tile at a time.
-            std::vector<float>& all = score_rows;
-            all.assign(static_cast<size_t>(std::max<int64_t>(tiles, 1) * kTile * rows_padded), 0.f);
+            // Score rows: [rows_padded][tiles * kTile], one tile at a time (every element is
+            // written by the copies below).
+            score_rows.resize(static_cast<size_t>(tiles * kTile * rows_padded));
             for (int64_t tile = 0; tile < tiles; ++tile) {
               scores(q.get(), rows_padded, dp, kt.get() + tile * dp * kTile, s.get());
               for (int64_t r = 0; r < rows_padded; ++r) {
                 std::copy(s.get() + r * kTile, s.get() + (r + 1) * kTile,
-                          all.data() + r * tiles * kTile + tile * kTile);
+                          score_rows.data() + r * tiles * kTile + tile * kTile);
               }
             }
             std::fill(block_sum.begin(), block_sum.end(), 0.0);
             const auto vscale = hn::Set(df, static_cast<float>(p.score_scale));
             for (int64_t g = g0; g < g1; ++g) {
-              float* sr = all.data() + (g - g0) * tiles * kTile;
+              float* sr = score_rows.data() + (g - g0) * tiles * kTile;
               const int64_t visible = visible_of(g);
               if (visible == 0) continue;
               const int64_t whole = visible / lanes * lanes;
