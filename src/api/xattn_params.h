@@ -157,6 +157,10 @@ struct BlockSparseAttnParams {
   double softmax_scale = 0.0;  // resolved; positive
   bool causal = true;          // bottom-right: row r sees keys t <= seq_k - seq_q + r
 
+  // Native: (sequence, query head) units per section of the CTA order (0: from the L2 size).
+  // Never set by the API; tests set it so that small problems take several sections.
+  int64_t section = 0;
+
   int device_index = 0;
   void* stream = nullptr;  // cudaStream_t
 };

@@ -1,6 +1,7 @@
 // Native block-sparse attention on the GPU (block_sparse_attention, _paged, and the padded layout
 // of xattention_prefill's attention step) against the reference on fresh random inputs: the
-// shared forms (block_sparse_cases.h), bitwise reruns, graph replay with new mask contents.
+// shared forms (block_sparse_cases.h), bitwise reruns, graph replay with new mask contents,
+// and every section size of the CTA order.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -9,6 +10,7 @@
 #include <cstring>
 #include <numeric>
 #include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -123,28 +125,34 @@ TEST(GpuBlockSparseGraph, ReplayReadsCurrentMask) {
   cudaStreamDestroy(stream);
 }
 
-// The padded [B, H, L, D] layout of xattention_prefill's attention step (its estimate has no
-// native kernel yet, so the step is called through the backend entry), against the reference
-// on the same params.
-TEST(GpuBlockSparsePadded, PrefillLayoutMatchesReference) {
-  SPARSE_ATTN_REQUIRE_GPU();
-  auto rng = testing::make_rng();
-  const int64_t B = 2, hq = 4, hkv = 2, lq = 300, lk = 520, d = 128;
-  // [B, L, H, D] storage seen as [B, H, L, D] (a transpose), as prefill callers pass it.
-  Tensor q = testing::random_tensor({B, lq, hq, d}, DType::kBF16, rng, -2.f, 2.f);
-  Tensor k = testing::random_tensor({B, lk, hkv, d}, DType::kBF16, rng, -2.f, 2.f);
-  Tensor v = testing::random_tensor({B, lk, hkv, d}, DType::kBF16, rng);
-  const int64_t qb = (lq + 127) / 128, kb = (lk + 127) / 128;
-  Tensor mask = Tensor::empty({B, hq, qb, kb}, DType::kBool);
-  for (int64_t i = 0; i < mask.numel(); ++i) mask.data_as<uint8_t>()[i] = (i * 7) % 3 != 0;
-  Tensor out_h = Tensor::empty({B, lq, hq, d}, DType::kBF16);
-  Tensor lse_h = Tensor::empty({B, hq, lq}, DType::kF32);
-  Tensor dq = to_device(q), dk = to_device(k), dv = to_device(v), dmask = to_device(mask);
-  Tensor out_d = testing::poisoned_device({B, lq, hq, d}, DType::kBF16);
-  Tensor lse_d = testing::poisoned_device({B, hq, lq}, DType::kF32);
-  const std::vector<int32_t> types(hq, 1);
-  auto params = [&](const Tensor& tq, const Tensor& tk, const Tensor& tv, const Tensor& tm,
-                    const Tensor& to, const Tensor& tl) {
+// Padded [B, H, L, D] problems given to the backend entries directly (BlockSparseAttnParams):
+// q and out stored [B, lq, hq, d], k and v [B, lk, hkv, d] (the transposes prefill callers
+// pass), one mask slice per head of type 1, lse [B, hq, lq].
+struct PaddedProblem {
+  int64_t B, hq, hkv, lq, lk, d;
+  std::vector<int32_t> types;  // per query head
+  Tensor q, k, v, mask, dq, dk, dv, dmask;
+
+  PaddedProblem(int64_t B_, int64_t hq_, int64_t hkv_, int64_t lq_, int64_t lk_, int64_t d_,
+                std::vector<int32_t> types_, std::mt19937_64& rng)
+      : B(B_), hq(hq_), hkv(hkv_), lq(lq_), lk(lk_), d(d_), types(std::move(types_)) {
+    q = testing::random_tensor({B, lq, hq, d}, DType::kBF16, rng, -2.f, 2.f);
+    k = testing::random_tensor({B, lk, hkv, d}, DType::kBF16, rng, -2.f, 2.f);
+    v = testing::random_tensor({B, lk, hkv, d}, DType::kBF16, rng);
+    mask = Tensor::empty({B, sparse_heads(), qb(), kb()}, DType::kBool);
+    for (int64_t i = 0; i < mask.numel(); ++i) mask.data_as<uint8_t>()[i] = (i * 7) % 3 != 0;
+    dq = to_device(q), dk = to_device(k), dv = to_device(v), dmask = to_device(mask);
+  }
+  int64_t qb() const { return (lq + 127) / 128; }
+  int64_t kb() const { return (lk + 127) / 128; }
+  int64_t sparse_heads() const { return std::count(types.begin(), types.end(), 1); }
+  Tensor out_host() const { return Tensor::empty({B, lq, hq, d}, DType::kBF16); }
+  Tensor lse_host() const { return Tensor::empty({B, hq, lq}, DType::kF32); }
+  Tensor out_device() const { return testing::poisoned_device({B, lq, hq, d}, DType::kBF16); }
+  Tensor lse_device() const { return testing::poisoned_device({B, hq, lq}, DType::kF32); }
+
+  // The params on the host tensors (device false) or the device tensors, writing out and lse.
+  BlockSparseAttnParams params(bool device, const Tensor& out, const Tensor& lse) const {
     BlockSparseAttnParams a;
     a.batch = B;
     a.num_q_heads = hq;
@@ -156,10 +164,10 @@ TEST(GpuBlockSparsePadded, PrefillLayoutMatchesReference) {
     a.max_seqlen_k = lk;
     a.total_q = B * lq;
     a.kv_layout = XAttnKVLayout::kPadded;
-    a.q = tq.data();
-    a.k = tk.data();
-    a.v = tv.data();
-    a.out = to.data();
+    a.q = (device ? dq : q).data();
+    a.k = (device ? dk : k).data();
+    a.v = (device ? dv : v).data();
+    a.out = out.data();
     for (int64_t* s : {a.q_stride, a.out_stride}) {
       s[0] = lq * hq * d, s[1] = hq * d, s[2] = d, s[3] = 1;
     }
@@ -167,24 +175,69 @@ TEST(GpuBlockSparsePadded, PrefillLayoutMatchesReference) {
       s[0] = lk * hkv * d, s[1] = hkv * d, s[2] = d, s[3] = 1;
     }
     a.head_mask_type = types.data();
-    a.block_mask = tm.data_as<const uint8_t>();
-    a.mask_stride[0] = hq * qb * kb, a.mask_stride[1] = qb * kb, a.mask_stride[2] = kb,
-    a.mask_stride[3] = 1;
-    a.mask_q_blocks = qb;
-    a.mask_k_blocks = kb;
-    a.lse = const_cast<float*>(tl.data_as<float>());
+    if (sparse_heads() > 0) {
+      a.block_mask = (device ? dmask : mask).data_as<const uint8_t>();
+      a.mask_stride[0] = sparse_heads() * qb() * kb(), a.mask_stride[1] = qb() * kb(),
+      a.mask_stride[2] = kb(), a.mask_stride[3] = 1;
+    }
+    a.mask_q_blocks = qb();
+    a.mask_k_blocks = kb();
+    a.lse = const_cast<float*>(lse.data_as<float>());
     a.lse_stride[0] = hq * lq, a.lse_stride[1] = 1, a.lse_stride[2] = lq;
     a.softmax_scale = 1.0 / std::sqrt(static_cast<double>(d));
     a.causal = true;
     return a;
-  };
-  reference_block_sparse_attention(params(q, k, v, mask, out_h, lse_h));
-  native_block_sparse_attention(params(dq, dk, dv, dmask, out_d, lse_d));
+  }
+};
+
+// The padded layout of xattention_prefill's attention step (its estimate has no native kernel
+// yet, so the step is called through the backend entry), against the reference on the same
+// params.
+TEST(GpuBlockSparsePadded, PrefillLayoutMatchesReference) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = testing::make_rng();
+  const PaddedProblem pb(2, 4, 2, 300, 520, 128, {1, 1, 1, 1}, rng);
+  Tensor out_h = pb.out_host(), lse_h = pb.lse_host();
+  Tensor out_d = pb.out_device(), lse_d = pb.lse_device();
+  reference_block_sparse_attention(pb.params(false, out_h, lse_h));
+  native_block_sparse_attention(pb.params(true, out_d, lse_d));
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_TRUE(testing::all_close(Tensor::to_host(out_d.view()).view(), to_vector(out_h.view()),
                                  2e-2, 2e-2));
   EXPECT_TRUE(testing::all_close(Tensor::to_host(lse_d.view()).view(), to_vector(lse_h.view()),
                                  1e-3, 1e-3));
+}
+
+// The CTA order in sections of (sequence, query head) units (BlockSparseFwdParams::section):
+// every section size, including ones that do not divide the units and a last section of one,
+// gives the same bits, which match the reference. The problem has tiles whose rows see no key
+// (q_len above k_len, causal), a dense head, and tiles that reach past the keys.
+TEST(GpuBlockSparseSections, EverySectionSizeGivesTheSameBits) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = testing::make_rng();
+  for (int64_t d : {128, 256}) {
+    const PaddedProblem pb(3, 4, 2, 700, 450, d, {1, 0, 1, 1}, rng);  // 12 units
+    Tensor out_h = pb.out_host(), lse_h = pb.lse_host();
+    reference_block_sparse_attention(pb.params(false, out_h, lse_h));
+    Tensor out_d = pb.out_device(), lse_d = pb.lse_device();
+    native_block_sparse_attention(pb.params(true, out_d, lse_d));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const Tensor first = Tensor::to_host(out_d.view()), first_lse = Tensor::to_host(lse_d.view());
+    EXPECT_TRUE(testing::all_close(first.view(), to_vector(out_h.view()), 2e-2, 2e-2)) << d;
+    EXPECT_TRUE(testing::all_close(first_lse.view(), to_vector(lse_h.view()), 1e-3, 1e-3)) << d;
+    for (int64_t section : {1, 2, 5, 11, 12}) {
+      out_d = pb.out_device(), lse_d = pb.lse_device();
+      BlockSparseAttnParams a = pb.params(true, out_d, lse_d);
+      a.section = section;
+      native_block_sparse_attention(a);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const Tensor again = Tensor::to_host(out_d.view()), again_lse = Tensor::to_host(lse_d.view());
+      ASSERT_EQ(std::memcmp(first.data(), again.data(), first.numel() * 2), 0)
+          << d << " " << section;
+      ASSERT_EQ(std::memcmp(first_lse.data(), again_lse.data(), first_lse.numel() * 4), 0)
+          << d << " " << section;
+    }
+  }
 }
 
 // What the native kernel does not take is refused, naming the argument.

@@ -83,6 +83,18 @@ int block_n(int64_t head_dim) {
   }
 }
 
+// (Sequence, query head) units per section of the CTA order: whole KV groups whose K and V
+// (max_seqlen_k keys each) take at most half of L2 together; at least one group, at most every
+// unit. The CTAs running at once then re-read their K/V from L2 rather than DRAM.
+int32_t section_units(const BlockSparseAttnParams& a) {
+  if (a.section > 0) return static_cast<int32_t>(std::min(a.section, a.batch * a.num_q_heads));
+  int l2 = 0;
+  SPARSE_ATTN_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, a.device_index));
+  const int64_t kv_head_bytes = std::max<int64_t>(4 * a.max_seqlen_k * a.head_dim, 1);
+  const int64_t groups = std::max<int64_t>(1, l2 / 2 / kv_head_bytes);
+  return static_cast<int32_t>(std::min(groups * a.group, a.batch * a.num_q_heads));
+}
+
 }  // namespace
 }  // namespace sparse_attn::cuda
 
@@ -98,7 +110,8 @@ void native_block_sparse_attention(const BlockSparseAttnParams& a) {
   if (ctas > std::numeric_limits<int32_t>::max()) {
     throw NotSupportedError(
         "block_sparse_attention: backend 'native' launches one CTA per 128 query rows, head and "
-        "sequence, at most 2^31 - 1 of them; got " + std::to_string(ctas));
+        "sequence, at most 2^31 - 1 of them; got " +
+        std::to_string(ctas));
   }
 
   BlockSparseFwdParams p;
@@ -106,6 +119,7 @@ void native_block_sparse_attention(const BlockSparseAttnParams& a) {
   p.num_q_heads = static_cast<int32_t>(a.num_q_heads);
   p.group = static_cast<int32_t>(a.group);
   p.m_blocks = static_cast<int32_t>(m_blocks);
+  p.section = cuda::section_units(a);
   p.max_seqlen_q = static_cast<int32_t>(a.max_seqlen_q);
   p.max_seqlen_k = static_cast<int32_t>(a.max_seqlen_k);
   p.total_q = a.total_q;

@@ -28,7 +28,7 @@ struct BlockSparseTile<64> {
 };
 template <>
 struct BlockSparseTile<128> {
-  static constexpr int kBlockN = 128, kStages = 2;
+  static constexpr int kBlockN = 128, kStages = 3;
 };
 template <>
 struct BlockSparseTile<256> {
@@ -49,6 +49,10 @@ struct BlockSparseFwdParams {
   int32_t num_q_heads = 0;
   int32_t group = 0;     // query heads per KV head
   int32_t m_blocks = 0;  // ceil(max_seqlen_q / 128): CTAs per (sequence, head)
+  // CTAs are dealt in sections of `section` consecutive (sequence, query head) units (unit =
+  // sequence * num_q_heads + head), 1 <= section <= batch * num_q_heads: the K/V that the CTAs
+  // of one section read fits in L2 together.
+  int32_t section = 1;
   int32_t max_seqlen_q = 0, max_seqlen_k = 0;
   int64_t total_q = 0, total_k = 0;  // varlen row counts (the clamps of broken offsets)
 

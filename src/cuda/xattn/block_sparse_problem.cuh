@@ -33,13 +33,18 @@ struct BlockSparseProblem {
   int kind = 1, sink = 0, local = 0, diagonal = 0;
   const uint8_t* mask_row = nullptr;
 
-  // The heaviest query blocks (the last ones, under a causal mask) are dispatched first; within
-  // one block index, every head and sequence.
+  // Sections of p.section units, one after the other; within a section the heaviest query
+  // blocks (the last ones, under a causal mask) are dispatched first, and within one block
+  // index every unit of the section.
   __device__ BlockSparseProblem(const Params& params, int cta) : p(params) {
-    h = cta % p.num_q_heads;
-    const int rest = cta / p.num_q_heads;
-    b = rest % p.batch;
-    m = p.m_blocks - 1 - rest / p.batch;
+    const int units = p.batch * p.num_q_heads;
+    const int per_section = p.section * p.m_blocks;
+    const int u0 = cta / per_section * p.section, r = cta % per_section;
+    const int width = min(p.section, units - u0);
+    const int u = u0 + r % width;
+    m = p.m_blocks - 1 - r / width;
+    b = u / p.num_q_heads;
+    h = u % p.num_q_heads;
     kvh = h / p.group;
     // Broken promises (offsets outside the tensors, lengths past the bounds) are clamped, so no
     // access leaves its tensor or the mask.
