@@ -37,7 +37,7 @@ using testing::run;
 
 // A case with its native tensors on the GPU: device copies, outputs poisoned.
 Problem make_device_problem(const BsCase& c, std::mt19937_64& rng) {
-  Problem pb = make_device_problem(c, rng);
+  Problem pb = make_problem(c, rng);
   pb.nq = to_device(pb.q);
   pb.nk = to_device(pb.k);
   pb.nv = to_device(pb.v);
