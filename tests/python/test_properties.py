@@ -170,9 +170,15 @@ def malformations(case, family):
                 add(f"{key} as a neg-bit view",
                     lambda key=key, t=t: set_arg(kw, key, t.clone()._neg_view(), case.args))
     elif family == "device":
+        # Moving a tensor to CUDA is a malformation only while another one of the call stays on
+        # the CPU: a call whose other tensors are left out (an output the function allocates)
+        # is a valid CUDA call.
+        given = [key for key, arg, t in tensor_args(case)
+                 if isinstance(get_arg(case.kw, key), (torch.Tensor, np.ndarray))]
         for key, arg, t in tensor_args(case):
-            add(f"{key} on CUDA, the rest on the CPU",
-                lambda key=key, t=t: set_arg(kw, key, t.to("cuda"), case.args))
+            if any(other != key for other in given):
+                add(f"{key} on CUDA, the rest on the CPU",
+                    lambda key=key, t=t: set_arg(kw, key, t.to("cuda"), case.args))
     elif family in ("out_layout", "in_layout"):
         for key, arg, t in tensor_args(case, outputs=family == "out_layout"):
             if not t.numel():
