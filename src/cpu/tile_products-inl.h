@@ -35,57 +35,46 @@ inline int64_t padded_dim(int64_t d) {
   return (d + cols - 1) / cols * cols;
 }
 
-// S[kRows * row block][kTile] = Q[rows][Dp] K^T, K^T one key block [Dp][kTile].
-inline void scores(const float* q, int64_t rows, int64_t dp, const float* kt, float* s) {
+// C[rows][cols] = A[rows][k] B[k][cols], or C += A B when `accumulate`: register blocks of
+// kRows rows x vecs_per_row() vectors, the products over k added in order (so every element's
+// sum runs in one fixed order). Row strides lda, ldb, ldc; cols a multiple of one block's width.
+inline void block_product(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t k,
+                          float* c, int64_t ldc, int64_t rows, int64_t cols, bool accumulate) {
   const DF df;
   constexpr int kV = vecs_per_row();
   const int64_t n = hn::Lanes(df);
   for (int64_t i0 = 0; i0 < rows; i0 += kRows) {
-    for (int64_t j0 = 0; j0 < kTile; j0 += kV * n) {
+    for (int64_t c0 = 0; c0 < cols; c0 += kV * n) {
       hn::Vec<DF> acc[kRows][kV];
-      for (auto& r : acc) {
-        for (auto& a : r) a = hn::Zero(df);
+      for (int r = 0; r < kRows; ++r) {
+        for (int v = 0; v < kV; ++v) {
+          acc[r][v] = accumulate ? hn::Load(df, c + (i0 + r) * ldc + c0 + v * n) : hn::Zero(df);
+        }
       }
-      for (int64_t d = 0; d < dp; ++d) {
-        hn::Vec<DF> k[kV];
-        for (int v = 0; v < kV; ++v) k[v] = hn::Load(df, kt + d * kTile + j0 + v * n);
+      for (int64_t t = 0; t < k; ++t) {
+        hn::Vec<DF> bv[kV];
+        for (int v = 0; v < kV; ++v) bv[v] = hn::Load(df, b + t * ldb + c0 + v * n);
         for (int r = 0; r < kRows; ++r) {
-          const auto qv = hn::Set(df, q[(i0 + r) * dp + d]);
-          for (int v = 0; v < kV; ++v) acc[r][v] = hn::MulAdd(qv, k[v], acc[r][v]);
+          const auto av = hn::Set(df, a[(i0 + r) * lda + t]);
+          for (int v = 0; v < kV; ++v) acc[r][v] = hn::MulAdd(av, bv[v], acc[r][v]);
         }
       }
       for (int r = 0; r < kRows; ++r) {
-        for (int v = 0; v < kV; ++v) hn::Store(acc[r][v], df, s + (i0 + r) * kTile + j0 + v * n);
+        for (int v = 0; v < kV; ++v) hn::Store(acc[r][v], df, c + (i0 + r) * ldc + c0 + v * n);
       }
     }
   }
 }
 
+// S[kRows * row block][kTile] = Q[rows][Dp] K^T, K^T one key block [Dp][kTile].
+inline void scores(const float* q, int64_t rows, int64_t dp, const float* kt, float* s) {
+  block_product(q, dp, kt, kTile, dp, s, kTile, rows, kTile, false);
+}
+
 // O[rows][Dp] += P[rows][kTile] V, V one key block [kTile][Dp]; keys past `keys` have P = 0.
 inline void add_pv(const float* p, int64_t rows, int64_t keys, const float* v, int64_t dp,
                    float* o) {
-  const DF df;
-  constexpr int kV = vecs_per_row();
-  const int64_t n = hn::Lanes(df);
-  for (int64_t i0 = 0; i0 < rows; i0 += kRows) {
-    for (int64_t c0 = 0; c0 < dp; c0 += kV * n) {
-      hn::Vec<DF> acc[kRows][kV];
-      for (int r = 0; r < kRows; ++r) {
-        for (int c = 0; c < kV; ++c) acc[r][c] = hn::Load(df, o + (i0 + r) * dp + c0 + c * n);
-      }
-      for (int64_t t = 0; t < keys; ++t) {
-        hn::Vec<DF> vv[kV];
-        for (int c = 0; c < kV; ++c) vv[c] = hn::Load(df, v + t * dp + c0 + c * n);
-        for (int r = 0; r < kRows; ++r) {
-          const auto pv = hn::Set(df, p[(i0 + r) * kTile + t]);
-          for (int c = 0; c < kV; ++c) acc[r][c] = hn::MulAdd(pv, vv[c], acc[r][c]);
-        }
-      }
-      for (int r = 0; r < kRows; ++r) {
-        for (int c = 0; c < kV; ++c) hn::Store(acc[r][c], df, o + (i0 + r) * dp + c0 + c * n);
-      }
-    }
-  }
+  block_product(p, kTile, v, dp, keys, o, dp, rows, dp, true);
 }
 
 }  // namespace sparse_attn::cpu::HWY_NAMESPACE
