@@ -15,6 +15,7 @@
 #include "cuda/attention/sparse_attention_launch.h"
 #include "cuda/common/check.h"
 #include "cuda/common/device_guard.h"
+#include "cuda/common/device_props.h"
 #include "cuda/common/dispatch.h"
 #include "sparse_attn/errors.h"
 
@@ -29,17 +30,6 @@ void set_row_tile_wgmma(bool on) { g_row_tile_wgmma.store(on, std::memory_order_
 bool row_tile_wgmma() { return g_row_tile_wgmma.load(std::memory_order_relaxed); }
 
 namespace {
-
-int sm_count(int device) {
-  static std::array<std::atomic<int>, 64> cache{};  // 0: not read yet
-  if (device >= 0 && device < static_cast<int>(cache.size()) && cache[device] != 0) {
-    return cache[device];
-  }
-  int n = 0;
-  SPARSE_ATTN_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  if (device >= 0 && device < static_cast<int>(cache.size())) cache[device] = n;
-  return n;
-}
 
 // The SplitKV workspace pool of a device: the library's own stream-ordered pool, which keeps
 // freed memory (release threshold: never) so that a decode step reuses the last step's

@@ -31,6 +31,7 @@
 #include <cute/arch/copy_sm80.hpp>
 
 #include "cuda/common/check.h"
+#include "cuda/common/device_props.h"
 #include "cuda/common/mma.cuh"
 #include "cuda/indexer/mqa_problem.h"
 
@@ -451,9 +452,9 @@ void launch_mqa_rows(const RowsProblem& p, cudaStream_t stream) {
   constexpr int kSmem = sizeof(SharedStorage);
   SPARSE_ATTN_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  int device = 0, sms = 0;
+  int device = 0;
   SPARSE_ATTN_CUDA_CHECK(cudaGetDevice(&device));
-  SPARSE_ATTN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = sm_count(device);
   const int64_t row_tiles = (p.num_rows + kBlockRows - 1) / kBlockRows;
   if (row_tiles > INT_MAX) throw Error("qsa indexer: too many query rows for one launch");
   const int64_t keys_per_cta = rows_keys_per_cta(row_tiles, p.num_keys, sms);

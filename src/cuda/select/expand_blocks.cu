@@ -10,6 +10,7 @@
 #include "api/qsa_select_params.h"
 #include "cuda/common/check.h"
 #include "cuda/common/device_guard.h"
+#include "cuda/common/device_props.h"
 
 namespace sparse_attn {
 namespace cuda::select {
@@ -74,9 +75,7 @@ void detail::native_expand_blocks(const ExpandBlocksParams& p) {
   const int64_t total_rows = p.batch * p.rows;
   if (total_rows == 0) return;
   cuda::DeviceGuard guard(p.device_index);
-  int sms = 0;
-  SPARSE_ATTN_CUDA_CHECK(
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device_index));
+  const int sms = cuda::sm_count(p.device_index);
   const int64_t needed = (total_rows + kWarpsPerCta - 1) / kWarpsPerCta;
   const int64_t grid = std::min<int64_t>(needed, int64_t{sms} * 64);
   expand_blocks_kernel<<<unsigned(grid), kThreads, 0, static_cast<cudaStream_t>(p.stream)>>>(p);

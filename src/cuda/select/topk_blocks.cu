@@ -18,6 +18,7 @@
 #include "api/qsa_select_params.h"
 #include "cuda/common/check.h"
 #include "cuda/common/device_guard.h"
+#include "cuda/common/device_props.h"
 
 namespace sparse_attn {
 namespace cuda::select {
@@ -245,9 +246,7 @@ void detail::native_topk_blocks(const TopkBlocksParams& p) {
   t.sort_capacity = 1;
   while (t.sort_capacity < std::min(p.k, p.num_blocks)) t.sort_capacity *= 2;
 
-  int sms = 0;
-  SPARSE_ATTN_CUDA_CHECK(
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device_index));
+  const int sms = cuda::sm_count(p.device_index);
   const auto kernel = topk_blocks_kernel;
   if (t.sort_capacity <= kMaxSharedSort) {
     // Rows are independent and equally long: enough CTAs for every SM, each looping over rows.

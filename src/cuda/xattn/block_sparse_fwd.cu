@@ -12,6 +12,7 @@
 #include "api/xattn_params.h"
 #include "cuda/common/check.h"
 #include "cuda/common/device_guard.h"
+#include "cuda/common/device_props.h"
 #include "cuda/xattn/block_sparse_fwd.h"
 #include "sparse_attn/errors.h"
 
@@ -88,8 +89,7 @@ int block_n(int64_t head_dim) {
 // unit. The CTAs running at once then re-read their K/V from L2 rather than DRAM.
 int32_t section_units(const BlockSparseAttnParams& a) {
   if (a.section > 0) return static_cast<int32_t>(std::min(a.section, a.batch * a.num_q_heads));
-  int l2 = 0;
-  SPARSE_ATTN_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, a.device_index));
+  const int64_t l2 = l2_cache_bytes(a.device_index);
   const int64_t kv_head_bytes = std::max<int64_t>(4 * a.max_seqlen_k * a.head_dim, 1);
   const int64_t groups = std::max<int64_t>(1, l2 / 2 / kv_head_bytes);
   return static_cast<int32_t>(std::min(groups * a.group, a.batch * a.num_q_heads));
