@@ -107,17 +107,20 @@ struct BlockSparseProblem {
 
   // ----- the tiles a CTA visits: the tiles of its kept blocks, highest first -----------------
   // Warp-collective: each lane tests one block of a 32-block chunk and a ballot collects them,
-  // so a chunk costs one load per lane; every warp that asks walks the same order.
+  // so a chunk costs one load per lane; every warp that asks walks the same order. The next
+  // chunk's loads are issued when a chunk is entered and read when it is used up, so their
+  // latency hides behind the chunk's tiles.
   struct TileIterator {
     const BlockSparseProblem* pr;
     int chunk;          // first block of the current chunk
     uint32_t bits;      // kept blocks of the chunk not visited yet
+    bool lower_kept;    // this lane's block of the chunk below is kept
     int tile, tile_lo;  // the current block's remaining tiles: tile .. tile_lo
 
-    __device__ uint32_t scan(int c) const {
+    __device__ bool lane_kept(int c) const {
       const int j = c + static_cast<int>(threadIdx.x % 32);
       const int last_block = (pr->key_end - 1) / kBlock;
-      return __ballot_sync(0xffffffff, j <= last_block && pr->kept(j));
+      return j >= 0 && j <= last_block && pr->kept(j);
     }
 
     __device__ bool next(int& n) {
@@ -128,7 +131,8 @@ struct BlockSparseProblem {
       while (bits == 0) {
         chunk -= 32;
         if (chunk < 0) return false;
-        bits = scan(chunk);
+        bits = __ballot_sync(0xffffffff, lower_kept);
+        lower_kept = lane_kept(chunk - 32);
       }
       const int top = 31 - __clz(bits);
       bits &= ~(1u << top);
@@ -141,10 +145,11 @@ struct BlockSparseProblem {
   };
 
   __device__ TileIterator tiles() const {
-    TileIterator it{this, 0, 0u, -1, 0};
+    TileIterator it{this, 0, 0u, false, -1, 0};
     if (key_end > 0) {
       it.chunk = (key_end - 1) / kBlock / 32 * 32;
-      it.bits = it.scan(it.chunk);
+      it.bits = __ballot_sync(0xffffffff, it.lane_kept(it.chunk));
+      it.lower_kept = it.lane_kept(it.chunk - 32);
     }
     return it;
   }
@@ -214,13 +219,9 @@ struct BlockSparseProblem {
   // ----- scores ---------------------------------------------------------------------------
   __device__ int keys() const { return lk; }
   __device__ float scale_log2() const { return p.scale_log2; }
-  // Rows >= first_row of the CTA: is any score of tile n masked (past the keys, or causal)?
-  __device__ bool needs_mask(int n, int first_row) const {
-    const int tile_end = (n + 1) * kBlockN;
-    return tile_end > lk || (p.causal && tile_end - 1 > offset + kBlock * m + first_row);
-  }
-  __device__ bool masked(int row, int key) const {
-    return key >= lk || (p.causal && key > offset + kBlock * m + row);
+  // Keys past the sequence's, and under the causal mask those past the row's position.
+  __device__ int key_limit(int row) const {
+    return p.causal ? min(lk, offset + kBlock * m + row + 1) : lk;
   }
 
   // ----- outputs --------------------------------------------------------------------------

@@ -13,8 +13,8 @@
 //                                      tile n's copies (warp-collective: lanes look pages up,
 //                                      the leader issues)
 //   int keys()                         keys of the row's sequence: tile rows past it are masked
-//   bool needs_mask(n, first_row)      some score of tile n is masked for rows >= first_row
-//   bool masked(row, key)              score (row, key) is masked
+//   int key_limit(row)                 keys >= key_limit(row) are masked for CTA row `row`
+//                                      (past the sequence, or causal); non-decreasing in row
 //   float scale_log2()                 softmax scale in log2 units
 //   bool row_in_range(row)             CTA row `row` is a real query row (written)
 //   void store_o(row, col, uint4)      8 output elements of a real row
@@ -107,12 +107,21 @@ __device__ void consume(Problem& prob, typename Traits::SharedStorage& ss,
   clear(tOrO);
   const int first_row = 64 * wg;
 
+  // A tile is masked for this warpgroup's rows only where it reaches past the limit of the
+  // first row (the limits do not decrease with the row): one compare for most tiles, and a
+  // compare and select a score for the others.
+  const int first_limit = prob.key_limit(first_row);
+  Tensor tScS_rc = make_tensor(tScS.data(), accumulator_rows_cols(tScS.layout()));
+  Tensor tSrS_rc = make_tensor(tSrS.data(), accumulator_rows_cols(tSrS.layout()));
   auto mask_scores = [&](int n) {
-    if (!prob.needs_mask(n, first_row)) return;
+    if ((n + 1) * kBlockN <= first_limit) return;
     CUTE_UNROLL
-    for (int i = 0; i < size(tSrS); ++i) {
-      const int row = get<0>(tScS(i)), key = n * kBlockN + get<1>(tScS(i));
-      if (prob.masked(row, key)) tSrS(i) = -INFINITY;
+    for (int i = 0; i < size<0>(tSrS_rc); ++i) {
+      const int limit = prob.key_limit(get<0>(tScS_rc(i, 0))) - n * kBlockN;
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(tSrS_rc); ++j) {
+        if (get<1>(tScS_rc(i, j)) >= limit) tSrS_rc(i, j) = -INFINITY;
+      }
     }
   };
 
@@ -127,7 +136,7 @@ __device__ void consume(Problem& prob, typename Traits::SharedStorage& ss,
     pipe_k.consumer_release(read_k);
     ++read_k;
     mask_scores(n);
-    softmax.update(tSrS, rescale);
+    softmax.update(tSrS, rescale, [](float) {});
     convert_fragment(tSrS_as_a, tOrP);
     // Only the first tile (the highest) can reach past the sequence's keys. Its V rows there
     // may hold anything (another sequence, an unused page slot, NaN): their weights are 0, but
@@ -156,11 +165,13 @@ __device__ void consume(Problem& prob, typename Traits::SharedStorage& ss,
     }
     while (more) {
       n = n_next;
-      more = it.next(n_next);
       // ----- S = Q K_n^T and O += P_{n-1} V_{n-1}, both in flight ---------------------------
       pipe_k.consumer_wait(read_k);
       named_sync(FwdBarrier::kSchedulerWG1, wg, Traits::kConsumerThreads);
       warpgroup_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+      // The next tile index (a serial chain, and on a new chunk of blocks a load) while the
+      // tensor pipe works on S, not between the softmax and the next GEMMs.
+      more = it.next(n_next);
       // O to the row maxima the previous softmax moved to (P_{n-1} is relative to them) before
       // P V adds to it: in the shadow of the S GEMM just issued, not after the P V wait.
       OnlineSoftmax<2>::scale_rows(tOrO, rescale);
@@ -171,11 +182,17 @@ __device__ void consume(Problem& prob, typename Traits::SharedStorage& ss,
             Traits::kConsumerThreads, static_cast<uint32_t>(FwdBarrier::kSchedulerWG1) + 1 - wg);
       }
       // ----- softmax of tile n while P V runs -----------------------------------------------
+      // ptxas places the wait for this warpgroup's P V at the top of the softmax's block
+      // unless an mbarrier arrive stands in its way; it moves an arrive that depends on
+      // nothing up to that top as well. So K is released from inside the softmax, predicated
+      // on row 0's weight sum (never all-ones bits: FADD's NaN is 0x7fffffff), which pins the
+      // arrive, and the wait behind it, after row 0's exponentials.
       warpgroup_wait<1>();
-      pipe_k.consumer_release(read_k);
-      ++read_k;
       mask_scores(n);
-      softmax.update(tSrS, rescale);
+      softmax.update(tSrS, rescale, [&](float row0_sum) {
+        if (__float_as_uint(row0_sum) != 0xffffffffu) pipe_k.consumer_release(read_k);
+      });
+      ++read_k;
       warpgroup_wait<0>();
       pipe_v.consumer_release(read_v);
       ++read_v;

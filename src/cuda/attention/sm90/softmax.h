@@ -49,8 +49,9 @@ struct OnlineSoftmax {
   // a score costs a max, one fused multiply-add, the exponential and an add. The max and the
   // sum of a row run as kChains independent chains: while a warpgroup is in its softmax the
   // other one is issuing GEMMs, so a scheduler has little else to hide a serial chain behind.
-  template <class Fragment>
-  __device__ void update(Fragment& s, float (&rescale)[kRows]) {
+  // `after_first_row(sum)` runs once row 0's weights and their sum (this thread's) are done.
+  template <class Fragment, class AfterFirstRow>
+  __device__ void update(Fragment& s, float (&rescale)[kRows], AfterFirstRow&& after_first_row) {
     auto rc = cute::make_tensor(s.data(), accumulator_rows_cols(s.layout()));
     constexpr int kCols = decltype(cute::size<1>(rc))::value;
     constexpr int kChains = kCols % 4 == 0 ? 4 : 1;
@@ -81,6 +82,7 @@ struct OnlineSoftmax {
       CUTE_UNROLL
       for (int c = 1; c < kChains; ++c) sum += part[c];
       row_sum[i] = row_sum[i] * rescale[i] + sum;
+      if (i == 0) after_first_row(sum);
     }
   }
 
