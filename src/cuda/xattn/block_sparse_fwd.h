@@ -17,9 +17,9 @@ enum class BlockSparseKV : int32_t {
 // Tile configuration per head dim (keys per tile, pipeline stages), for 128-row CTAs of two
 // consumer warpgroups. A tile never straddles a 128-key mask block, so kBlockN divides 128.
 // d64 / d128: 128-key tiles (S and P of a 64 x 128 tile and O fit the consumers' 240
-// registers); d256: 64-key tiles, since O alone takes 128 registers a thread. Stages: two, as
-// FlashAttention-3 uses (d128: 32 KB Q + 2 x 64 KB K/V; d256: 64 KB + 2 x 64 KB); d64 has room
-// for three. A third d128 stage would fit (224 KB) and is unmeasured (docs/perf-notes.md).
+// registers); d256: 64-key tiles, since O alone takes 128 registers a thread. Stages (K/V tiles
+// in flight): three at d64 and d128 (d128: 32 KB Q + 3 x 64 KB K/V), two at d256 (64 KB Q +
+// 2 x 64 KB; three K stages and two V fit too and measured no better: docs/perf-notes.md).
 template <int kHeadDim>
 struct BlockSparseTile;
 template <>
