@@ -7,20 +7,16 @@
 //     eager (the call between the two events, host work included: validation, workspace,
 //     launches while the GPU idles) and graph (the call captured once into a CUDA graph and
 //     replayed, as an engine replays its decode step: the GPU time of the kernels). Rates and
-//     floor% use the graph time; floor% (eager) is next to it. Every batch runs under each
-//     variant of the forward kernel (cp.async or bulk gather, 4 or 8 warps: no suffix for the
-//     library's default one, else _cpasync4w, _bulk4w, _cpasync8w, _bulk8w) with the heuristic
-//     split count, then with explicit split counts (_s<N>), graph-timed, for the heuristic,
-//     and with a caller-owned workspace (_ws: no pool allocation in the call or the graph);
-//     for the cp.async variants also with the merge launched otherwise (_pdl, _plain) and
-//     L2 prefetch distances (_pf1, _pf2, _pf4; the default prefetches nothing).
+//     floor% use the graph time; floor% (eager) is next to it. Every batch runs with the
+//     heuristic split count, with a caller-owned workspace (_ws: no pool allocation in the
+//     call or the graph), and with explicit split counts (_s<N>, graph-timed), for the
+//     heuristic.
 //   prefill: one request of 16K, 64K, 128K tokens, every row attending to its 2051-token
 //     structured selection: the 64 most recent complete blocks plus the 448 most important
 //     older ones under a fixed per-block importance, so neighbouring rows share most blocks
 //     (the mean Jaccard of consecutive rows' block sets is printed). The useful FLOP rate
 //     counts valid selected tokens only: 4 * tokens * Hq * D per row. 128K runs twice: token
-//     path, and structured path (block_indices hint). Prefill runs the row-tile kernel; every
-//     prefill row is timed with its S product by mma.sync and again by wgmma (_wgmma). Dense
+//     path, and structured path (block_indices hint). Prefill runs the row-tile kernel. Dense
 //     cuDNN causal attention of the same shape is bench/sdpa_baseline.py's (same device call).
 //   prefill_<n>k_indexer: the same timing over selections made the way an engine makes them,
 //     on the device: the structured workload's indexer inputs, native qsa_mqa_prefill, native
@@ -42,8 +38,6 @@
 #include <vector>
 
 #include "bench_util.h"
-#include "cuda/attention/sparse_attention_heuristics.h"
-#include "cuda/attention/sparse_attention_launch.h"
 #include "sparse_attn/qsa.h"
 #include "sparse_attn/qsa_select.h"
 #include "sparse_attn/workload.h"
@@ -122,24 +116,8 @@ int64_t expand(const std::vector<int32_t>& blocks, int64_t p, int32_t* row) {
   return n;
 }
 
-using sparse_attn::cuda::FwdVariant;
-using sparse_attn::cuda::Gather;
-
-std::string variant_name(const FwdVariant& v) {
-  using sparse_attn::cuda::MergeLaunch;
-  return (v.gather == Gather::kBulk ? "bulk" : "cpasync") + std::to_string(v.warps) + "w" +
-         (v.merge == MergeLaunch::kPdl     ? "_pdl"
-          : v.merge == MergeLaunch::kPlain ? "_plain"
-                                           : "") +
-         (v.l2_prefetch_tiles != FwdVariant{}.l2_prefetch_tiles
-              ? "_pf" + std::to_string(v.l2_prefetch_tiles)
-              : "");
-}
-bool is_default(const FwdVariant& v) { return v == FwdVariant{}; }
-
-// Decode runs of one batch: (variant, split count) pairs, 0 = the heuristic's count.
+// Decode runs of one batch: split counts, 0 = the heuristic's count.
 struct DecodeRun {
-  FwdVariant variant;
   int splits;
   bool eager;      // also time the eager call
   bool workspace;  // pass a caller-owned workspace (no pool allocation in the call or graph)
@@ -184,7 +162,6 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch,
     o.cu_seqlens_q = dcu.view();
     o.gate = gate.view();
     if (run.splits > 0) o.num_splits = run.splits;
-    sparse_attn::cuda::set_sparse_attention_variant(run.variant);
     Tensor workspace;
     if (run.workspace) {
       const size_t ws = qsa_sparse_attention_workspace_size(q, k, v, idx.view(), o);
@@ -199,16 +176,13 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch,
     const double eager_ms = run.eager ? timer.time(call).median_ms : 0.0;
     const double graph_ms = timer.time_graph(call).median_ms;
     const double sec = graph_ms * 1e-3;
-    add({fmt::format("decode_b{}{}{}{}", batch,
-                     is_default(run.variant) ? "" : "_" + variant_name(run.variant),
-                     run.splits > 0 ? fmt::format("_s{}", run.splits) : "",
+    add({fmt::format("decode_b{}{}{}", batch, run.splits > 0 ? fmt::format("_s{}", run.splits) : "",
                      run.workspace ? "_ws" : ""),
          eager_ms, graph_ms, 4.0 * valid * kHq * kD / sec / 1e12, bytes / sec / 1e12, floor_ms,
-         fmt::format("{}, {} splits, gate, lse{}", variant_name(run.variant),
+         fmt::format("{} splits, gate, lse{}",
                      run.splits > 0 ? fmt::format("{}", run.splits) : "heuristic",
                      run.workspace ? ", caller workspace" : "")});
   }
-  sparse_attn::cuda::set_sparse_attention_variant(FwdVariant{});
 }
 
 // A prefill selection on the device, one row per token of the request.
@@ -441,66 +415,35 @@ int main(int argc, char** argv) {
   auto want = [&](const std::string& name) { return name.rfind(only, 0) == 0; };
   const char* sweep_env = std::getenv("BENCH_SWEEP");
   const bool sweep = sweep_env == nullptr || std::string(sweep_env) != "0";
-  const FwdVariant variants[] = {
-      {Gather::kCpAsync, 4}, {Gather::kBulk, 4}, {Gather::kCpAsync, 8}, {Gather::kBulk, 8}};
   for (int64_t b : {1, 8, 32, 128}) {
     if (!want(fmt::format("decode_b{}", b))) continue;
-    std::vector<DecodeRun> runs;
-    for (const FwdVariant& v : variants) runs.push_back({v, 0, true, false});
-    for (const FwdVariant& v : variants) runs.push_back({v, 0, false, true});
-    // The merge launched as a programmatic dependent triggered at the forward grid's end, and
-    // as an ordinary launch, against the default early trigger (B <= 32 run SplitKV).
-    using sparse_attn::cuda::MergeLaunch;
-    for (const FwdVariant& v : {variants[0], variants[2]}) {
-      for (MergeLaunch m : {MergeLaunch::kPdl, MergeLaunch::kPlain}) {
-        FwdVariant vm = v;
-        vm.merge = m;
-        runs.push_back({vm, 0, false, false});
-      }
-    }
-    // The L2 prefetch distance beyond the ring (default: none): 1, 2 and 4 tiles.
-    for (const FwdVariant& v : {variants[0], variants[2]}) {
-      for (int pf : {1, 2, 4}) {
-        FwdVariant vp = v;
-        vp.l2_prefetch_tiles = pf;
-        runs.push_back({vp, 0, false, false});
-      }
-    }
+    std::vector<DecodeRun> runs = {{0, true, false}, {0, false, true}};
     if (sweep) {
-      for (const FwdVariant& v : variants)
-        for (int splits : {1, 2, 4, 8, 16, 33}) runs.push_back({v, splits, false, false});
+      for (int splits : {1, 2, 4, 8, 16, 33}) runs.push_back({splits, false, false});
     }
     bench_decode(timer, c, b, runs, add);
   }
-  // Prefill runs the row-tile kernel (the per-row variants above do not apply to it); each
-  // prefill row is timed with its S product by mma.sync and again by wgmma ("_wgmma").
-  auto both_mmas = [&](const std::string& name, const std::function<Result()>& run) {
-    for (bool wgmma : {false, true}) {
-      const std::string full = name + (wgmma ? "_wgmma" : "");
-      if (!want(full)) continue;
-      const bool before = sparse_attn::cuda::row_tile_wgmma();
-      sparse_attn::cuda::set_row_tile_wgmma(wgmma);
-      Result r = run();
-      sparse_attn::cuda::set_row_tile_wgmma(before);
-      r.name = full;
-      r.note += wgmma ? ", S by wgmma" : ", S by mma.sync";
-      add(std::move(r));
-    }
+  // Prefill runs the row-tile kernel.
+  auto prefill_row = [&](const std::string& name, const std::function<Result()>& run) {
+    if (!want(name)) return;
+    Result r = run();
+    r.name = name;
+    add(std::move(r));
   };
   for (int64_t n : {16384, 65536, 131072}) {
-    both_mmas(fmt::format("prefill_{}k_structured", n / 1024),
+    prefill_row(fmt::format("prefill_{}k_structured", n / 1024),
               [&] { return bench_prefill(timer, n, true, false); });
   }
-  both_mmas("prefill_16k_random", [&] { return bench_prefill(timer, 16384, false, false); });
-  both_mmas("prefill_128k_structured_hint",
+  prefill_row("prefill_16k_random", [&] { return bench_prefill(timer, 16384, false, false); });
+  prefill_row("prefill_128k_structured_hint",
             [&] { return bench_prefill(timer, 131072, true, true); });
   for (int64_t n : {16384, 65536, 131072}) {
     const std::string name = fmt::format("prefill_{}k_indexer", n / 1024);
     if (!want(name)) continue;
     const PrefillSelection sel = indexer_selection(timer, n);
-    both_mmas(name, [&] { return time_prefill(timer, n, sel, false, name); });
+    prefill_row(name, [&] { return time_prefill(timer, n, sel, false, name); });
     if (n == 131072) {
-      both_mmas(name + "_hint", [&] { return time_prefill(timer, n, sel, true, name + "_hint"); });
+      prefill_row(name + "_hint", [&] { return time_prefill(timer, n, sel, true, name + "_hint"); });
     }
   }
 

@@ -1,8 +1,7 @@
 // Native qsa_sparse_attention on the GPU against an independent double-precision oracle
 // written here: every query/KV layout, SplitKV counts, gates, LSE, strided and sliced views,
-// physical ids, invalid ids, very many rows, determinism and CUDA graph replay, each under
-// every variant of the forward kernel (cp.async or bulk-copy gather, 4 or 8 warps), and
-// caller-owned workspaces.
+// physical ids, invalid ids, very many rows, determinism and CUDA graph replay, on the per-row
+// kernel (with and without SplitKV) and the row-tile kernel, and caller-owned workspaces.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -15,8 +14,6 @@
 #include <string>
 #include <vector>
 
-#include "cuda/attention/sparse_attention_heuristics.h"
-#include "cuda/attention/sparse_attention_launch.h"
 #include "gpu_test_util.h"
 #include "sparse_attn/errors.h"
 #include "sparse_attn/qsa.h"
@@ -31,38 +28,6 @@ using testing::to_vector;
 
 constexpr int64_t kD = 256;
 constexpr double kInf = std::numeric_limits<double>::infinity();
-
-using cuda::FwdVariant;
-using cuda::Gather;
-const FwdVariant kVariants[] = {
-    {Gather::kCpAsync, 4}, {Gather::kBulk, 4}, {Gather::kCpAsync, 8}, {Gather::kBulk, 8}};
-
-std::string variant_name(const FwdVariant& v) {
-  return (v.gather == Gather::kBulk ? "bulk" : "cpasync") + std::to_string(v.warps) + "w" +
-         (v.merge == cuda::MergeLaunch::kPdl     ? "_pdl"
-          : v.merge == cuda::MergeLaunch::kPlain ? "_plain"
-                                                 : "") +
-         (v.l2_prefetch_tiles != FwdVariant{}.l2_prefetch_tiles
-              ? "_pf" + std::to_string(v.l2_prefetch_tiles)
-              : "");
-}
-
-// Runs the enclosing scope under one value of a process-wide kernel setting and restores the
-// previous one: the per-row kernel's variant, the row-tile kernel's S product (wgmma or not).
-template <typename V, V (*Get)(), void (*Set)(V)>
-class SettingScope {
- public:
-  explicit SettingScope(V v) : before_(Get()) { Set(v); }
-  ~SettingScope() { Set(before_); }
-  SettingScope(const SettingScope&) = delete;
-  SettingScope& operator=(const SettingScope&) = delete;
-
- private:
-  V before_;
-};
-using VariantScope =
-    SettingScope<FwdVariant, cuda::sparse_attention_variant, cuda::set_sparse_attention_variant>;
-using RowTileScope = SettingScope<bool, cuda::row_tile_wgmma, cuda::set_row_tile_wgmma>;
 
 enum class Gate { kNone, kElementwise, kPerHead };
 
@@ -90,8 +55,6 @@ struct Case {
   // Each row of a request repeats the previous row's ids with about 1 in 20 redrawn, as
   // neighbouring prefill rows do (the row-tile kernel then gathers mostly shared tokens).
   bool shared = false;
-  FwdVariant variant;
-  bool wgmma = false;  // the row-tile kernel's S by wgmma instead of mma.sync
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) { return info.param.name; }
@@ -435,8 +398,6 @@ class GpuSparseAttention : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GpuSparseAttention, MatchesOracle) {
   SPARSE_ATTN_REQUIRE_GPU();
-  VariantScope scope(GetParam().variant);
-  RowTileScope row_tiles(GetParam().wgmma);
   auto rng = testing::make_rng();
   const Problem pb = make_problem(GetParam(), rng);
   DeviceProblem dp = to_device_problem(pb, rng);
@@ -622,46 +583,10 @@ std::vector<Case> cases() {
     c.gate = hq % 2 ? Gate::kPerHead : Gate::kNone;
     v.push_back(c);
   }
-  // Every form again under the other variants (the cases above run the default).
-  const size_t n = v.size();
-  for (const FwdVariant& other : kVariants) {
-    if (other == FwdVariant{}) continue;
-    for (size_t i = 0; i < n; ++i) {
-      Case c = v[i];
-      c.name += "_" + variant_name(other);
-      c.variant = other;
-      v.push_back(c);
-    }
-  }
   return v;
 }
 
 INSTANTIATE_TEST_SUITE_P(Forms, GpuSparseAttention, ::testing::ValuesIn(cases()), case_name);
-
-// The other launch settings of the default kernel, on SplitKV decode forms: the merge kernel
-// as a programmatic launch triggered only by the forward grid's end, as an ordinary launch,
-// and no L2 prefetch of later tiles.
-const FwdVariant kLaunchVariants[] = {{Gather::kCpAsync, 8, cuda::MergeLaunch::kPdl},
-                                      {Gather::kCpAsync, 8, cuda::MergeLaunch::kPlain},
-                                      {Gather::kCpAsync, 8, cuda::MergeLaunch::kEarly, 0}};
-
-std::vector<Case> launch_variant_cases() {
-  Case split5 = decode("decode_b3_splits5_gate_elementwise", 3);
-  split5.num_splits = 5;
-  split5.gate = Gate::kElementwise;
-  std::vector<Case> v;
-  for (const FwdVariant& mv : kLaunchVariants) {
-    for (Case c : {decode("decode_b8_canonical_page64_heuristic", 8), split5}) {
-      c.name += "_" + variant_name(mv);
-      c.variant = mv;
-      v.push_back(c);
-    }
-  }
-  return v;
-}
-
-INSTANTIATE_TEST_SUITE_P(Launch, GpuSparseAttention, ::testing::ValuesIn(launch_variant_cases()),
-                         case_name);
 
 // The row-tile kernel runs when there is one split and at least 4 rows per request on average
 // (sparse_attention_native.cpp): every form above that has the rows, with one split, on its
@@ -670,22 +595,17 @@ INSTANTIATE_TEST_SUITE_P(Launch, GpuSparseAttention, ::testing::ValuesIn(launch_
 std::vector<Case> row_tile_cases() {
   std::vector<Case> v;
   for (const Case& base : cases()) {
-    if (base.variant.gather != kVariants[0].gather || base.variant.warps != kVariants[0].warps)
-      continue;  // the row-tile kernel has no variants
     const int64_t batch = static_cast<int64_t>(base.q_rows.size());
     const int64_t rows = base.padded_q
                              ? batch * *std::max_element(base.q_rows.begin(), base.q_rows.end())
                              : std::accumulate(base.q_rows.begin(), base.q_rows.end(), int64_t{0});
     if (rows < 4 * batch) continue;
-    for (bool wgmma : {false, true}) {
-      for (bool shared : {false, true}) {
-        Case c = base;
-        c.num_splits = 1;
-        c.shared = shared;
-        c.wgmma = wgmma;
-        c.name += std::string(shared ? "_rowtiles_shared" : "_rowtiles") + (wgmma ? "_wgmma" : "");
-        v.push_back(c);
-      }
+    for (bool shared : {false, true}) {
+      Case c = base;
+      c.num_splits = 1;
+      c.shared = shared;
+      c.name += shared ? "_rowtiles_shared" : "_rowtiles";
+      v.push_back(c);
     }
   }
   return v;
@@ -716,14 +636,12 @@ struct HintCase {
   int64_t page_size;
   std::optional<int64_t> num_splits;
   std::vector<int64_t> q_rows, k_lens;
-  FwdVariant variant;
 };
 
 class GpuSparseAttentionBlockHint : public ::testing::TestWithParam<HintCase> {};
 
 TEST_P(GpuSparseAttentionBlockHint, HintAndProducerContractGiveTheTokenResult) {
   SPARSE_ATTN_REQUIRE_GPU();
-  VariantScope scope(GetParam().variant);
   auto rng = testing::make_rng();
   constexpr int64_t kNb = 100;
   Case c;
@@ -756,24 +674,19 @@ TEST_P(GpuSparseAttentionBlockHint, HintAndProducerContractGiveTheTokenResult) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Pages, GpuSparseAttentionBlockHint, ::testing::ValuesIn([] {
-                           std::vector<HintCase> v;
-                           for (const FwdVariant& g : kVariants) {
-                             v.push_back({64, std::nullopt, {37, 5}, {3000, 203}, g});
-                             v.push_back({16, 3, {1, 1, 1}, {5001, 2998, 401}, g});
-                             v.push_back({64, 1, {9}, {58}, g});
-                             v.push_back({6, std::nullopt, {7, 2}, {500, 66}, g});
-                           }
-                           // The row-tile kernel (one split, rows per request >= 4), which
-                           // has no variants.
-                           v.push_back({16, 1, {40, 13}, {3000, 900}, kVariants[0]});
-                           return v;
+                           return std::vector<HintCase>{
+                               {64, std::nullopt, {37, 5}, {3000, 203}},
+                               {16, 3, {1, 1, 1}, {5001, 2998, 401}},
+                               {64, 1, {9}, {58}},
+                               {6, std::nullopt, {7, 2}, {500, 66}},
+                               // The row-tile kernel (one split, rows per request >= 4).
+                               {16, 1, {40, 13}, {3000, 900}}};
                          }()),
                          [](const ::testing::TestParamInfo<HintCase>& info) {
                            return "page" + std::to_string(info.param.page_size) + "_splits" +
                                   (info.param.num_splits ? std::to_string(*info.param.num_splits)
                                                          : "auto") +
-                                  "_rows" + std::to_string(info.param.q_rows.size()) + "_" +
-                                  variant_name(info.param.variant);
+                                  "_rows" + std::to_string(info.param.q_rows.size());
                          });
 
 // The block hint as an engine passes it: block_indices is the raw top-k of each row (unsorted,
@@ -862,11 +775,8 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<EngineHintCase>& info) { return info.param.name; });
 
 // More rows than a grid's y/z limit: rows run on gridDim.x.
-class GpuSparseAttentionRows : public ::testing::TestWithParam<FwdVariant> {};
-
-TEST_P(GpuSparseAttentionRows, MoreThan65535Rows) {
+TEST(GpuSparseAttentionRows, MoreThan65535Rows) {
   SPARSE_ATTN_REQUIRE_GPU();
-  VariantScope scope(GetParam());
   auto rng = testing::make_rng();
   Case c;
   c.hq = 2;
@@ -883,20 +793,15 @@ TEST_P(GpuSparseAttentionRows, MoreThan65535Rows) {
 }
 
 // Same inputs, same bits, for the SplitKV path and the single-split path.
-class GpuSparseAttentionDeterminism : public ::testing::TestWithParam<FwdVariant> {};
-
-TEST_P(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
+TEST(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
   SPARSE_ATTN_REQUIRE_GPU();
-  VariantScope scope(GetParam());
   auto rng = testing::make_rng();
   // Decode with one and six splits (per-row kernel), and prefill rows with shared selections
-  // (row-tile kernel, S by mma.sync (0) and by wgmma (-1): its hash-table insertions race,
-  // its union order must not).
-  for (int64_t splits : {1, 6, 0, -1}) {
-    RowTileScope row_tiles(splits < 0);
+  // (row-tile kernel, 0: its hash-table insertions race, its union order must not).
+  for (int64_t splits : {1, 6, 0}) {
     Case c = decode("det", 4);
-    c.num_splits = splits <= 0 ? 1 : splits;
-    if (splits <= 0) {
+    c.num_splits = splits == 0 ? 1 : splits;
+    if (splits == 0) {
       c.q_rows = {70, 45};
       c.k_lens = {3000, 2100};
       c.shared = true;
@@ -919,11 +824,8 @@ TEST_P(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
 // Physical ids into flattened K/V: no requests, no causal mask, duplicates counted, ids < 0
 // or >= total_kv masked, the lse buffer written; rows with nothing valid give 0 and -inf.
 // With the heuristic's splits the per-row kernel runs; with one split the row-tile kernel.
-class GpuSparseAttentionPhysical : public ::testing::TestWithParam<FwdVariant> {};
-
-TEST_P(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
+TEST(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
   SPARSE_ATTN_REQUIRE_GPU();
-  VariantScope scope(GetParam());
   auto rng = testing::make_rng();
   const int64_t rows = 9, hq = 24, hkv = 2, total = 3000, width = 2051;
   Tensor q = testing::random_tensor({rows, hq, kD}, DType::kBF16, rng, -2.f, 2.f);
@@ -1102,11 +1004,8 @@ TEST(GpuSparseAttentionWorkspaceGraph, CapturedWithCallerWorkspace) {
 
 // A captured graph reads the metadata current at replay: new ids, lengths and positions
 // written into the same buffers change the result accordingly.
-class GpuSparseAttentionGraph : public ::testing::TestWithParam<FwdVariant> {};
-
-TEST_P(GpuSparseAttentionGraph, ReplayReadsCurrentMetadata) {
+TEST(GpuSparseAttentionGraph, ReplayReadsCurrentMetadata) {
   SPARSE_ATTN_REQUIRE_GPU();
-  VariantScope scope(GetParam());
   auto rng = testing::make_rng();
   Case c = decode("graph", 4);
   c.gate = Gate::kElementwise;
@@ -1147,22 +1046,6 @@ TEST_P(GpuSparseAttentionGraph, ReplayReadsCurrentMetadata) {
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
-
-std::string variant_param_name(const ::testing::TestParamInfo<FwdVariant>& info) {
-  return variant_name(info.param);
-}
-INSTANTIATE_TEST_SUITE_P(Variants, GpuSparseAttentionRows, ::testing::ValuesIn(kVariants),
-                         variant_param_name);
-INSTANTIATE_TEST_SUITE_P(Variants, GpuSparseAttentionDeterminism, ::testing::ValuesIn(kVariants),
-                         variant_param_name);
-INSTANTIATE_TEST_SUITE_P(Variants, GpuSparseAttentionPhysical, ::testing::ValuesIn(kVariants),
-                         variant_param_name);
-INSTANTIATE_TEST_SUITE_P(Variants, GpuSparseAttentionGraph, ::testing::ValuesIn(kVariants),
-                         variant_param_name);
-INSTANTIATE_TEST_SUITE_P(Launch, GpuSparseAttentionDeterminism,
-                         ::testing::ValuesIn(kLaunchVariants), variant_param_name);
-INSTANTIATE_TEST_SUITE_P(Launch, GpuSparseAttentionGraph, ::testing::ValuesIn(kLaunchVariants),
-                         variant_param_name);
 
 }  // namespace
 }  // namespace sparse_attn

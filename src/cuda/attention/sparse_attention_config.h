@@ -5,9 +5,9 @@
 // CTA gathers the row's selected tokens (one index list shared by every head of the group)
 // 64 at a time into a multi-stage shared-memory ring, and each of its 4 token groups of warps
 // runs its own online softmax over 16 of the 64 tokens; the groups merge once at the end.
-// With 8 warps (FwdShape<8>) two warps share a token group: both compute its scores, each
-// accumulates O over its half of D, which halves the P V work and the O registers per warp
-// and puts two warps on every scheduler.
+// Two of the CTA's 8 warps share a token group: both compute its scores, each accumulates O
+// over its half of D, which halves the P V work and the O registers per warp and puts two
+// warps on every scheduler.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -29,58 +29,32 @@ struct SparseAttentionConfig {
   static constexpr int kMaxSplits = 64;  // heuristic's ceiling; explicit counts may exceed
 };
 
-// The forward kernel's CTA shape: W = 4 or 8 warps.
-template <int W>
+// The forward kernel's CTA shape: 8 warps, a pair per token group splitting D.
 struct FwdShape {
   using C = SparseAttentionConfig;
-  static_assert(W == 4 || W == 8, "4 warps, or 4 pairs splitting D");
-  static constexpr int kWarps = W;
-  static constexpr int kThreads = W * 32;
-  static constexpr int kDimSplit = W / C::kTokenGroups;      // warps sharing a token group
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kDimSplit = kWarps / C::kTokenGroups;  // warps sharing a token group
   static constexpr int kWarpDims = C::kHeadDim / kDimSplit;  // O columns one warp accumulates
-  // Index entries per thread per pass and the tokens one pass can hold (2176 or 2304). A
+  // Index entries per thread per pass and the tokens one pass can hold (2304). A
   // token-path pass reads this many ids, so the canonical 2051-token selection takes one
   // pass; wider token-only selections take several, each ending with at most one partial
   // tile. A block-hint pass reads up to 512 blocks (the seed's limit) plus the tail entry: at
   // most 2051 tokens.
-  static constexpr int kPerThread = W == 4 ? 17 : 9;
+  static constexpr int kPerThread = 9;
   static constexpr int kPassTokens = kPerThread * kThreads;
   static_assert(C::kBlockPassEntries <= kPassTokens && 4 * C::kBlockPassEntries <= kPassTokens + 4,
                 "a block-hint pass must fit the entry registers and the token list");
 };
 
-// How a gathered tile is written. kCpAsync: every thread copies 16-byte chunks with cp.async
-// (each warp one 512-byte row per instruction, so a 64-token tile costs every thread 32 copies
-// and their 64-bit address arithmetic). kBulk: one thread per K or V row issues a 512-byte
-// cp.async.bulk (the TMA does the chunking) that completes on the stage's mbarrier, so the
-// gather costs every thread one copy per tile.
-enum class Gather { kCpAsync, kBulk };
-
-// Where chunk c of tile row r lives. cp.async writes chunks, so rows are dense and swizzled:
-// chunk c at slot c ^ (r % 8). A bulk copy writes a row in one piece, so rows are padded to 33
-// chunks instead. Either way the 8 rows an ldmatrix reads at one column hit 8 bank groups.
-template <Gather G>
-struct TileLayout;
-template <>
-struct TileLayout<Gather::kCpAsync> {
-  static constexpr int kPitch = SparseAttentionConfig::kChunks;
-  __host__ __device__ static int slot(int row, int chunk) { return chunk ^ (row & 7); }
-};
-template <>
-struct TileLayout<Gather::kBulk> {
-  static constexpr int kPitch = SparseAttentionConfig::kChunks + 1;
-  __host__ __device__ static int slot(int, int chunk) { return chunk; }
-};
-
-// Shared memory as named buffers. The Q tile is swizzled like a cp.async tile (slot c ^ (r % 8)).
-template <Gather G, int W>
+// Shared memory as named buffers. A gathered row's 16-byte chunk c sits at slot c ^ (r % 8)
+// (swz), so the 8 rows an ldmatrix reads at one column hit 8 bank groups; the Q tile likewise.
 struct SparseAttentionSmem {
   using C = SparseAttentionConfig;
-  using S = FwdShape<W>;
-  static constexpr int kPitch = TileLayout<G>::kPitch;
+  using S = FwdShape;
   struct Tiles {
-    uint4 k[C::kStages][C::kBlockTokens][kPitch];
-    uint4 v[C::kStages][C::kBlockTokens][kPitch];
+    uint4 k[C::kStages][C::kBlockTokens][C::kChunks];
+    uint4 v[C::kStages][C::kBlockTokens][C::kChunks];
   };
   // The token groups' softmax states at the end; reuses the tile ring, idle by then.
   struct Merge {
@@ -102,9 +76,6 @@ struct SparseAttentionSmem {
   int2 token_loc[S::kPassTokens];
   // Valid tokens of one pass per (entry step j, warp), for the compaction's prefix sums.
   int warp_count[S::kPerThread * S::kWarps];
-  // kBulk: one mbarrier per ring stage, completed by the stage's bulk copies (unused by
-  // kCpAsync, whose groups are tracked per thread).
-  uint64_t stage_full[C::kStages];
 };
 
 }  // namespace sparse_attn::cuda

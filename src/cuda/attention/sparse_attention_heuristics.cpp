@@ -1,35 +1,20 @@
 #include "cuda/attention/sparse_attention_heuristics.h"
 
 #include <algorithm>
-#include <mutex>
 
 #include "cuda/attention/sparse_attention_config.h"
 
 namespace sparse_attn::cuda {
 
-namespace {
-std::mutex g_variant_mutex;
-FwdVariant g_variant;
-}  // namespace
-
-void set_sparse_attention_variant(FwdVariant v) {
-  std::lock_guard<std::mutex> lock(g_variant_mutex);
-  g_variant = v;
-}
-FwdVariant sparse_attention_variant() {
-  std::lock_guard<std::mutex> lock(g_variant_mutex);
-  return g_variant;
-}
-
-// A CTA (one row, one KV head, one split) holds a whole SM (218 to 225 KB of shared memory in
-// every variant), so the schedule is a sequence of waves of num_sms CTAs. A CTA costs a fixed
+// A CTA (one row, one KV head, one split) holds a whole SM (over 200 KB of shared memory), so
+// the schedule is a sequence of waves of num_sms CTAs. A CTA costs a fixed
 // latency L (resolve the row, read its index columns and page table, compact, first gather)
 // plus T per 64-token tile it gathers. For tiles-per-split n (splits = ceil(tiles / n)):
 //   cost(n) = waves(rows * kv_heads * splits) * (L/T + n)   [in units of T]
 // and the cheapest n wins (ties: fewer splits, less merge traffic). L/T = 2 was fitted to the
-// first kernel (T about 4 us); the bulk-gather and 8-warp variants shorten T more than L, i.e.
-// L/T of about 3 to 4, and the choices below are the same for any L/T from 2 to 4, so one
-// model serves every variant until a measured split sweep says otherwise.
+// first kernel (T about 4 us); the 8-warp kernel shortens T more than L, i.e. L/T of about 3
+// to 4, and the choices below are the same for any L/T from 2 to 4, so one model serves until a
+// measured split sweep says otherwise.
 // Worked example, decode with 2051 selected tokens (33 tiles), Hkv = 2, 132 SMs, L/T = 2:
 //   B = 1:   2 CTAs per split. n = 1 -> 33 splits, 66 CTAs, 1 wave, cost 3 (best); n = 2 ->
 //            17 splits, 34 CTAs, cost 4.

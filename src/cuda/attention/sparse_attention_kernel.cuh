@@ -8,11 +8,9 @@
 //   2. read the split's index columns, keep the valid ones (0 <= t < seq_len_k, t <= p, page
 //      id in range; physical: 0 <= id < total_kv) and compact their K/V coordinates into
 //      shared memory, in index order; masked ids are never dereferenced;
-//   3. gather 64 compacted tokens per stage (Gather: 16-byte cp.async chunks, or one 512-byte
-//      bulk copy per K/V row completing on the stage's mbarrier; the rows of the next tiles
-//      after the ring prefetched into L2) and run S = Q K^T, online softmax and O += P V
-//      with m16n8k16 MMAs, 16 tokens per token group of 1 or 2 warps (with 2, both compute
-//      the scores and each accumulates half of D);
+//   3. gather 64 compacted tokens per stage (16-byte cp.async chunks) and run S = Q K^T,
+//      online softmax and O += P V with m16n8k16 MMAs, 16 tokens per token group of 2 warps
+//      (both compute the scores, each accumulates half of D);
 //   4. merge the 4 groups' softmax states in a fixed order, then either store the output (gate
 //      applied, LSE exported) or, with SplitKV, the split's normalised FP32 partial and LSE.
 #pragma once
@@ -32,74 +30,28 @@
 
 namespace sparse_attn::cuda {
 
-// mbarrier and bulk-copy primitives of the kBulk gather (sm90 PTX).
-__device__ inline uint32_t smem_addr(const void* ptr) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
-__device__ inline void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count)
-               : "memory");
-}
-// One arrival that also announces the bytes the phase's copies will deliver.
-__device__ inline void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ inline void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n"
-      "}" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
-__device__ inline void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(smem_addr(dst)),
-      "l"(src), "r"(bytes), "r"(smem_addr(bar))
-      : "memory");
-}
-// Orders this thread's earlier generic-proxy shared-memory writes before later async-proxy
-// (bulk copy) writes to the same bytes, once a barrier has passed between them.
-__device__ inline void fence_proxy_async_smem() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-template <typename T, Gather G, int W>
-__global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
+template <typename T>
+__global__ void __launch_bounds__(FwdShape::kThreads, 1)
     sparse_attention_fwd_kernel(const __grid_constant__ SparseAttentionParams p,
                                 const __grid_constant__ SparseAttentionLaunch x) {
   using C = SparseAttentionConfig;
-  using S = FwdShape<W>;
+  using S = FwdShape;
   using E = ElementTraits<T>;
-  using L = TileLayout<G>;
   using Mma = typename Sm80Mma<T>::Atom;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  auto& sm = *reinterpret_cast<SparseAttentionSmem<G, W>*>(smem_raw);
+  auto& sm = *reinterpret_cast<SparseAttentionSmem*>(smem_raw);
 
   // The SplitKV merge kernel is launched as a programmatic dependent of this grid and waits
   // for its completion in cudaGridDependencySynchronize, so it may be scheduled as soon as
   // every CTA of this grid has started: its CTAs (1 KB of shared memory) then sit resident in that
   // wait, and the merge starts the moment the last split is written instead of a launch later.
   // Without a dependent launch this is a no-op.
-  if (x.trigger_merge_early) cudaTriggerProgrammaticLaunchCompletion();
+  cudaTriggerProgrammaticLaunchCompletion();
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // This warp's token group (16 tokens of every tile) and its share of D in P V and O.
-  const int token_group = S::kDimSplit == 1 ? warp : warp % C::kTokenGroups;
-  const int dim0 = S::kDimSplit == 1 ? 0 : warp / C::kTokenGroups * S::kWarpDims;
-  if constexpr (G == Gather::kBulk) {
-    // Visible to every thread after the compaction's barriers, before the first copy.
-    if (tid == 0) {
-      for (int s = 0; s < C::kStages; ++s) mbar_init(&sm.stage_full[s], 1);
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-  }
+  const int token_group = warp % C::kTokenGroups;
+  const int dim0 = warp / C::kTokenGroups * S::kWarpDims;
   const int64_t r = blockIdx.x;
   const int kvh = blockIdx.y, split = blockIdx.z;
   const int group = static_cast<int>(p.group);
@@ -266,103 +218,52 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
       }
       n_valid += in_j;
     }
-    if constexpr (G == Gather::kBulk) fence_proxy_async_smem();  // page_buf before the copies
     cute::cp_async_wait<0>();  // the Q tile's group (first pass; nothing pending after it)
     __syncthreads();
 
     // ----- gather tiles through the ring and attend ----------------------------------------
     // Tiles of every pass go through the ring in one sequence (tile_seq counts the earlier
-    // passes' tiles), so a kBulk stage's mbarrier phase is (its uses so far) & 1.
+    // passes' tiles).
     const int n_tiles = (n_valid + C::kBlockTokens - 1) / C::kBlockTokens;
     auto stage_of = [&](int tile) { return (tile_seq + tile) % C::kStages; };
     auto load_tile = [&](int tile) {
       const int stage = stage_of(tile);
-      if constexpr (G == Gather::kCpAsync) {
-        // Rows past n_valid are zero-filled, so P V never meets stale bytes.
+      // Rows past n_valid are zero-filled, so P V never meets stale bytes.
 #pragma unroll
-        for (int i = 0; i < C::kBlockTokens / S::kWarps; ++i) {
-          const int row = i * S::kWarps + warp;
-          const int n = tile * C::kBlockTokens + row;
-          const bool valid = n < n_valid;
-          const int2 loc = valid ? sm.token_loc[n] : make_int2(0, 0);
-          const T* ks = k_head + loc.x * p.k_batch_stride + loc.y * p.k_token_stride + lane * 8;
-          const T* vs = v_head + loc.x * p.v_batch_stride + loc.y * p.v_token_stride + lane * 8;
-          cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
-              *reinterpret_cast<const uint4*>(ks), sm.tiles.k[stage][row][L::slot(row, lane)],
-              valid);
-          cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
-              *reinterpret_cast<const uint4*>(vs), sm.tiles.v[stage][row][L::slot(row, lane)],
-              valid);
-        }
-        cute::cp_async_fence();
-      } else {
-        // Thread t copies K row t (t < 64) or V row t - 64 of the tile (threads from 128 on
-        // copy nothing). Rows past n_valid get no copy: their scores are masked to -inf, and
-        // their V rows are zeroed here, so that P = 0 never multiplies stale bytes (0 * NaN
-        // would be NaN).
-        static_assert(S::kThreads >= 2 * C::kBlockTokens, "one thread per K or V row");
-        constexpr uint32_t kRowBytes = C::kHeadDim * sizeof(T);
-        const int rows = min(C::kBlockTokens, n_valid - tile * C::kBlockTokens);
-        const int row = tid % C::kBlockTokens;
-        const bool is_v = tid >= C::kBlockTokens;
-        const bool has_row = tid < 2 * C::kBlockTokens;
-        if (tid == 0) mbar_arrive_expect_tx(&sm.stage_full[stage], 2 * kRowBytes * rows);
-        if (has_row && row < rows) {
-          const int2 loc = sm.token_loc[tile * C::kBlockTokens + row];
-          const T* src = is_v ? v_head + loc.x * p.v_batch_stride + loc.y * p.v_token_stride
-                              : k_head + loc.x * p.k_batch_stride + loc.y * p.k_token_stride;
-          uint4* dst = is_v ? &sm.tiles.v[stage][row][0] : &sm.tiles.k[stage][row][0];
-          bulk_copy_g2s(dst, src, kRowBytes, &sm.stage_full[stage]);
-        } else if (has_row && is_v) {
-          for (int c = 0; c < C::kChunks; ++c) sm.tiles.v[stage][row][c] = make_uint4(0, 0, 0, 0);
-          fence_proxy_async_smem();  // before a later bulk copy rewrites the row
-        }
+      for (int i = 0; i < C::kBlockTokens / S::kWarps; ++i) {
+        const int row = i * S::kWarps + warp;
+        const int n = tile * C::kBlockTokens + row;
+        const bool valid = n < n_valid;
+        const int2 loc = valid ? sm.token_loc[n] : make_int2(0, 0);
+        const T* ks = k_head + loc.x * p.k_batch_stride + loc.y * p.k_token_stride + lane * 8;
+        const T* vs = v_head + loc.x * p.v_batch_stride + loc.y * p.v_token_stride + lane * 8;
+        cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
+            *reinterpret_cast<const uint4*>(ks), sm.tiles.k[stage][row][swz(row, lane)],
+            valid);
+        cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
+            *reinterpret_cast<const uint4*>(vs), sm.tiles.v[stage][row][swz(row, lane)],
+            valid);
       }
-    };
-    // L2 prefetch of a tile's K/V rows (one 512-byte bulk prefetch per row, no shared memory
-    // and nothing to wait for): issued x.prefetch_tiles tiles before the tile enters the ring,
-    // so its gather then reads L2 and the SM keeps more bytes in flight than the ring holds.
-    auto prefetch_tile = [&](int tile) {
-      constexpr uint32_t kRowBytes = C::kHeadDim * sizeof(T);
-      const int row = tid % C::kBlockTokens;
-      const int n = tile * C::kBlockTokens + row;
-      if (tid < 2 * C::kBlockTokens && n < n_valid) {
-        const int2 loc = sm.token_loc[n];
-        const T* src = tid >= C::kBlockTokens
-                           ? v_head + loc.x * p.v_batch_stride + loc.y * p.v_token_stride
-                           : k_head + loc.x * p.k_batch_stride + loc.y * p.k_token_stride;
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(kRowBytes)
-                     : "memory");
-      }
+      cute::cp_async_fence();
     };
 #pragma unroll
     for (int s = 0; s < C::kStages - 1; ++s) {
       if (s < n_tiles) {
         load_tile(s);
-      } else if constexpr (G == Gather::kCpAsync) {
+      } else {
         cute::cp_async_fence();  // an empty group keeps the wait counts below uniform
       }
     }
-    for (int s = C::kStages - 1; s < C::kStages - 1 + x.prefetch_tiles && s < n_tiles; ++s) {
-      prefetch_tile(s);  // after the first gathers, which the first tile waits for
-    }
     for (int tile = 0; tile < n_tiles; ++tile) {
       const int stage = stage_of(tile);
-      // cp.async: tile's data visible. Both: every warp is done with the stage reused next
-      // (a bulk copy after generic reads needs no proxy fence, only this ordering).
-      if constexpr (G == Gather::kCpAsync) cute::cp_async_wait<C::kStages - 2>();
+      // The tile's data visible, and every warp done with the stage reused next.
+      cute::cp_async_wait<C::kStages - 2>();
       __syncthreads();
       const int next = tile + C::kStages - 1;
       if (next < n_tiles) {
         load_tile(next);
-      } else if constexpr (G == Gather::kCpAsync) {
+      } else {
         cute::cp_async_fence();
-      }
-      if (x.prefetch_tiles > 0 && next + x.prefetch_tiles < n_tiles) {
-        prefetch_tile(next + x.prefetch_tiles);
-      }
-      if constexpr (G == Gather::kBulk) {
-        mbar_wait(&sm.stage_full[stage], ((tile_seq + tile) / C::kStages) & 1);
       }
 
       const int tok0 = token_group * C::kWarpTokens;  // this warp's 16 tokens in the tile
@@ -383,7 +284,7 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
         const int krow = tok0 + (lane % 8) + (lane >> 4) * 8;
         const int kchunk = ks * 2 + ((lane >> 3) & 1);
         cute::SM75_U32x4_LDSM_N::copy(reinterpret_cast<const cute::uint128_t&>(
-                                          sm.tiles.k[stage][krow][L::slot(krow, kchunk)]),
+                                          sm.tiles.k[stage][krow][swz(krow, kchunk)]),
                                       b[0], b[1], b[2], b[3]);
       };
       load_qk(0, qa[0], kb[0]);
@@ -408,7 +309,7 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
         const int row = tok0 + (lane % 8) + ((lane >> 3) & 1) * 8;
         const int chunk = (dim0 / 16 + dt) * 2 + (lane >> 4);
         cute::SM75_U16x8_LDSM_T::copy(
-            reinterpret_cast<const cute::uint128_t&>(sm.tiles.v[stage][row][L::slot(row, chunk)]),
+            reinterpret_cast<const cute::uint128_t&>(sm.tiles.v[stage][row][swz(row, chunk)]),
             b[0], b[1], b[2], b[3]);
       };
       load_v(0, vb[0]);
@@ -467,7 +368,7 @@ __global__ void __launch_bounds__(FwdShape<W>::kThreads, 1)
         }
       }
     }
-    if constexpr (G == Gather::kCpAsync) cute::cp_async_wait<0>();
+    cute::cp_async_wait<0>();
     __syncthreads();  // the ring and token_loc are free for the next pass or the merge
     tile_seq += n_tiles;
   }

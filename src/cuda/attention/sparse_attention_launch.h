@@ -26,11 +26,6 @@ struct SparseAttentionLaunch {
   // null otherwise.
   const int32_t* row_rank = nullptr;
   const int32_t* request_rows = nullptr;
-  // Set by launch_sparse_attention from the variant (sparse_attention_heuristics.h): the
-  // forward kernel triggers the merge's programmatic launch at its start, and prefetches into
-  // L2 the K/V rows of this many tiles beyond the ones in its shared-memory ring.
-  bool trigger_merge_early = true;
-  int prefetch_tiles = 0;
 };
 
 // Runs the forward kernel and, when x.num_splits > 1, the merge kernel on `stream`.
@@ -44,12 +39,6 @@ void launch_sparse_attention(const SparseAttentionParams& p, const SparseAttenti
 template <typename T>
 void launch_sparse_attention_rows(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
                                   cudaStream_t stream);
-
-// Which S product the row-tile kernel uses, process-wide: wgmma (true, the default: 7 % faster
-// at 128K on the H200, docs/perf-notes.md) or mma.sync (false). The benchmark and the GPU suite
-// set it to compare and check both; the library never changes it.
-void set_row_tile_wgmma(bool on);
-bool row_tile_wgmma();
 
 // Fills x.row_rank / x.request_rows (device buffers of rows and batch int32, the latter
 // zeroed here) for token_to_req layouts without query positions.

@@ -4,7 +4,6 @@
 // (so a captured graph owns its allocation), and turns the runtime dtype into the kernel's T.
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <mutex>
@@ -21,13 +20,6 @@
 
 namespace sparse_attn {
 namespace cuda {
-
-namespace {
-std::atomic<bool> g_row_tile_wgmma{true};
-}  // namespace
-
-void set_row_tile_wgmma(bool on) { g_row_tile_wgmma.store(on, std::memory_order_relaxed); }
-bool row_tile_wgmma() { return g_row_tile_wgmma.load(std::memory_order_relaxed); }
 
 namespace {
 

@@ -25,12 +25,9 @@
 //      halves of the tile, and skip halves that hold none of the row's tokens (so unrelated
 //      rows cost no MMAs).
 //
-// Two ways to compute S (a template flag, chosen in launch_sparse_attention_rows): mma.sync
-// m16n8k16 per warp with ldmatrix fragments, or wgmma m64n32k16 per warpgroup (the default)
-// with Q and K read straight from shared memory (warpgroup h computes all 4 rows' 16-head
-// score tiles over its 32 tokens: warp w's accumulator fragment is exactly row w's, the
-// mma.sync C layout, so the softmax and P V code is shared). The two differ only in the Q
-// and K shared-memory layouts (SmemLayout below) and in the S loop.
+// S is computed by wgmma m64n32k16 per warpgroup with Q and K read straight from shared memory
+// (warpgroup h computes all 4 rows' 16-head score tiles over its 32 tokens: warp w's
+// accumulator fragment is exactly row w's, the mma.sync C layout the softmax and P V use).
 // Every reduction has a fixed order, so reruns are bitwise equal; the union order, not the
 // caller's index order, fixes the summation order, which the docs allow (FP32 sums).
 #pragma once
@@ -105,7 +102,7 @@ struct RowTileSmem {
   float bias[C::kRows][C::kPositions];
   int2 loc[C::kPositions];  // K/V coordinates of each union token (token_coords' form)
   int warp_count[C::kPerThread][C::kWarps];
-  // wgmma: whether warp w's row has tokens in its half of the tile, by tile parity.
+  // Whether warp w's row has tokens in its half of the tile, by tile parity.
   int half_live[2][C::kWarps];
   RowInfo rows[C::kRows];
 };
@@ -142,23 +139,17 @@ __device__ inline int hash_slot(int32_t key) {
                           (32 - RowTileConfig::kHashBits));
 }
 
-// Where 16-byte chunk c (of 32) of Q row m = j * 16 + head, or of K token row t, lives.
-// mma.sync reads them with ldmatrix: rows of 32 chunks, chunk c ^ (row % 8) (conflict-free).
-// wgmma reads them through shared-memory descriptors in the 128-byte-swizzle K-major layout:
-// 4 column blocks of 64 features, each 64 rows x 128 bytes, chunk (c % 8) ^ (row % 8) within a
-// row (the hardware applies the same XOR on address bits [4, 7) from bits [7, 10), so every
-// block must start on a 1024-byte boundary).
-template <bool kWgmma>
+// Where 16-byte chunk c (of 32) of Q row m = j * 16 + head, or of K token row t, lives. wgmma
+// reads them through shared-memory descriptors in the 128-byte-swizzle K-major layout: 4 column
+// blocks of 64 features, each 64 rows x 128 bytes, chunk (c % 8) ^ (row % 8) within a row (the
+// hardware applies the same XOR on address bits [4, 7) from bits [7, 10), so every block must
+// start on a 1024-byte boundary).
 struct SmemLayout {
   using C = RowTileConfig;
   static_assert(C::kRows * C::kHeadRows == C::kTileTokens,
                 "Q (4 rows x 16 heads) and a K tile (64 tokens) share one 64-row block shape");
   __device__ static int index(int row, int c) {
-    if constexpr (kWgmma) {
-      return (c / 8) * (C::kTileTokens * 8) + row * 8 + ((c % 8) ^ (row & 7));
-    } else {
-      return row * C::kChunks + swz(row, c);
-    }
+    return (c / 8) * (C::kTileTokens * 8) + row * 8 + ((c % 8) ^ (row & 7));
   }
 };
 
@@ -183,14 +174,14 @@ struct Sm90ScoreMma<__half> {
                                                            cute::SM90::GMMA::Major::K>;
 };
 
-template <typename T, bool kWgmma>
+template <typename T>
 __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
     sparse_attention_rows_kernel(const __grid_constant__ SparseAttentionParams p,
                                  const __grid_constant__ SparseAttentionLaunch x) {
   using C = RowTileConfig;
   using E = ElementTraits<T>;
   using Mma = typename Sm80Mma<T>::Atom;
-  using L = SmemLayout<kWgmma>;
+  using L = SmemLayout;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<RowTileSmem*>(smem_raw);
 
@@ -419,83 +410,42 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
         mine |= b.x != -INFINITY || b.y != -INFINITY;
       }
       mine = __any_sync(0xffffffffu, mine);
-      if constexpr (kWgmma) {
-        if (lane == 0) sm.half_live[tile & 1][warp] = mine;
-      }
+      if (lane == 0) sm.half_live[tile & 1][warp] = mine;
       cute::cp_async_wait<0>();
-      if constexpr (kWgmma) {
-        // cp.async and plain stores are generic-proxy writes; wgmma reads through the async
-        // proxy.
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      }
+      // cp.async and plain stores are generic-proxy writes; wgmma reads through the async proxy.
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       __syncthreads();  // tile's data visible; every warp is done with the other stage
       if (tile + 1 < n_tiles) load_tile(tile + 1, (tile + 1) % C::kStages);
       cute::cp_async_fence();
       const int stage = tile % C::kStages;
       float s_acc[C::kWarpTokens / 8][4] = {};
-      if constexpr (kWgmma) {
-        // A warpgroup's wgmma is collective: it skips a half only if none of its 4 rows has
-        // tokens there.
-        const int* live = &sm.half_live[tile & 1][half * C::kRows];
-        if (!(live[0] | live[1] | live[2] | live[3])) continue;
-        // S (64 = 4 rows x 16 heads, 32 tokens) over 16 K steps of 16 features: a step moves
-        // 32 bytes inside a 128-byte row, every 4 steps to the next 64-feature block.
-        using Gmma = typename Sm90ScoreMma<T>::Atom;
-        const uint4* q_base = sm.q;
-        const uint4* k_base = &sm.tiles.k[stage][tok0 * 8];
-        cute::warpgroup_arrive();
+      // A warpgroup's wgmma is collective: it skips a half only if none of its 4 rows has
+      // tokens there.
+      const int* live = &sm.half_live[tile & 1][half * C::kRows];
+      if (!(live[0] | live[1] | live[2] | live[3])) continue;
+      // S (64 = 4 rows x 16 heads, 32 tokens) over 16 K steps of 16 features: a step moves
+      // 32 bytes inside a 128-byte row, every 4 steps to the next 64-feature block.
+      using Gmma = typename Sm90ScoreMma<T>::Atom;
+      const uint4* q_base = sm.q;
+      const uint4* k_base = &sm.tiles.k[stage][tok0 * 8];
+      cute::warpgroup_arrive();
 #pragma unroll
-        for (int ks = 0; ks < C::kHeadDim / 16; ++ks) {
-          const int off = (ks / 4) * (C::kTileTokens * 8) + (ks % 4) * 2;  // in 16-byte chunks
-          float(&d)[4][4] = s_acc;
-          Gmma::fma(gmma_desc(q_base + off), gmma_desc(k_base + off), d[0][0], d[0][1], d[0][2],
-                    d[0][3], d[1][0], d[1][1], d[1][2], d[1][3], d[2][0], d[2][1], d[2][2], d[2][3],
-                    d[3][0], d[3][1], d[3][2], d[3][3],
-                    ks == 0 ? cute::SM90::GMMA::ScaleOut::Zero : cute::SM90::GMMA::ScaleOut::One);
-        }
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<0>();
-#pragma unroll
-        for (int nt = 0; nt < C::kWarpTokens / 8; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(s_acc[nt][e]);
-        }
-        if (!mine) continue;  // warp-uniform: none of my row's tokens in this half
-      } else {
-        if (!mine) continue;  // warp-uniform: none of my row's tokens in this half
-
-        // S = Q_j K^T: 16 heads x 32 tokens; the next K step's fragments are loaded before this
-        // step's MMAs.
-        uint32_t qa[2][4], kb[2][C::kWarpTokens / 16][4];
-        auto load_qk = [&](int ks, uint32_t(&a)[4], uint32_t(&b)[C::kWarpTokens / 16][4]) {
-          const int qrow = (lane % 8) + ((lane >> 3) & 1) * 8;
-          const int qchunk = ks * 2 + (lane >> 4);
-          cute::SM75_U32x4_LDSM_N::copy(reinterpret_cast<const cute::uint128_t&>(
-                                            sm.q[L::index(row_j * C::kHeadRows + qrow, qchunk)]),
-                                        a[0], a[1], a[2], a[3]);
-#pragma unroll
-          for (int np = 0; np < C::kWarpTokens / 16; ++np) {
-            const int krow = tok0 + np * 16 + (lane % 8) + (lane >> 4) * 8;
-            const int kchunk = ks * 2 + ((lane >> 3) & 1);
-            cute::SM75_U32x4_LDSM_N::copy(
-                reinterpret_cast<const cute::uint128_t&>(sm.tiles.k[stage][L::index(krow, kchunk)]),
-                b[np][0], b[np][1], b[np][2], b[np][3]);
-          }
-        };
-        load_qk(0, qa[0], kb[0]);
-#pragma unroll
-        for (int ks = 0; ks < C::kHeadDim / 16; ++ks) {
-          if (ks + 1 < C::kHeadDim / 16) load_qk(ks + 1, qa[(ks + 1) & 1], kb[(ks + 1) & 1]);
-          const uint32_t(&a)[4] = qa[ks & 1];
-#pragma unroll
-          for (int nt = 0; nt < C::kWarpTokens / 8; ++nt) {
-            const uint32_t(&b)[4] = kb[ks & 1][nt / 2];
-            float* acc = s_acc[nt];
-            Mma::fma(acc[0], acc[1], acc[2], acc[3], a[0], a[1], a[2], a[3], b[2 * (nt % 2)],
-                     b[2 * (nt % 2) + 1], acc[0], acc[1], acc[2], acc[3]);
-          }
-        }
+      for (int ks = 0; ks < C::kHeadDim / 16; ++ks) {
+        const int off = (ks / 4) * (C::kTileTokens * 8) + (ks % 4) * 2;  // in 16-byte chunks
+        float(&d)[4][4] = s_acc;
+        Gmma::fma(gmma_desc(q_base + off), gmma_desc(k_base + off), d[0][0], d[0][1], d[0][2],
+                  d[0][3], d[1][0], d[1][1], d[1][2], d[1][3], d[2][0], d[2][1], d[2][2], d[2][3],
+                  d[3][0], d[3][1], d[3][2], d[3][3],
+                  ks == 0 ? cute::SM90::GMMA::ScaleOut::Zero : cute::SM90::GMMA::ScaleOut::One);
       }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+#pragma unroll
+      for (int nt = 0; nt < C::kWarpTokens / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(s_acc[nt][e]);
+      }
+      if (!mine) continue;  // warp-uniform: none of my row's tokens in this half
 
       // Online softmax (log2 domain) over the tile; the bias is log2(multiplicity) or -inf.
       // Once the running maxima settle, most tiles move none of the warp's 16, and the O
@@ -637,8 +587,7 @@ void launch_sparse_attention_rows(const SparseAttentionParams& p, const SparseAt
   constexpr size_t kSmem = sizeof(RowTileSmem);
   static_assert(kSmem <= 227 * 1024, "one CTA must fit the 227 KB an sm90 block may use");
   static_assert(C::kPositions <= 32767 && C::kHashSlots <= 32767, "slot_of is int16");
-  const auto kernel = row_tile_wgmma() ? sparse_attention_rows_kernel<T, true>
-                                       : sparse_attention_rows_kernel<T, false>;
+  const auto kernel = sparse_attention_rows_kernel<T>;
   SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               static_cast<int>(kSmem)));
   const dim3 grid(static_cast<unsigned>((p.rows + C::kRows - 1) / C::kRows),
