@@ -115,19 +115,21 @@ void MqaScore(const MqaScoreParams& p) {
   const std::vector<detail::ScoreRow> rows = detail::read_score_rows(p);
   const float inf = std::numeric_limits<float>::infinity();
   const int64_t dp = padded_dim(p.dim);
-  // Rows by request: a request's rows share its keys.
+  // Rows by request: a request's rows share its keys. Padding rows are all -inf.
   std::vector<std::vector<int64_t>> by_req(static_cast<size_t>(p.batch));
   for (int64_t i = 0; i < static_cast<int64_t>(rows.size()); ++i) {
-    by_req[rows[i].req].push_back(i);
+    if (rows[i].valid) {
+      by_req[rows[i].req].push_back(i);
+    } else {
+      for (int64_t b = 0; b < p.num_blocks; ++b) p.out[rows[i].out_off + b * p.out_col_stride] = -inf;
+    }
   }
   for (int64_t r = 0; r < p.batch; ++r) {
     const std::vector<int64_t>& mine = by_req[r];
     if (mine.empty()) continue;
     // Keys past the last block any of the request's rows can see are never scored.
     int64_t keys = 0;
-    for (int64_t i : mine) {
-      if (rows[i].valid) keys = std::max(keys, std::min(p.num_blocks, (rows[i].pos + 1) / 4));
-    }
+    for (int64_t i : mine) keys = std::max(keys, std::min(p.num_blocks, (rows[i].pos + 1) / 4));
     // Key block b of the request: its page (paged keys; missing pages give -inf columns).
     auto page_of = [&](int64_t b) -> int64_t {
       return p.block_table[r * p.block_table_batch_stride +
@@ -161,7 +163,7 @@ void MqaScore(const MqaScoreParams& p) {
             [&](int64_t i) { return row_of(i).q_off; }, kt, 0, kt.tiles, p.scale, sc,
             [&](int64_t i, int64_t b, float v) {
               const detail::ScoreRow& row = row_of(i);
-              if (b < keys && row.valid && 4 * b + 3 <= row.pos && exists(b)) {
+              if (b < keys && 4 * b + 3 <= row.pos && exists(b)) {
                 p.out[row.out_off + b * p.out_col_stride] = v;
               }
             });

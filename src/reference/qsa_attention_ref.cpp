@@ -56,9 +56,12 @@ QsaRequests read_qsa_requests(const SparseAttentionParams& p) {
     case RowMapping::kTokenToReq:
       for (int64_t i = 0; i < p.rows; ++i) {
         const int64_t b = at(p.token_to_req, p.token_to_req_stride, i);
+        if (b == -1) continue;  // a padding row: no request's
         if (b < 0 || b >= B) {
-          throw_value_error("token_to_req: expected request ids in [0, {}), got {} at row {}", B, b,
-                            i);
+          throw_value_error(
+              "token_to_req: expected request ids in [0, {}) or -1 (a padding row), got {} at "
+              "row {}",
+              B, b, i);
         }
         ++r.rows[b];
       }
@@ -142,6 +145,7 @@ std::vector<QsaRow> read_qsa_rows(const SparseAttentionParams& p, const QsaReque
         break;
       case RowMapping::kTokenToReq:
         b = at(p.token_to_req, p.token_to_req_stride, r);
+        if (b == -1) continue;  // a padding row stays inactive: zero output, LSE -inf
         i = seen[b]++;
         break;
       case RowMapping::kSingleRequest:

@@ -69,10 +69,10 @@ void check_score_metadata(const MqaScoreParams& p) {
   }
   for (int64_t row = 0; row < p.q_len; ++row) {
     const int64_t r = p.token_to_req[row * p.token_to_req_stride];
-    if (r < 0 || r >= p.batch) {
+    if (r != -1 && (r < 0 || r >= p.batch)) {
       throw_value_error(
-          "token_to_req: expected request ids in [0, {}) (num_requests), got "
-          "token_to_req[{}] = {}",
+          "token_to_req: expected request ids in [0, {}) (num_requests) or -1 (a padding row), "
+          "got token_to_req[{}] = {}",
           p.batch, row, r);
     }
   }
@@ -112,15 +112,17 @@ std::vector<ScoreRow> read_score_rows(const MqaScoreParams& p) {
   } else {
     std::vector<int64_t> seen(p.batch, 0);
     for (int64_t row = 0; row < p.q_len; ++row) {
-      const int64_t r = p.token_to_req[row * p.token_to_req_stride];  // in [0, batch) (checked)
+      const int64_t r = p.token_to_req[row * p.token_to_req_stride];  // -1 or in [0, batch)
       req[row] = r;
-      local[row] = seen[r]++;
+      local[row] = r == -1 ? 0 : seen[r]++;  // a padding row counts for no request
     }
   }
   for (int64_t row = 0; row < p.q_len; ++row) {
+    const bool padding = req[row] == -1;
     const int64_t pos =
         p.query_positions ? p.query_positions[row * p.query_positions_row_stride] : local[row];
-    rows.push_back({req[row], pos, true, row * p.q_row_stride, row * p.out_row_stride});
+    rows.push_back({padding ? 0 : req[row], pos, !padding, row * p.q_row_stride,
+                    row * p.out_row_stride});
   }
   return rows;
 }

@@ -423,8 +423,8 @@ def indexer_score_case(draw):
                 extras += [
                     ("token_to_req id >= num_requests",
                      setting(token_to_req=torch.full((total,), B, dtype=I32))),
-                    ("negative token_to_req id",
-                     setting(token_to_req=torch.full((total,), -1, dtype=I32))),
+                    ("token_to_req id below -1 (-1 marks a padding row)",
+                     setting(token_to_req=torch.full((total,), -2, dtype=I32))),
                     ("num_requests below a token_to_req id",
                      setting(num_requests=max(req))),
                 ]
@@ -870,8 +870,8 @@ def sparse_attention_case(draw, workspace_size=False):
             if rows:
                 contents += [("token_to_req id >= B",
                               setting(token_to_req=torch.full((rows,), B, dtype=I32))),
-                             ("negative token_to_req id",
-                              setting(token_to_req=torch.full((rows,), -1, dtype=I32)))]
+                             ("token_to_req id below -1 (-1 marks a padding row)",
+                              setting(token_to_req=torch.full((rows,), -2, dtype=I32)))]
         if B > 1:
             extras.append(("flattened query of several requests without a row mapping",
                            without("cu_seqlens_q", "token_to_req", "num_requests")))

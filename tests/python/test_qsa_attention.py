@@ -119,6 +119,64 @@ def test_padded_rows_past_seq_lens_q_are_zero_with_lse_minus_inf(device):
     assert torch.isfinite(lse[1]).all()
 
 
+def every_backend():
+    """cases() and the CPU's native backend."""
+    return [pytest.param(device, backend, dtype, marks=() if device == "cpu" else needs_cuda,
+                         id=f"{device}-{backend}-{dtype}")
+            for device in ("cpu", "cuda") for backend in ("reference", "native")
+            for dtype in ("bf16", "fp16")]
+
+
+@pytest.mark.parametrize("device,backend,dtype", every_backend())
+@pytest.mark.parametrize("positions", [False, True])
+def test_request_id_minus_one_marks_a_padding_row(device, backend, dtype, positions):
+    """A graph-padded batch: rows with token_to_req -1 (between and after the real rows) give
+    zero output and LSE -inf, and the real rows get what they get without the padding rows
+    (also when positions are inferred from each request's row count, which padding must not
+    shift)."""
+    dt = FLOAT_DTYPES[dtype]
+    hq, hkv, d, page_size = 24, 2, 256, 16
+    lens_k = [40, 64]
+    table = torch.tensor([[4, 0, 2, -1], [3, 6, 1, 5]], dtype=torch.int32, device=device)
+    key = randn((7, page_size, hkv, d), dt, device)
+    value = randn((7, page_size, hkv, d), dt, device)
+    req = [0, 1, -1, 1, 0, 1, -1, -1]
+    real = [r for r, b in enumerate(req) if b >= 0]
+    query = randn((len(req), hq, d), dt, device)
+    ids = torch.randint(-1, 64, (len(req), 40), dtype=torch.int32, device=device)
+    seen = {0: 0, 1: 0}
+    pos = []
+    for b in req:
+        if b < 0:
+            pos.append(0)
+            continue
+        rows_b = req.count(b)
+        pos.append(lens_k[b] - rows_b + seen[b])
+        seen[b] += 1
+
+    def run(rows):
+        sub = torch.tensor([req[r] for r in rows], dtype=torch.int32, device=device)
+        kw = dict(query_positions=torch.tensor([pos[r] for r in rows], dtype=torch.int32,
+                                               device=device)) if positions else {}
+        return call_native_or_skip(lambda: sparse_attn.qsa_sparse_attention(
+            query[rows], key, value, ids[rows], block_table=table, page_size=page_size,
+            seq_lens_k=torch.tensor(lens_k, dtype=torch.int32, device=device),
+            token_to_req=sub, num_requests=2, return_lse=True, backend=backend, **kw), backend)
+
+    out, lse = run(list(range(len(req))))
+    alone, alone_lse = run(real)
+    pad = [r for r, b in enumerate(req) if b < 0]
+    assert torch.equal(out[pad], torch.zeros_like(out[pad]))
+    assert (lse[pad] == -math.inf).all()
+    assert torch.equal(out[real], alone) and torch.equal(lse[real], alone_lse)
+    ref, _ = ref_attention_rows(query[real], ids[real],
+                                paged_kv_of(key, value, table.cpu(), [req[r] for r in real]),
+                                positions=[pos[r] for r in real],
+                                seq_lens_k=[lens_k[req[r]] for r in real],
+                                active=[True] * len(real), scale=1 / math.sqrt(d), out_dtype=dt)
+    assert_close(out[real], ref, **OUT_TOL[dt])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_all_invalid_rows_give_zero_and_minus_inf(device):
     query = randn((4, 2, 16), torch.bfloat16, device)

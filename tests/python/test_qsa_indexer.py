@@ -74,6 +74,38 @@ def test_score_varlen(device, layout):
         start += n
 
 
+@pytest.mark.parametrize("device,backend", [
+    pytest.param(device, backend, marks=() if device == "cpu" else DEVICES[1].marks,
+                 id=f"{device}-{backend}")
+    for device in ("cpu", "cuda") for backend in ("reference", "native")])
+@pytest.mark.parametrize("positions", [False, True])
+def test_score_request_id_minus_one_marks_a_padding_row(device, backend, positions):
+    """token_to_req -1 rows (a graph-padded batch) score -inf everywhere, and the real rows get
+    what they get without them, positions inferred or given."""
+    k = randn((2, 20, D), torch.bfloat16, device)
+    req = [0, -1, 1, 1, -1, 0, 1, -1] + [0] * 6 + [1] * 5 + [-1]  # 8 real rows a request
+    q = randn((len(req), H, D), torch.bfloat16, device)
+    seen, pos = {0: 0, 1: 0}, []
+    for b in req:
+        pos.append(seen.get(b, 0) * 9 + 3)
+        if b >= 0:
+            seen[b] += 1
+
+    def run(rows):
+        kw = dict(query_positions=torch.tensor([pos[r] for r in rows], dtype=torch.int32,
+                                               device=device)) if positions else {}
+        return call_native_or_skip(lambda: sparse_attn.qsa_indexer_mqa_score(
+            q[rows], k, token_to_req=torch.tensor([req[r] for r in rows], dtype=torch.int32,
+                                                  device=device),
+            num_requests=2, backend=backend, **kw), backend)
+
+    real = [r for r, b in enumerate(req) if b >= 0]
+    pad = [r for r, b in enumerate(req) if b < 0]
+    out = run(list(range(len(req))))
+    assert (out[pad] == -math.inf).all()
+    assert torch.equal(out[real], run(real))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_score_paged_masks_missing_pages(device):
     page_size, pages = 4, 5

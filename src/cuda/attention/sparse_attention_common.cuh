@@ -41,7 +41,7 @@ struct RowInfo {
   int b = 0;              // request
   int64_t pos = 0;        // causal position: tokens t > pos are masked
   int64_t seq_len_k = 0;  // tokens t >= seq_len_k are masked
-  bool active = true;     // false for padding rows of padded queries
+  bool active = true;     // false for padding rows (past seq_lens_q, or request id -1)
 };
 
 __device__ inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
@@ -67,9 +67,10 @@ __device__ inline int find_request(const SparseAttentionParams& p, int64_t r) {
   return lo;
 }
 
-// Request, position and KV length of row r (called by the whole CTA). Contents the caller promised
-// (request ids, monotonic offsets, lengths within capacity) are clamped so no access leaves its
-// tensor.
+// Request, position and KV length of row r (called by the whole CTA). A token_to_req id of -1
+// marks a padding row (inactive: nothing is read, the output is 0 and the LSE -inf), and so
+// does any other id outside [0, batch), a broken promise. Other contents the caller promised
+// (monotonic offsets, lengths within capacity) are clamped so no access leaves its tensor.
 __device__ inline RowInfo resolve_row(const SparseAttentionParams& p,
                                       const SparseAttentionLaunch& x, int64_t r) {
   RowInfo ri;
@@ -92,8 +93,13 @@ __device__ inline RowInfo resolve_row(const SparseAttentionParams& p,
       rows_b = p.cu_seqlens_q[(ri.b + 1) * p.cu_seqlens_q_stride] - first;
       break;
     }
-    case RowMapping::kTokenToReq:
-      ri.b = static_cast<int>(clamp64(p.token_to_req[r * p.token_to_req_stride], 0, p.batch - 1));
+    case RowMapping::kTokenToReq: {
+      const int64_t id = p.token_to_req[r * p.token_to_req_stride];
+      if (id < 0 || id >= p.batch) {
+        ri.active = false;
+        return ri;
+      }
+      ri.b = static_cast<int>(id);
       if (x.row_rank) {
         i = x.row_rank[r];
         rows_b = x.request_rows[ri.b];
@@ -103,6 +109,7 @@ __device__ inline RowInfo resolve_row(const SparseAttentionParams& p,
         rows_b = 1;
       }
       break;
+    }
     case RowMapping::kSingleRequest:
       i = r;
       rows_b = p.rows;

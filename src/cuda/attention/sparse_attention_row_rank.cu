@@ -7,6 +7,7 @@ namespace sparse_attn::cuda {
 // kTokenToReq: row i of a request is its i-th row in row order; the default position and
 // seq_lens_q need i and each request's row count. One CTA walks the rows in chunks of
 // its size; `request_rows` ([batch], zeroed by the caller) carries the counts across chunks.
+// Padding rows (an id outside [0, batch), -1 by contract) belong to no request and get no rank.
 __global__ void __launch_bounds__(1024)
     sparse_attention_row_rank_kernel(const __grid_constant__ SparseAttentionParams p,
                                      int32_t* row_rank, int32_t* request_rows) {
@@ -14,9 +15,8 @@ __global__ void __launch_bounds__(1024)
   for (int64_t c0 = 0; c0 < p.rows; c0 += blockDim.x) {
     const int64_t r = c0 + threadIdx.x;
     const bool live = r < p.rows;
-    const int32_t b = live ? static_cast<int32_t>(
-                                 clamp64(p.token_to_req[r * p.token_to_req_stride], 0, p.batch - 1))
-                           : -1;
+    const int64_t id = live ? p.token_to_req[r * p.token_to_req_stride] : -1;
+    const int32_t b = id >= 0 && id < p.batch ? static_cast<int32_t>(id) : -1;
     req[threadIdx.x] = b;
     __syncthreads();
     const int n = static_cast<int>(min(static_cast<int64_t>(blockDim.x), p.rows - c0));
@@ -27,9 +27,10 @@ __global__ void __launch_bounds__(1024)
       if (t < static_cast<int>(threadIdx.x)) ++before;
       if (t > static_cast<int>(threadIdx.x)) last = false;
     }
-    if (live) row_rank[r] = request_rows[b] + before;
+    const bool counted = live && b >= 0;
+    if (counted) row_rank[r] = request_rows[b] + before;
     __syncthreads();  // every rank read request_rows before the last rows advance it
-    if (live && last) request_rows[b] += before + 1;
+    if (counted && last) request_rows[b] += before + 1;
     __syncthreads();
   }
 }
