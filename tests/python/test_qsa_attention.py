@@ -177,6 +177,27 @@ def test_request_id_minus_one_marks_a_padding_row(device, backend, dtype, positi
     assert_close(out[real], ref, **OUT_TOL[dt])
 
 
+@pytest.mark.parametrize("device,backend,dtype", every_backend())
+def test_negative_position_marks_a_padding_row(device, backend, dtype):
+    """A row at a negative query position sees no token: zero output and LSE -inf, whatever
+    its ids, while the other rows of the call are unaffected."""
+    dt = FLOAT_DTYPES[dtype]
+    hq, hkv, d, page_size = 24, 2, 256, 16
+    table = torch.tensor([[4, 0, 2, 1]], dtype=torch.int32, device=device)
+    key = randn((5, page_size, hkv, d), dt, device)
+    value = randn((5, page_size, hkv, d), dt, device)
+    query = randn((4, hq, d), dt, device)
+    ids = torch.arange(40, dtype=torch.int32, device=device).expand(4, 40).contiguous()
+    positions = torch.tensor([-1, 39, -7, 20], dtype=torch.int32, device=device)
+    out, lse = call_native_or_skip(lambda: sparse_attn.qsa_sparse_attention(
+        query, key, value, ids, block_table=table, page_size=page_size,
+        seq_lens_k=torch.tensor([40], dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32, device=device),
+        query_positions=positions, return_lse=True, backend=backend), backend)
+    assert torch.equal(out[[0, 2]], torch.zeros_like(out[[0, 2]]))
+    assert (lse[[0, 2]] == -math.inf).all() and torch.isfinite(lse[[1, 3]]).all()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_all_invalid_rows_give_zero_and_minus_inf(device):
     query = randn((4, 2, 16), torch.bfloat16, device)
