@@ -432,18 +432,19 @@ int main(int argc, char** argv) {
   };
   for (int64_t n : {16384, 65536, 131072}) {
     prefill_row(fmt::format("prefill_{}k_structured", n / 1024),
-              [&] { return bench_prefill(timer, n, true, false); });
+                [&] { return bench_prefill(timer, n, true, false); });
   }
   prefill_row("prefill_16k_random", [&] { return bench_prefill(timer, 16384, false, false); });
   prefill_row("prefill_128k_structured_hint",
-            [&] { return bench_prefill(timer, 131072, true, true); });
+              [&] { return bench_prefill(timer, 131072, true, true); });
   for (int64_t n : {16384, 65536, 131072}) {
     const std::string name = fmt::format("prefill_{}k_indexer", n / 1024);
     if (!want(name)) continue;
     const PrefillSelection sel = indexer_selection(timer, n);
     prefill_row(name, [&] { return time_prefill(timer, n, sel, false, name); });
     if (n == 131072) {
-      prefill_row(name + "_hint", [&] { return time_prefill(timer, n, sel, true, name + "_hint"); });
+      prefill_row(name + "_hint",
+                  [&] { return time_prefill(timer, n, sel, true, name + "_hint"); });
     }
   }
 

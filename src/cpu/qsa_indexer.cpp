@@ -121,7 +121,8 @@ void MqaScore(const MqaScoreParams& p) {
     if (rows[i].valid) {
       by_req[rows[i].req].push_back(i);
     } else {
-      for (int64_t b = 0; b < p.num_blocks; ++b) p.out[rows[i].out_off + b * p.out_col_stride] = -inf;
+      for (int64_t b = 0; b < p.num_blocks; ++b)
+        p.out[rows[i].out_off + b * p.out_col_stride] = -inf;
     }
   }
   for (int64_t r = 0; r < p.batch; ++r) {

@@ -121,8 +121,8 @@ std::vector<ScoreRow> read_score_rows(const MqaScoreParams& p) {
     const bool padding = req[row] == -1;
     const int64_t pos =
         p.query_positions ? p.query_positions[row * p.query_positions_row_stride] : local[row];
-    rows.push_back({padding ? 0 : req[row], pos, !padding, row * p.q_row_stride,
-                    row * p.out_row_stride});
+    rows.push_back(
+        {padding ? 0 : req[row], pos, !padding, row * p.q_row_stride, row * p.out_row_stride});
   }
   return rows;
 }

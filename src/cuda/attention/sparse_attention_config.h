@@ -35,7 +35,7 @@ struct FwdShape {
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kDimSplit = kWarps / C::kTokenGroups;  // warps sharing a token group
-  static constexpr int kWarpDims = C::kHeadDim / kDimSplit;  // O columns one warp accumulates
+  static constexpr int kWarpDims = C::kHeadDim / kDimSplit;   // O columns one warp accumulates
   // Index entries per thread per pass and the tokens one pass can hold (2304). A
   // token-path pass reads this many ids, so the canonical 2051-token selection takes one
   // pass; wider token-only selections take several, each ending with at most one partial

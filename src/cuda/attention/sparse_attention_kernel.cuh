@@ -238,11 +238,9 @@ __global__ void __launch_bounds__(FwdShape::kThreads, 1)
         const T* ks = k_head + loc.x * p.k_batch_stride + loc.y * p.k_token_stride + lane * 8;
         const T* vs = v_head + loc.x * p.v_batch_stride + loc.y * p.v_token_stride + lane * 8;
         cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
-            *reinterpret_cast<const uint4*>(ks), sm.tiles.k[stage][row][swz(row, lane)],
-            valid);
+            *reinterpret_cast<const uint4*>(ks), sm.tiles.k[stage][row][swz(row, lane)], valid);
         cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
-            *reinterpret_cast<const uint4*>(vs), sm.tiles.v[stage][row][swz(row, lane)],
-            valid);
+            *reinterpret_cast<const uint4*>(vs), sm.tiles.v[stage][row][swz(row, lane)], valid);
       }
       cute::cp_async_fence();
     };
@@ -283,9 +281,9 @@ __global__ void __launch_bounds__(FwdShape::kThreads, 1)
             a[2], a[3]);
         const int krow = tok0 + (lane % 8) + (lane >> 4) * 8;
         const int kchunk = ks * 2 + ((lane >> 3) & 1);
-        cute::SM75_U32x4_LDSM_N::copy(reinterpret_cast<const cute::uint128_t&>(
-                                          sm.tiles.k[stage][krow][swz(krow, kchunk)]),
-                                      b[0], b[1], b[2], b[3]);
+        cute::SM75_U32x4_LDSM_N::copy(
+            reinterpret_cast<const cute::uint128_t&>(sm.tiles.k[stage][krow][swz(krow, kchunk)]),
+            b[0], b[1], b[2], b[3]);
       };
       load_qk(0, qa[0], kb[0]);
 #pragma unroll
@@ -309,8 +307,8 @@ __global__ void __launch_bounds__(FwdShape::kThreads, 1)
         const int row = tok0 + (lane % 8) + ((lane >> 3) & 1) * 8;
         const int chunk = (dim0 / 16 + dt) * 2 + (lane >> 4);
         cute::SM75_U16x8_LDSM_T::copy(
-            reinterpret_cast<const cute::uint128_t&>(sm.tiles.v[stage][row][swz(row, chunk)]),
-            b[0], b[1], b[2], b[3]);
+            reinterpret_cast<const cute::uint128_t&>(sm.tiles.v[stage][row][swz(row, chunk)]), b[0],
+            b[1], b[2], b[3]);
       };
       load_v(0, vb[0]);
 
