@@ -50,6 +50,7 @@ struct Case {
   std::optional<int64_t> num_splits;
   bool positions = false;     // explicit query_positions (else the right-aligned default)
   bool token_to_req = false;  // flattened rows mapped by token_to_req instead of cu_seqlens
+  int64_t padding_rows = 0;   // with token_to_req: rows of request id -1 among the real ones
   bool views = false;         // sliced inputs with offsets, strided out with bytes around it
   bool dense_v = false;       // with views: V stays dense, so K and V strides differ
   // Each row of a request repeats the previous row's ids with about 1 in 20 redrawn, as
@@ -115,11 +116,24 @@ Problem make_problem(const Case& c, std::mt19937_64& rng) {
       rank.push_back(seen[t2r[r]]++);
     }
     t2r = t2r2;
+    // Padding rows of a graph-padded batch: id -1, spread among the real rows.
+    for (int64_t j = 0; j < c.padding_rows; ++j) {
+      const int64_t at = (j * 7 + 3) % (static_cast<int64_t>(t2r.size()) + 1);
+      t2r.insert(t2r.begin() + at, -1);
+      rank.insert(rank.begin() + at, 0);
+    }
+    pb.rows = static_cast<int64_t>(t2r.size());
     pb.token_to_req = host_i32({pb.rows}, t2r);
   }
   // Real rows (i < seq_len_q) and their positions: explicit, or right-aligned.
   std::vector<int32_t> pos32;
   for (int64_t r = 0; r < pb.rows; ++r) {
+    if (t2r[r] < 0) {  // a padding row: zero output, LSE -inf
+      pb.row_req.push_back(-1);
+      pb.row_pos.push_back(0);
+      pos32.push_back(0);
+      continue;
+    }
     const int64_t b = t2r[r], i = rank[r];
     const int64_t seq_len_q = c.q_real.empty() ? c.q_rows[b] : c.q_real[b];
     int64_t p = c.k_lens[b] - seq_len_q + i;
@@ -505,6 +519,22 @@ std::vector<Case> cases() {
     c.k_lens = {120, 80, 300};
     c.width = 67;
     v.push_back(c);
+  }
+  {
+    // Request id -1 rows among the real ones, positions inferred (the rank pre-pass must not
+    // count them) and given.
+    for (bool positions : {false, true}) {
+      Case c;
+      c.name = positions ? "prefill_token_to_req_padding_rows_positions"
+                         : "prefill_token_to_req_padding_rows";
+      c.token_to_req = true;
+      c.positions = positions;
+      c.padding_rows = 5;
+      c.q_rows = {6, 5, 7};
+      c.k_lens = {120, 80, 300};
+      c.width = 67;
+      v.push_back(c);
+    }
   }
   {
     // Positions given and no seq_lens_q: no rank pre-pass runs, and every row is real.
