@@ -223,11 +223,10 @@ __device__ void consume(Problem& prob, typename Traits::SharedStorage& ss,
       prob.store_o(row, col, *reinterpret_cast<const uint4*>(&sO(row, col)));
     }
   }
-  Tensor lse_rc = make_tensor(tScS.data(), accumulator_rows_cols(tScS.layout()));
   CUTE_UNROLL
   for (int i = 0; i < 2; ++i) {
-    const int row = get<0>(lse_rc(i, 0));
-    if (get<1>(lse_rc(i, 0)) == 0 && prob.row_in_range(row)) prob.store_lse(row, lse[i]);
+    const int row = get<0>(tScS_rc(i, 0));
+    if (get<1>(tScS_rc(i, 0)) == 0 && prob.row_in_range(row)) prob.store_lse(row, lse[i]);
   }
 }
 
