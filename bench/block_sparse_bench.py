@@ -10,14 +10,18 @@ sparse: random kept blocks at 30% and 10% of the causal 128x128 blocks (the diag
 FLOPs count the (query, key) pairs each kernel must compute: the kept blocks, the diagonal
 blocks half (causal), 4 * D flops per pair and head. Also measured: the GEMM ceiling (bf16
 8192^3 through torch.matmul). Timing: CUDA events, L2 flushed before every timed run, median.
+Ours and the baseline run in alternation, --rounds times (default 3), so a drift of the GPU's
+clock in the run moves both; the ratio printed is the median of the rounds' ratios, and the
+spread of our rounds is printed beside it.
 
 Usage: PYTHONPATH=build/python:python python3 bench/block_sparse_bench.py [--quick] [--csv F]
-       [--only SUBSTRING] [--no-baselines] [--skip-check]
+       [--only SUBSTRING] [--no-baselines] [--skip-check] [--rounds R]
 --only keeps the cases whose name contains SUBSTRING (e.g. dense_32k_32_8_128); --no-baselines
 times ours alone (no cuDNN / FlexAttention, so no compile wait); --skip-check leaves out the
 native-vs-reference check, for timing variants that are wrong on purpose (a stage left out).
 """
 import argparse
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -59,20 +63,42 @@ def ours(q, k, v, n, head_types, mask):
         q, k, v, cu, cu, head_types, None, mask, n, n, 0.0, is_causal=True, out=out)
 
 
+ROUNDS = 3
+
+
+def rows_for(name, base_name, flops, gemm, n, ours_fn, base_fn):
+    """Times ours (and the baseline, if given) in alternating rounds; one row per impl:
+    (case, impl, median ms, TFLOP/s, GEMM ceiling, median ratio base / ours, ours' spread)."""
+    reps = 3 if n > 65536 else 5
+    t_ours, t_base = [], []
+    for _ in range(ROUNDS):
+        t_ours.append(time_ms(ours_fn, reps=reps))
+        if base_fn is not None:
+            t_base.append(time_ms(base_fn, warmup=1, reps=reps))
+    ms = statistics.median(t_ours)
+    spread = (max(t_ours) - min(t_ours)) / ms
+    row = (name, "ours", ms, flops / ms / 1e9, gemm, None, spread)
+    if base_fn is None:
+        return [row]
+    base = statistics.median(t_base)
+    ratio = statistics.median(b / a for a, b in zip(t_ours, t_base))
+    return [row, (name, base_name, base, flops / base / 1e9, gemm, ratio, spread)]
+
+
 def dense_rows(n, hq, hkv, d, gemm, baselines=True):
     q, k, v = inputs(n, hq, hkv, d, n + d)
-    ms = time_ms(ours(q, k, v, n, [0] * hq, None), reps=3 if n > 65536 else 5)
     flops = 4.0 * hq * d * n * (n + 1) / 2
     name = f"dense_{n // 1024}k_{hq}_{hkv}_{d}"
-    if not baselines:
-        return [(name, "ours", ms, flops / ms / 1e9, gemm)]
-    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    kt = kt.repeat_interleave(hq // hkv, dim=1)
-    vt = vt.repeat_interleave(hq // hkv, dim=1)
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        base = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
-                       reps=3 if n > 65536 else 5)
-    return [(name, "ours", ms, flops / ms / 1e9, gemm), (name, "cudnn", base, flops / base / 1e9, gemm)]
+    base_fn = None
+    if baselines:
+        qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        kt = kt.repeat_interleave(hq // hkv, dim=1)
+        vt = vt.repeat_interleave(hq // hkv, dim=1)
+
+        def base_fn():
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+    return rows_for(name, "cudnn", flops, gemm, n, ours(q, k, v, n, [0] * hq, None), base_fn)
 
 
 def random_blocks(hq, qb, density, seed):
@@ -119,13 +145,13 @@ def sparse_rows(n, hq, hkv, d, density, gemm, baselines=True):
     keep = random_blocks(hq, qb, density, n + hq)
     pairs = causal_pairs(keep)
     flops = 4.0 * d * pairs
-    ms = time_ms(ours(q, k, v, n, [1] * hq, keep.unsqueeze(0)), reps=3 if n > 65536 else 5)
     name = f"sparse{int(density * 100)}_{n // 1024}k_{hq}_{hkv}_{d}"
-    if not baselines:
-        return [(name, "ours", ms, flops / ms / 1e9, gemm)]
-    fn = flex_fn(q, k, v, keep, hq, hkv)
-    base = time_ms(fn, warmup=2, reps=3 if n > 65536 else 5)
-    return [(name, "ours", ms, flops / ms / 1e9, gemm), (name, "flex", base, flops / base / 1e9, gemm)]
+    base_fn = None
+    if baselines:
+        base_fn = flex_fn(q, k, v, keep, hq, hkv)
+        base_fn()  # compiles outside the timed rounds
+    return rows_for(name, "flex", flops, gemm, n, ours(q, k, v, n, [1] * hq, keep.unsqueeze(0)),
+                    base_fn)
 
 
 def check_once():
@@ -149,7 +175,10 @@ def main():
     ap.add_argument("--no-baselines", action="store_true", help="time ours alone")
     ap.add_argument("--skip-check", action="store_true",
                     help="no native-vs-reference check (variants wrong on purpose)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of ours and base")
     args = ap.parse_args()
+    global ROUNDS
+    ROUNDS = args.rounds
     if not args.skip_check:
         check_once()
     gemm = gemm_ceiling()
@@ -173,21 +202,21 @@ def main():
                     print(*rows[-2 if baselines else -1:], flush=True)
     if args.csv:
         with open(args.csv, "w") as f:
-            f.write("case,impl,ms,tflops,gemm_tflops\n")
+            f.write("case,impl,ms,tflops,gemm_tflops,ratio,ours_spread\n")
             for r in rows:
                 f.write(",".join(str(x) for x in r) + "\n")
     print(f"\nGEMM ceiling {gemm:.0f} TFLOP/s (bf16 8192^3, this run)")
     if not baselines:
-        print(f"{'case':<26} {'ours ms':>9} {'TFLOP/s':>8}")
+        print(f"{'case':<26} {'ours ms':>9} {'TFLOP/s':>8} {'spread':>7}")
         for r in rows:
-            print(f"{r[0]:<26} {r[2]:9.3f} {r[3]:8.0f}")
+            print(f"{r[0]:<26} {r[2]:9.3f} {r[3]:8.0f} {100 * r[6]:6.1f}%")
         return
-    print(f"{'case':<26} {'ours ms':>9} {'TFLOP/s':>8} {'base':>6} {'base ms':>9} {'TFLOP/s':>8} "
-          f"{'ratio':>6}")
+    print(f"{'case':<26} {'ours ms':>9} {'TFLOP/s':>8} {'spread':>7} {'base':>6} {'base ms':>9} "
+          f"{'TFLOP/s':>8} {'ratio':>6}")
     for i in range(0, len(rows), 2):
         a, b = rows[i], rows[i + 1]
-        print(f"{a[0]:<26} {a[2]:9.3f} {a[3]:8.0f} {b[1]:>6} {b[2]:9.3f} {b[3]:8.0f} "
-              f"{b[2] / a[2]:6.2f}")
+        print(f"{a[0]:<26} {a[2]:9.3f} {a[3]:8.0f} {100 * a[6]:6.1f}% {b[1]:>6} {b[2]:9.3f} "
+              f"{b[3]:8.0f} {b[5]:6.2f}")
 
 
 if __name__ == "__main__":
