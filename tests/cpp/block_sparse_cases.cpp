@@ -81,6 +81,7 @@ Problem make_problem(const BsCase& c, std::mt19937_64& rng) {
   pb.opts.is_causal = c.causal;
   pb.opts.head_mask_type = c.head_types;
   pb.opts.streaming_info = c.streaming;
+  if (c.softmax_scale > 0) pb.opts.softmax_scale = c.softmax_scale;
 
   pb.out = Tensor::empty(pb.q.shape(), c.dtype);
   poison(pb.out.view());
@@ -207,6 +208,20 @@ std::vector<BsCase> block_sparse_cases() {
     c.lk = {333};
     c.head_types = {0, 0};
     v.push_back(c);
+  }
+  {
+    // Scores spread over ~60 log2 units: rows' maxima rise across tiles by more and by less
+    // than the consumers' stale-maximum margin (2^8), dense and sparse heads, both dtypes.
+    for (DType dt : {DType::kBF16, DType::kF16}) {
+      BsCase c;
+      c.name = std::string(dt == DType::kBF16 ? "bf16" : "fp16") + "_d128_wide_score_range";
+      c.dtype = dt;
+      c.lq = {700, 129};
+      c.lk = {900, 300};
+      c.head_types = {0, 1, 1, 0};
+      c.softmax_scale = 1.0;
+      v.push_back(c);
+    }
   }
   {
     BsCase c;

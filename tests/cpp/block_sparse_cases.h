@@ -29,6 +29,7 @@ struct BsCase {
   double keep = 0.4;                // share of kept mask blocks
   bool lse = true;
   int64_t extra_q_rows = 0;  // rows after the last sequence (never written)
+  double softmax_scale = 0;  // 0: the default, 1 / sqrt(d)
 };
 
 std::string case_name(const ::testing::TestParamInfo<BsCase>& info);

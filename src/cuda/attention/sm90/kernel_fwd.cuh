@@ -174,7 +174,7 @@ __device__ void consume(Problem& prob, typename Traits::SharedStorage& ss,
       more = it.next(n_next);
       // O to the row maxima the previous softmax moved to (P_{n-1} is relative to them) before
       // P V adds to it: in the shadow of the S GEMM just issued, not after the P V wait.
-      OnlineSoftmax<2>::scale_rows(tOrO, rescale);
+      if (OnlineSoftmax<2>::any_moved(rescale)) OnlineSoftmax<2>::scale_rows(tOrO, rescale);
       pipe_v.consumer_wait(read_v);
       warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrVt(_, _, _, read_v.index()), tOrO);
       if (wg == 0 || more) {
@@ -199,7 +199,7 @@ __device__ void consume(Problem& prob, typename Traits::SharedStorage& ss,
       convert_fragment(tSrS_as_a, tOrP);
     }
     // ----- the last P V --------------------------------------------------------------------
-    OnlineSoftmax<2>::scale_rows(tOrO, rescale);
+    if (OnlineSoftmax<2>::any_moved(rescale)) OnlineSoftmax<2>::scale_rows(tOrO, rescale);
     pipe_v.consumer_wait(read_v);
     warpgroup_gemm<false, 0>(mma_pv, tOrP, tOrVt(_, _, _, read_v.index()), tOrO);
     pipe_v.consumer_release(read_v);

@@ -2,6 +2,13 @@
 // accumulator fragments hold). Scores are scaled into log2 units once (exp2 instead of exp);
 // a row whose scores are all -inf so far keeps a -inf maximum and contributes zero weights,
 // never NaN. Sums are kept per thread and reduced over the row's four threads only at the end.
+//
+// The maximum a row's weights are taken relative to is allowed to go stale: it moves only when
+// a tile's scores exceed it by more than kStaleLog2 (log2 units), so weights stay below
+// 2^kStaleLog2 = 256 (no overflow in FP32 sums or in the 16-bit P, whose relative precision does
+// not depend on magnitude) and the output and the LSE, which use the same maximum for the sum
+// and the numerator, are unchanged as math. A warp whose rows all kept their maximum skips the
+// O rescale, which is most tiles of a long row (docs/perf-notes.md, session 7).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -12,6 +19,7 @@ namespace sparse_attn::cuda::sm90 {
 
 template <int kRows>
 struct OnlineSoftmax {
+  static constexpr float kStaleLog2 = 8.f;
   float row_max[kRows];  // in scaled log2 units
   float row_sum[kRows];  // this thread's columns only
   float scale_log2;      // softmax_scale * log2(e)
@@ -66,7 +74,9 @@ struct OnlineSoftmax {
       float raw = part[0];
       CUTE_UNROLL
       for (int c = 1; c < kChains; ++c) raw = fmaxf(raw, part[c]);
-      const float m = fmaxf(row_max[i], quad_max(raw) * scale_log2);
+      const float m_new = fmaxf(row_max[i], quad_max(raw) * scale_log2);
+      // -inf + 8 is -inf: a row's first finite maximum always moves it.
+      const float m = m_new > row_max[i] + kStaleLog2 ? m_new : row_max[i];
       // -inf - -inf would be NaN: a row with nothing visible yet subtracts 0 (its weights are 0).
       const float m_use = m == -INFINITY ? 0.f : m;
       rescale[i] = exp2_ftz(row_max[i] - m_use);
@@ -84,6 +94,14 @@ struct OnlineSoftmax {
       row_sum[i] = row_sum[i] * rescale[i] + sum;
       if (i == 0) after_first_row(sum);
     }
+  }
+
+  // Whether any row of this warp's fragments must be rescaled (a factor other than 1).
+  __device__ static bool any_moved(const float (&factor)[kRows]) {
+    bool moved = false;
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) moved = moved || factor[i] != 1.f;
+    return __any_sync(0xffffffff, moved);
   }
 
   // Multiplies each row of an output accumulator fragment by its factor.
