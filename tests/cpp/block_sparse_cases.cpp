@@ -249,6 +249,23 @@ std::vector<BsCase> block_sparse_cases() {
     c.lse = false;
     v.push_back(c);
   }
+  // Dense heads alone at d256 (the bench's dense case): varlen and paged (pages holding whole
+  // tiles, and pages that cut them), causal and not.
+  for (int64_t page : {0, 24, 128, 800}) {
+    BsCase c;
+    c.name = "d256_all_dense_" + (page ? "paged_page" + std::to_string(page) : "varlen") +
+             (page == 128 ? "_not_causal" : "");
+    c.dtype = page == 24 ? DType::kF16 : DType::kBF16;
+    c.d = 256;
+    c.hq = 4;
+    c.hkv = 2;
+    c.page_size = page;
+    c.causal = page != 128;
+    c.lq = {300, 1, 129};
+    c.lk = {700, 5, 250};
+    c.head_types = {0, 0, 0, 0};
+    v.push_back(c);
+  }
   // Paged: pages that hold whole 128-key tiles, and pages that cut them (8-row pieces).
   for (int64_t page : {8, 24, 128, 256, 800, 1600}) {
     BsCase c;
