@@ -6,6 +6,9 @@ dense: causal attention with every block kept (head_mask_type all 0), bf16, 8K /
 sparse: random kept blocks at 30% and 10% of the causal 128x128 blocks (the diagonal always
     kept, one draw per head), 32K and 128K, against FlexAttention (torch.compile(flex_attention)
     with BlockMask.from_kv_blocks of the same blocks).
+chunk: one chunk of 128 query rows against 32K / 128K keys, every block kept, not causal,
+    32/8/128 (a chunked prefill's last chunk: 32 work tiles, so the keys are split), against
+    cuDNN SDPA on the same shape.
 
 FLOPs count the (query, key) pairs each kernel must compute: the kept blocks, the diagonal
 blocks half (causal), 4 * D flops per pair and head. Also measured: the GEMM ceiling (bf16
@@ -99,6 +102,30 @@ def dense_rows(n, hq, hkv, d, gemm, baselines=True):
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
     return rows_for(name, "cudnn", flops, gemm, n, ours(q, k, v, n, [0] * hq, None), base_fn)
+
+
+def chunk_rows(nq, nk, hq, hkv, d, gemm, baselines=True):
+    g = torch.Generator(device="cuda").manual_seed(nq + nk)
+    q = torch.randn(nq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(nk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(nk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    cu_q = torch.tensor([0, nq], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, nk], dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    fn = lambda: sparse_attn.block_sparse_attn_func(
+        q, k, v, cu_q, cu_k, [0] * hq, None, None, nq, nk, 0.0, is_causal=False, out=out)
+    flops = 4.0 * hq * d * nq * nk
+    name = f"chunk{nq}_{nk // 1024}k_{hq}_{hkv}_{d}"
+    base_fn = None
+    if baselines:
+        qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        kt = kt.repeat_interleave(hq // hkv, dim=1)
+        vt = vt.repeat_interleave(hq // hkv, dim=1)
+
+        def base_fn():
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return F.scaled_dot_product_attention(qt, kt, vt)
+    return rows_for(name, "cudnn", flops, gemm, nq, fn, base_fn)
 
 
 def random_blocks(hq, qb, density, seed):
@@ -200,6 +227,10 @@ def main():
                 if wanted(f"sparse{int(density * 100)}_{n // 1024}k_{hq}_{hkv}_{d}"):
                     rows += sparse_rows(n, hq, hkv, d, density, gemm, baselines)
                     print(*rows[-2 if baselines else -1:], flush=True)
+    for nk in [32768] if args.quick else [32768, 131072]:
+        if wanted(f"chunk128_{nk // 1024}k_32_8_128"):
+            rows += chunk_rows(128, nk, 32, 8, 128, gemm, baselines)
+            print(*rows[-2 if baselines else -1:], flush=True)
     if args.csv:
         with open(args.csv, "w") as f:
             f.write("case,impl,ms,tflops,gemm_tflops,ratio,ours_spread\n")

@@ -160,6 +160,9 @@ struct BlockSparseAttnParams {
   // Native: (sequence, query head) units per section of the CTA order (0: from the L2 size).
   // Never set by the API; tests set it so that small problems take several sections.
   int64_t section = 0;
+  // Native: splits of each work tile's keys (0: picked from the grid, docs/xattention.md).
+  // Never set by the API; tests set it to take the split path on any shape.
+  int64_t num_splits = 0;
 
   int device_index = 0;
   void* stream = nullptr;  // cudaStream_t

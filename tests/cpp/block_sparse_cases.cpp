@@ -266,6 +266,39 @@ std::vector<BsCase> block_sparse_cases() {
     c.head_types = {0, 0, 0, 0};
     v.push_back(c);
   }
+  // Grids too small for the GPU (short query chunks, long keys): the native kernel splits the
+  // keys (SplitKV) and merges; sparse, dense and streaming heads, paged, not causal.
+  {
+    BsCase c;
+    c.name = "d128_small_grid_long_keys_split";
+    c.lq = {64, 100};
+    c.lk = {3000, 2500};
+    v.push_back(c);
+  }
+  {
+    BsCase c;
+    c.name = "d256_small_grid_paged_page800_streaming_split";
+    c.d = 256;
+    c.hq = 2;
+    c.hkv = 2;
+    c.page_size = 800;
+    c.lq = {50};
+    c.lk = {1650};
+    c.head_types = {-1, 1};
+    c.streaming = {1, 3, 0, 0};
+    v.push_back(c);
+  }
+  {
+    BsCase c;
+    c.name = "fp16_d64_small_grid_not_causal_split";
+    c.dtype = DType::kF16;
+    c.d = 64;
+    c.causal = false;
+    c.head_types = {0, 1, 1, 0};
+    c.lq = {128};
+    c.lk = {4000};
+    v.push_back(c);
+  }
   // Paged: pages that hold whole 128-key tiles, and pages that cut them (8-row pieces).
   for (int64_t page : {8, 24, 128, 256, 800, 1600}) {
     BsCase c;

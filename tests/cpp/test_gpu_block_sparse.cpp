@@ -240,6 +240,53 @@ TEST(GpuBlockSparseSections, EverySectionSizeGivesTheSameBits) {
   }
 }
 
+// SplitKV (BlockSparseFwdParams::splits): every split count, including more splits than a work
+// tile has key blocks (empty splits) and the largest, matches the reference; a rerun with the
+// same count gives the same bits, and so does a captured graph's replay (the partials' scratch
+// is a graph-owned allocation then).
+TEST(GpuBlockSparseSplits, EverySplitCountMatchesTheReference) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = testing::make_rng();
+  for (int64_t d : {64, 128, 256}) {
+    const PaddedProblem pb(1, 4, 2, 200, 1500, d, {1, 0, 1, 1}, rng);  // 8 tiles, 12 key blocks
+    Tensor out_h = pb.out_host(), lse_h = pb.lse_host();
+    reference_block_sparse_attention(pb.params(false, out_h, lse_h));
+    for (int64_t splits : {1, 2, 5, 12, 64}) {
+      Tensor out_d = pb.out_device(), lse_d = pb.lse_device();
+      BlockSparseAttnParams a = pb.params(true, out_d, lse_d);
+      a.num_splits = splits;
+      native_block_sparse_attention(a);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const Tensor got = Tensor::to_host(out_d.view()), got_lse = Tensor::to_host(lse_d.view());
+      EXPECT_TRUE(testing::all_close(got.view(), to_vector(out_h.view()), 2e-2, 2e-2))
+          << d << " " << splits;
+      EXPECT_TRUE(testing::all_close(got_lse.view(), to_vector(lse_h.view()), 1e-3, 1e-3))
+          << d << " " << splits;
+      out_d = pb.out_device(), lse_d = pb.lse_device();
+      a = pb.params(true, out_d, lse_d);
+      a.num_splits = splits;
+      cudaStream_t stream;
+      ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+      a.stream = stream;
+      cudaGraph_t graph;
+      ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+      native_block_sparse_attention(a);
+      ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+      cudaGraphExec_t exec;
+      ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      const Tensor again = Tensor::to_host(out_d.view()), again_lse = Tensor::to_host(lse_d.view());
+      EXPECT_EQ(std::memcmp(got.data(), again.data(), got.numel() * 2), 0) << d << " " << splits;
+      EXPECT_EQ(std::memcmp(got_lse.data(), again_lse.data(), got_lse.numel() * 4), 0)
+          << d << " " << splits;
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      cudaStreamDestroy(stream);
+    }
+  }
+}
+
 // What the native kernel does not take is refused, naming the argument.
 TEST(GpuBlockSparseValidation, UnsupportedNativeInputsRaiseNotSupported) {
   SPARSE_ATTN_REQUIRE_GPU();

@@ -3,10 +3,8 @@
 // workspace from the caller (options.workspace) or else stream-ordered from the library's pool
 // (so a captured graph owns its allocation), and turns the runtime dtype into the kernel's T.
 #include <algorithm>
-#include <array>
 #include <climits>
 #include <cstdint>
-#include <mutex>
 
 #include "api/qsa_attention_params.h"
 #include "cuda/attention/sparse_attention_config.h"
@@ -16,36 +14,13 @@
 #include "cuda/common/device_guard.h"
 #include "cuda/common/device_props.h"
 #include "cuda/common/dispatch.h"
+#include "cuda/common/workspace_pool.h"
 #include "sparse_attn/errors.h"
 
 namespace sparse_attn {
 namespace cuda {
 
 namespace {
-
-// The SplitKV workspace pool of a device: the library's own stream-ordered pool, which keeps
-// freed memory (release threshold: never) so that a decode step reuses the last step's
-// workspace instead of mapping new memory, without changing the device's default pool that
-// the caller may use. Under graph capture an allocation from it becomes a graph-owned node.
-// Created on the first call on a device (a warm-up call before capture, as the seed asks).
-cudaMemPool_t workspace_pool(int device) {
-  static std::mutex mutex;
-  static std::array<cudaMemPool_t, 64> pools{};
-  if (device < 0 || device >= static_cast<int>(pools.size())) return nullptr;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (pools[device] == nullptr) {
-    cudaMemPoolProps props = {};
-    props.allocType = cudaMemAllocationTypePinned;
-    props.location.type = cudaMemLocationTypeDevice;
-    props.location.id = device;
-    cudaMemPool_t pool = nullptr;
-    SPARSE_ATTN_CUDA_CHECK(cudaMemPoolCreate(&pool, &props));
-    uint64_t keep = UINT64_MAX;
-    SPARSE_ATTN_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
-    pools[device] = pool;
-  }
-  return pools[device];
-}
 
 // Whether the row-tile kernel runs: one split, and on average at least a tile's worth of
 // rows per request, because only rows of one request share tokens (decode batches have one
@@ -138,37 +113,26 @@ void native_sparse_attention(const SparseAttentionParams& p) {
   cuda::SparseAttentionLaunch x = s.launch;
 
   // The caller's workspace (validated to hold s.workspace.bytes), else one from the pool.
-  void* pooled = nullptr;
-  if (p.workspace == nullptr && s.workspace.bytes > 0) {
-    cudaMemPool_t pool = cuda::workspace_pool(p.device_index);
-    SPARSE_ATTN_CUDA_CHECK(pool ? cudaMallocFromPoolAsync(&pooled, s.workspace.bytes, pool, stream)
-                                : cudaMallocAsync(&pooled, s.workspace.bytes, stream));
+  const cuda::StreamScratch pooled(p.workspace ? 0 : s.workspace.bytes, p.device_index, stream);
+  char* workspace = static_cast<char*>(p.workspace ? p.workspace : pooled.get());
+  if (s.partial_slots > 0) {
+    x.o_partial = reinterpret_cast<float*>(workspace + s.workspace.o_partial);
+    x.lse_partial = reinterpret_cast<float*>(workspace + s.workspace.lse_partial);
   }
-  char* workspace = static_cast<char*>(p.workspace ? p.workspace : pooled);
-  try {
-    if (s.partial_slots > 0) {
-      x.o_partial = reinterpret_cast<float*>(workspace + s.workspace.o_partial);
-      x.lse_partial = reinterpret_cast<float*>(workspace + s.workspace.lse_partial);
-    }
-    if (s.row_rank) {
-      auto* ints = reinterpret_cast<int32_t*>(workspace + s.workspace.row_rank);
-      cuda::launch_sparse_attention_row_rank(p, ints, ints + p.rows, stream);
-      x.row_rank = ints;
-      x.request_rows = ints + p.rows;
-    }
-    cuda::dispatch_dtype(p.dtype, "qsa_sparse_attention", [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      if (s.row_tiles) {
-        cuda::launch_sparse_attention_rows<T>(p, x, stream);
-      } else {
-        cuda::launch_sparse_attention<T>(p, x, stream);
-      }
-    });
-  } catch (...) {
-    if (pooled) cudaFreeAsync(pooled, stream);
-    throw;
+  if (s.row_rank) {
+    auto* ints = reinterpret_cast<int32_t*>(workspace + s.workspace.row_rank);
+    cuda::launch_sparse_attention_row_rank(p, ints, ints + p.rows, stream);
+    x.row_rank = ints;
+    x.request_rows = ints + p.rows;
   }
-  if (pooled) SPARSE_ATTN_CUDA_CHECK(cudaFreeAsync(pooled, stream));
+  cuda::dispatch_dtype(p.dtype, "qsa_sparse_attention", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (s.row_tiles) {
+      cuda::launch_sparse_attention_rows<T>(p, x, stream);
+    } else {
+      cuda::launch_sparse_attention<T>(p, x, stream);
+    }
+  });
 }
 
 }  // namespace sparse_attn

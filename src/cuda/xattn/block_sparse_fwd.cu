@@ -13,13 +13,14 @@
 #include "cuda/common/check.h"
 #include "cuda/common/device_guard.h"
 #include "cuda/common/device_props.h"
+#include "cuda/common/workspace_pool.h"
 #include "cuda/xattn/block_sparse_fwd.h"
 #include "sparse_attn/errors.h"
 
 namespace sparse_attn::cuda {
 
 template <class Element, int kHeadDim>
-void launch_block_sparse_fwd(const BlockSparseFwdParams& p, int64_t ctas, cudaStream_t stream);
+void launch_block_sparse_fwd(const BlockSparseFwdParams& p, int64_t tiles, cudaStream_t stream);
 
 namespace {
 
@@ -95,6 +96,20 @@ int32_t section_units(const BlockSparseAttnParams& a) {
   return static_cast<int32_t>(std::min(groups * a.group, a.batch * a.num_q_heads));
 }
 
+// Key splits of each work tile. One unless the work tiles fill less than half of the GPU's SMs
+// (a short query chunk against a long context, few heads): then as many splits as fit one wave
+// of CTAs, each at least 4 key blocks (512 keys) of the longest sequence, at most kMaxSplits.
+// E.g. on 132 SMs: 8 heads x 1 query block at 32K keys, 8 tiles: 132 / 8 = 16 splits of 16
+// blocks (128 CTAs); 32 heads x 1 block: 4 splits; 32 heads x 3 blocks, 96 tiles: no split.
+int64_t num_splits(const BlockSparseAttnParams& a, int64_t tiles) {
+  if (a.num_splits > 0) return std::min<int64_t>(a.num_splits, kMaxSplits);
+  const int64_t sms = sm_count(a.device_index);
+  if (2 * tiles > sms) return 1;
+  const int64_t k_blocks = (a.max_seqlen_k + 127) / 128;
+  return std::max<int64_t>(1, std::min({sms / tiles, k_blocks / 4,
+                                        static_cast<int64_t>(kMaxSplits)}));
+}
+
 }  // namespace
 }  // namespace sparse_attn::cuda
 
@@ -105,13 +120,14 @@ void native_block_sparse_attention(const BlockSparseAttnParams& a) {
   using cuda::BlockSparseKV;
   cuda::DeviceGuard guard(a.device_index);
   const int64_t m_blocks = (a.max_seqlen_q + 127) / 128;
-  const int64_t ctas = a.batch * a.num_q_heads * m_blocks;
-  if (ctas == 0) return;
-  if (ctas > std::numeric_limits<int32_t>::max()) {
+  const int64_t tiles = a.batch * a.num_q_heads * m_blocks;
+  if (tiles == 0) return;
+  const int64_t splits = cuda::num_splits(a, tiles);
+  if (tiles * splits > std::numeric_limits<int32_t>::max()) {
     throw NotSupportedError(
-        "block_sparse_attention: backend 'native' launches one CTA per 128 query rows, head and "
-        "sequence, at most 2^31 - 1 of them; got " +
-        std::to_string(ctas));
+        "block_sparse_attention: backend 'native' launches one CTA per 128 query rows, head, "
+        "sequence and key split, at most 2^31 - 1 of them; got " +
+        std::to_string(tiles * splits));
   }
 
   BlockSparseFwdParams p;
@@ -187,17 +203,27 @@ void native_block_sparse_attention(const BlockSparseAttnParams& a) {
   }
 
   auto stream = static_cast<cudaStream_t>(a.stream);
+  // SplitKV partials, stream-ordered scratch freed after the merge is enqueued.
+  p.splits = static_cast<int32_t>(splits);
+  p.partial_rows = varlen_q ? a.total_q : a.batch * a.max_seqlen_q;
+  const int64_t slots = splits > 1 ? splits * p.partial_rows * a.num_q_heads : 0;
+  const cuda::StreamScratch partials(slots * (a.head_dim + 1) * sizeof(float), a.device_index,
+                                     stream);
+  if (slots > 0) {
+    p.o_partial = static_cast<float*>(partials.get());
+    p.lse_partial = p.o_partial + slots * a.head_dim;
+  }
   const bool bf16 = a.dtype == DType::kBF16;
   switch (a.head_dim) {
     case 64:
-      return bf16 ? cuda::launch_block_sparse_fwd<cutlass::bfloat16_t, 64>(p, ctas, stream)
-                  : cuda::launch_block_sparse_fwd<cutlass::half_t, 64>(p, ctas, stream);
+      return bf16 ? cuda::launch_block_sparse_fwd<cutlass::bfloat16_t, 64>(p, tiles, stream)
+                  : cuda::launch_block_sparse_fwd<cutlass::half_t, 64>(p, tiles, stream);
     case 128:
-      return bf16 ? cuda::launch_block_sparse_fwd<cutlass::bfloat16_t, 128>(p, ctas, stream)
-                  : cuda::launch_block_sparse_fwd<cutlass::half_t, 128>(p, ctas, stream);
+      return bf16 ? cuda::launch_block_sparse_fwd<cutlass::bfloat16_t, 128>(p, tiles, stream)
+                  : cuda::launch_block_sparse_fwd<cutlass::half_t, 128>(p, tiles, stream);
     case 256:
-      return bf16 ? cuda::launch_block_sparse_fwd<cutlass::bfloat16_t, 256>(p, ctas, stream)
-                  : cuda::launch_block_sparse_fwd<cutlass::half_t, 256>(p, ctas, stream);
+      return bf16 ? cuda::launch_block_sparse_fwd<cutlass::bfloat16_t, 256>(p, tiles, stream)
+                  : cuda::launch_block_sparse_fwd<cutlass::half_t, 256>(p, tiles, stream);
     default:
       throw NotSupportedError(
           "block_sparse_attention: backend 'native' supports head dims 64, "

@@ -35,6 +35,8 @@ struct BlockSparseTile<256> {
   static constexpr int kBlockN = 64, kStages = 2;
 };
 
+constexpr int kMaxSplits = 64;  // SplitKV: the merge reads two LSEs a lane
+
 struct BlockSparseFwdParams {
   static constexpr int kMaxHeads = 256;  // per-head tables below
 
@@ -48,7 +50,7 @@ struct BlockSparseFwdParams {
   int32_t batch = 0;
   int32_t num_q_heads = 0;
   int32_t group = 0;     // query heads per KV head
-  int32_t m_blocks = 0;  // ceil(max_seqlen_q / 128): CTAs per (sequence, head)
+  int32_t m_blocks = 0;  // ceil(max_seqlen_q / 128): work tiles per (sequence, head)
   // CTAs are dealt in sections of `section` consecutive (sequence, query head) units (unit =
   // sequence * num_q_heads + head), 1 <= section <= batch * num_q_heads: the K/V that the CTAs
   // of one section read fits in L2 together.
@@ -82,6 +84,17 @@ struct BlockSparseFwdParams {
   int64_t out_stride[3] = {};
   float* lse = nullptr;
   int64_t lse_stride[3] = {};
+
+  // SplitKV, for grids too small to fill the GPU: each work tile's visible key blocks are cut
+  // into `splits` contiguous ranges, one CTA each (CTA = work tile * splits + split), which
+  // write FP32 partials; the merge kernel then writes out and lse. Partial row index: the
+  // sequence's row in q (varlen) or batch * max_seqlen_q + row (padded). o_partial: [splits,
+  // partial_rows, Hq, D], each row normalised by its own sum; lse_partial: [splits,
+  // partial_rows, Hq], natural log, -inf for a split that saw no key. Null when splits == 1.
+  int32_t splits = 1;
+  int64_t partial_rows = 0;
+  float* o_partial = nullptr;
+  float* lse_partial = nullptr;
 
   float scale_log2 = 0.f;  // softmax_scale * log2(e)
   bool causal = true;

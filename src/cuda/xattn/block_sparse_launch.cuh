@@ -1,6 +1,6 @@
 // The launch of native block-sparse attention for one (element type, head dim): the tile
-// configuration, the kernel's shared-memory opt-in and the grid. Instantiated once per .cu in
-// instantiations/.
+// configuration, the kernel's shared-memory opt-in, the grid, and the SplitKV merge after it
+// when p.splits > 1. Instantiated once per .cu in instantiations/.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -10,6 +10,7 @@
 #include "cuda/attention/sm90/kernel_fwd.cuh"
 #include "cuda/common/check.h"
 #include "cuda/xattn/block_sparse_fwd.h"
+#include "cuda/xattn/block_sparse_merge.cuh"
 #include "cuda/xattn/block_sparse_problem.cuh"
 
 namespace sparse_attn::cuda {
@@ -19,7 +20,7 @@ using BlockSparseTraits = sm90::FwdTraits<Element, kHeadDim, BlockSparseTile<kHe
                                           BlockSparseTile<kHeadDim>::kStages>;
 
 template <class Element, int kHeadDim>
-void launch_block_sparse_fwd(const BlockSparseFwdParams& p, int64_t ctas, cudaStream_t stream) {
+void launch_block_sparse_fwd(const BlockSparseFwdParams& p, int64_t tiles, cudaStream_t stream) {
   using Traits = BlockSparseTraits<Element, kHeadDim>;
   auto kernel = sm90::attention_fwd_kernel<Traits, BlockSparseProblem<Traits>>;
   // The opt-in is per device and kernel; set it once for each device used.
@@ -30,8 +31,14 @@ void launch_block_sparse_fwd(const BlockSparseFwdParams& p, int64_t ctas, cudaSt
     SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                 Traits::kSmemBytes));
   });
-  kernel<<<static_cast<unsigned>(ctas), Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
+  kernel<<<static_cast<unsigned>(tiles * p.splits), Traits::kThreads, Traits::kSmemBytes, stream>>>(
+      p);
   SPARSE_ATTN_CUDA_CHECK_LAUNCH();
+  if (p.splits > 1) {
+    const dim3 grid(static_cast<unsigned>(tiles), 128 / kMergeRowsPerCta);
+    block_sparse_merge_kernel<Traits><<<grid, 128, 0, stream>>>(p);
+    SPARSE_ATTN_CUDA_CHECK_LAUNCH();
+  }
 }
 
 }  // namespace sparse_attn::cuda

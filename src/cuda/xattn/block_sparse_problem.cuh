@@ -29,17 +29,21 @@ struct BlockSparseProblem {
   int q_row0 = 0, q_outer = 0, lq = 0;
   int k_row0 = 0, k_outer = 0, lk = 0;
   int offset = 0;   // causal position of the sequence's query row 0: lk - lq
-  int key_end = 0;  // keys [0, key_end) are visible to some row of the CTA
+  int key_end = 0;  // keys [0, key_end) are visible to some row of the CTA (and its split)
+  int block_lo = 0;  // the CTA's split reads key blocks >= block_lo only
+  int split = 0;
   int kind = 1, sink = 0, local = 0, diagonal = 0;
   const uint8_t* mask_row = nullptr;
 
-  // Sections of p.section units, one after the other; within a section the heaviest query
-  // blocks (the last ones, under a causal mask) are dispatched first, and within one block
-  // index every unit of the section.
+  // CTA = work tile * splits + split. Work tiles come in sections of p.section units, one
+  // after the other; within a section the heaviest query blocks (the last ones, under a causal
+  // mask) are dispatched first, and within one block index every unit of the section.
   __device__ BlockSparseProblem(const Params& params, int cta) : p(params) {
+    split = cta % p.splits;
+    const int tile = cta / p.splits;
     const int units = p.batch * p.num_q_heads;
     const int per_section = p.section * p.m_blocks;
-    const int u0 = cta / per_section * p.section, r = cta % per_section;
+    const int u0 = tile / per_section * p.section, r = tile % per_section;
     const int width = min(p.section, units - u0);
     const int u = u0 + r % width;
     m = p.m_blocks - 1 - r / width;
@@ -72,6 +76,11 @@ struct BlockSparseProblem {
     } else {
       key_end = lk;
       diagonal = k_blocks - 1;
+    }
+    if (p.splits > 1) {  // the split's share of the visible blocks, a contiguous range
+      const int blocks = (key_end + kBlock - 1) / kBlock;
+      block_lo = split * blocks / p.splits;
+      key_end = min(key_end, max(block_lo, (split + 1) * blocks / p.splits) * kBlock);
     }
     kind = p.head_kind[h];
     sink = p.sink[h];
@@ -120,7 +129,7 @@ struct BlockSparseProblem {
     __device__ bool lane_kept(int c) const {
       const int j = c + static_cast<int>(threadIdx.x % 32);
       const int last_block = (pr->key_end - 1) / kBlock;
-      return j >= 0 && j <= last_block && pr->kept(j);
+      return j >= pr->block_lo && j <= last_block && pr->kept(j);
     }
 
     __device__ bool next(int& n) {
@@ -130,7 +139,7 @@ struct BlockSparseProblem {
       }
       while (bits == 0) {
         chunk -= 32;
-        if (chunk < 0) return false;
+        if (chunk + 32 <= pr->block_lo) return false;
         bits = __ballot_sync(0xffffffff, lower_kept);
         lower_kept = lane_kept(chunk - 32);
       }
@@ -236,6 +245,19 @@ struct BlockSparseProblem {
     if (p.lse == nullptr) return;
     const int64_t r = q_row0 + kBlock * m + row;
     p.lse[q_outer * p.lse_stride[0] + r * p.lse_stride[1] + h * p.lse_stride[2]] = v;
+  }
+
+  // SplitKV partials (p.splits > 1): the (split, row, head) slot of row `row` of the tile.
+  __device__ bool split_output() const { return p.splits > 1; }
+  __device__ int64_t partial_slot(int s, int row) const {
+    const int64_t r = static_cast<int64_t>(q_outer) * p.max_seqlen_q + q_row0 + kBlock * m + row;
+    return (s * p.partial_rows + r) * p.num_q_heads + h;
+  }
+  __device__ void store_o_partial(int row, int col, float v) const {
+    p.o_partial[partial_slot(split, row) * Traits::kHeadDim + col] = v;
+  }
+  __device__ void store_lse_partial(int row, float v) const {
+    p.lse_partial[partial_slot(split, row)] = v;
   }
 };
 

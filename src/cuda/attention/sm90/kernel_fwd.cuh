@@ -209,6 +209,24 @@ __device__ void consume(Problem& prob, typename Traits::SharedStorage& ss,
   float inv_sum[2], lse[2];
   softmax.finalize(inv_sum, lse);
   OnlineSoftmax<2>::scale_rows(tOrO, inv_sum);
+  if (prob.split_output()) {
+    // FP32 partials for the merge, straight from the accumulators: a thread's columns come in
+    // adjacent pairs, so a quad of threads writes 32 contiguous bytes of a row.
+    Tensor tOcO = thr_pv.partition_C(make_identity_tensor(select<0, 1>(typename Traits::TilePV{})));
+    Tensor tOcO_rc = make_tensor(tOcO.data(), accumulator_rows_cols(tOcO.layout()));
+    Tensor tOrO_rc = make_tensor(tOrO.data(), accumulator_rows_cols(tOrO.layout()));
+    CUTE_UNROLL
+    for (int i = 0; i < size<0>(tOrO_rc); ++i) {
+      const int row = get<0>(tOcO_rc(i, 0));
+      if (!prob.row_in_range(row)) continue;
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(tOrO_rc); ++j) {
+        prob.store_o_partial(row, get<1>(tOcO_rc(i, j)), tOrO_rc(i, j));
+      }
+      if (get<1>(tOcO_rc(i, 0)) == 0) prob.store_lse_partial(row, lse[i]);
+    }
+    return;
+  }
   Tensor rO = make_tensor_like<Element>(tOrO);
   convert_fragment(tOrO, rO);
   auto store_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
