@@ -10,6 +10,9 @@
 // caller promises (monotonic cu_seqlens, request ids in range, lengths within capacity) are
 // not read by validation; the reference backend, which reads them anyway, raises ValueError
 // when they are broken, and native kernels clamp so that they never access out of bounds.
+//
+// "int" below is integer metadata: int32 or int64, read as stored (docs/qsa.md, "Metadata":
+// dtypes, padding rows of graph-padded batches, and where positions come from).
 #pragma once
 
 #include <cstddef>
@@ -29,21 +32,21 @@ namespace sparse_attn {
 // ---------------------------------------------------------------------------------------
 
 struct IndexerScoreOptions {
-  // int32 [B, max_pages]. When given, block_keys is a paged cache [pages, page_size, 1, D]
+  // int [B, max_pages]. When given, block_keys is a paged cache [pages, page_size, 1, D]
   // (or [pages, page_size, D]) and N_B = max_pages * page_size.
   std::optional<TensorView> block_table;
   std::optional<int64_t> page_size;  // must equal block_keys.shape[1] when given
-  // Varlen q_idx [total_q, H, D] only, exactly one of: int32 [B + 1] row offsets (B = the key
-  // batch: block_keys.shape[0] or block_table.shape[0]), or int32 [total_q] request id per row
+  // Varlen q_idx [total_q, H, D] only, exactly one of: int [B + 1] row offsets (B = the key
+  // batch: block_keys.shape[0] or block_table.shape[0]), or int [total_q] request id per row
   // with num_requests in [0, B] (default B) bounding the ids.
   std::optional<TensorView> cu_seqlens_q;
   std::optional<TensorView> token_to_req;
   std::optional<int64_t> num_requests;
-  // int32 [B, Q] (padded) or [total_q] (varlen): request-local position of each query row.
-  // Omitted: the i-th row of a request is at position i (with token_to_req: the number of
-  // earlier rows of the same request).
+  // int [B, Q] (padded) or [total_q] (varlen): request-local position of each query row; a
+  // negative one marks a padding row (all -inf). Omitted: the i-th row of a request is at
+  // position i. Required with token_to_req (its rows are never counted).
   std::optional<TensorView> query_positions;
-  // int32 [B]: valid query rows per request (padded only); rows past it are all -inf.
+  // int [B]: valid query rows per request (padded only); rows past it are all -inf.
   std::optional<TensorView> seq_lens_q;
   int64_t block_size = 4;             // tokens per compressed key; QSA fixes it at 4
   std::optional<double> scale;        // multiplier, default 1/sqrt(D)
@@ -85,8 +88,8 @@ inline void qsa_mqa(const TensorView& q, const TensorView& k, const TensorView& 
 }
 
 // Paged decode: q [B, H, D] or [B, 1, H, D] (broadcast strides allowed), k_cache
-// [pages, page_size, 1, D] or [pages, page_size, D], page_table int32 [B, max_pages],
-// context_lens int32 [B] (compressed keys). out: FP32 [B, max_model_len], every column written:
+// [pages, page_size, 1, D] or [pages, page_size, D], page_table int [B, max_pages],
+// context_lens int [B] (compressed keys). out: FP32 [B, max_model_len], every column written:
 // -inf where c >= context_lens[b], c / page_size >= max_pages, or the page id is -1 / out of
 // range. Native: CUDA tensors, H == 4, D == 128, page_size 8, 16, 32 or 64.
 Shape qsa_mqa_decode_shape(const TensorView& q, int64_t max_model_len);
@@ -101,24 +104,26 @@ void qsa_mqa_decode(const TensorView& q, const TensorView& k_cache, const Tensor
 // ---------------------------------------------------------------------------------------
 
 struct SparseAttentionOptions {
-  // int32 [rows, nb]: the 4-token blocks behind token_indices (an optimisation hint).
+  // int [rows, nb]: the 4-token blocks behind token_indices (an optimisation hint).
   // Requires token_indices.shape[-1] == 4 * nb + 3 and 1 <= nb <= 512.
   std::optional<TensorView> block_indices;
-  // Request layout of flattened queries [total_q, Hq, D]: int32 [B + 1] row offsets, or int32
-  // [total_q] request id per row (with num_requests, default: B of the K/V layout).
+  // Request layout of flattened queries [total_q, Hq, D]: int [B + 1] row offsets, or int
+  // [total_q] request id per row, -1 for a padding row (with num_requests, default: B of the
+  // K/V layout; needs query_positions and takes no seq_lens_q).
   std::optional<TensorView> cu_seqlens_q;
   std::optional<TensorView> token_to_req;
   std::optional<int64_t> num_requests;
-  // int32 [B + 1]: flattened-varlen K/V [total_k, Hkv, D] row offsets (reference only).
+  // int [B + 1]: flattened-varlen K/V [total_k, Hkv, D] row offsets (reference only).
   std::optional<TensorView> cu_seqlens_k;
-  // int32 [B]: query rows per request (padded queries: rows past it give zero output, LSE
+  // int [B]: query rows per request (padded queries: rows past it give zero output, LSE
   // -inf) and KV length per request (default: the capacity of the K/V layout).
   std::optional<TensorView> seq_lens_q;
   std::optional<TensorView> seq_lens_k;
-  // int32 [B, Q] or [total_q]: request-local causal position of each query row. Omitted:
-  // right-aligned, p_i = seq_len_k - seq_len_q + i.
+  // int [B, Q] or [total_q]: request-local causal position of each query row; negative: a
+  // padding row (zero output, LSE -inf). Omitted (not with token_to_req): right-aligned,
+  // p_i = seq_len_k - seq_len_q + i.
   std::optional<TensorView> query_positions;
-  // int32 [B, max_pages]: makes key/value paged caches [pages, page_size, Hkv, D].
+  // int [B, max_pages]: makes key/value paged caches [pages, page_size, Hkv, D].
   std::optional<TensorView> block_table;
   std::optional<int64_t> page_size;     // must equal key.shape[1] when given
   std::optional<double> scale;          // default 1/sqrt(D)
@@ -129,7 +134,7 @@ struct SparseAttentionOptions {
   Backend backend = Backend::kNative;
   bool warp_specialized = false;       // opt-in prefill variant; canonical 24/2/256 only
   bool assume_compact_blocks = false;  // producer contract, see docs/qsa.md
-  // int32 [rows, W]: physical token ids into flattened K/V [total_kv, Hkv, D] (BF16), used
+  // int [rows, W]: physical token ids into flattened K/V [total_kv, Hkv, D] (BF16), used
   // instead of token_indices; no causal filtering, duplicates kept, ids < 0 or >= total_kv
   // masked. Excludes every logical metadata argument and the gate.
   std::optional<TensorView> selected_kv_indices;
@@ -159,7 +164,7 @@ Shape qsa_sparse_attention_lse_shape(const TensorView& query);
 
 // Bytes of scratch (options.workspace) that qsa_sparse_attention needs for these arguments;
 // 0 when it needs none: the reference backend, tensors that are not on a CUDA device, zero query
-// rows, a single KV split without the row-rank pass, and builds without CUDA. It takes the
+// rows, a single KV split, and builds without CUDA. It takes the
 // call's inputs and options (the workspace options are ignored; outputs do not matter) and raises
 // what the call raises for them. Decided on the host from shapes, options and the device's
 // multiprocessor count, reading no tensor contents: calls with the same shapes and options on
@@ -170,7 +175,7 @@ size_t qsa_sparse_attention_workspace_size(const TensorView& query, const Tensor
                                            const std::optional<TensorView>& token_indices,
                                            const SparseAttentionOptions& options = {});
 
-// token_indices: int32 [B, Q, W] (padded query) or [total_q, W], request-local ids, -1 pads;
+// token_indices: int [B, Q, W] (padded query) or [total_q, W], request-local ids, -1 pads;
 // nullopt only with options.selected_kv_indices. out: the query's shape and dtype, any
 // non-overlapping positive-stride view. lse: optional FP32 query.shape[:-1]; written when
 // given (natural log; -inf for rows with no valid token).

@@ -31,12 +31,14 @@ Shape qsa_topk_blocks_shape(const TensorView& scores, int64_t k = kQsaTopkBlocks
 void qsa_topk_blocks(const TensorView& scores, int64_t k, const TensorView& out,
                      StreamHandle stream = nullptr);
 
-// block_ids: int32 [rows, k] or [B, Q, k] (e.g. qsa_topk_blocks' output).
+// block_ids: int [rows, k] or [B, Q, k] (e.g. qsa_topk_blocks' output); "int" is int32 or
+// int64, read as stored.
 // Returns block_ids.shape[:-1] + [4 * k + 3] (2051 for k = 512).
 Shape qsa_expand_blocks_token_shape(const TensorView& block_ids);
 
 // Expands selected blocks to request-local token ids for a query row at position
-// p = query_positions[row] (int32, block_ids.shape[:-1]):
+// p = query_positions[row] (int, block_ids.shape[:-1]; an int64 p above INT32_MAX reads as
+// INT32_MAX, since the outputs hold int32 token ids):
 //   block id b is kept iff b >= 0 and 4b + 3 <= p (a complete block at or before the query);
 //   token_indices[row] = 4b, 4b+1, 4b+2, 4b+3 for each kept b in input order, then the tail of
 //   the incomplete current block 4 * ((p + 1) / 4) .. p (0 to 3 tokens; none when p < 0),

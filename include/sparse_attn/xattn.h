@@ -125,8 +125,10 @@ inline constexpr int64_t kBlockSparseBlockSize = 128;
 Shape block_sparse_attention_mask_shape(int64_t batch, int64_t sparse_heads, int64_t max_seqlen_q,
                                         int64_t max_seqlen_k);
 
+// "int" is int32 or int64, read as stored (native: int64 is narrowed into int32 scratch on the
+// stream, docs/xattention.md).
 // q [total_q, Hq, D], k and v [total_k, Hkv, D] (BF16, FP16 or FP32, one dtype); cu_seqlens_q
-// and cu_seqlens_k int32 [B + 1] (sequence b owns rows [cu[b], cu[b+1])); base_blockmask bool
+// and cu_seqlens_k int [B + 1] (sequence b owns rows [cu[b], cu[b+1])); base_blockmask bool
 // with the shape above (required when a head is 1, else nullopt); max_seqlen_q / max_seqlen_k
 // bound every sequence's length. out: q's shape and dtype. lse: optional FP32 [total_q, Hq]
 // (natural log; a transposed [Hq, total_q] buffer works through its strides).
@@ -138,9 +140,9 @@ void block_sparse_attention(const TensorView& q, const TensorView& k, const Tens
                             const BlockSparseAttentionOptions& options = {});
 
 // The same with a paged KV cache: k_cache and v_cache [num_pages, page_size, Hkv, D], any
-// page_size >= 1 (native: a multiple of 8; engines use 784 .. 1616); block_table int32
+// page_size >= 1 (native: a multiple of 8; engines use 784 .. 1616); block_table int
 // [B, max_pages] (key t of sequence b lives in page block_table[b, t / page_size], slot
-// t % page_size); seqlens_k int32 [B] keys per sequence (<= max_pages * page_size).
+// t % page_size); seqlens_k int [B] keys per sequence (<= max_pages * page_size).
 void block_sparse_attention_paged(const TensorView& q, const TensorView& k_cache,
                                   const TensorView& v_cache, const TensorView& block_table,
                                   const TensorView& seqlens_k, const TensorView& cu_seqlens_q,

@@ -26,6 +26,10 @@ void check_dtype(const TensorView& t, std::string_view name, std::initializer_li
                    dtype_name(t.dtype()));
 }
 
+void check_metadata_dtype(const TensorView& t, std::string_view name) {
+  check_dtype(t, name, {DType::kI32, DType::kI64});
+}
+
 void check_rank(const TensorView& t, std::string_view name, std::initializer_list<int> ranks) {
   std::string expected;
   size_t i = 0;

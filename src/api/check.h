@@ -48,6 +48,9 @@ std::string dtype_list(std::initializer_list<DType> dtypes);
 // TypeError unless t's dtype is one of `allowed`.
 void check_dtype(const TensorView& t, std::string_view name, std::initializer_list<DType> allowed);
 
+// TypeError unless t is integer metadata: int32 or int64, read as stored (api/meta_ptr.h).
+void check_metadata_dtype(const TensorView& t, std::string_view name);
+
 // ValueError unless t has one of the given ranks.
 void check_rank(const TensorView& t, std::string_view name, std::initializer_list<int> ranks);
 

@@ -62,13 +62,34 @@ Shape drop_last(const TensorView& t) {
   return s;
 }
 
-// An int32 metadata tensor: dtype (no conversion), exact shape, device and data.
+// A metadata tensor: int32 or int64 (read as stored), exact shape, device and data.
 void check_metadata(const TensorView& t, std::string_view name, const Shape& shape,
                     std::string_view what, Device device) {
-  check_dtype(t, name, {DType::kI32});
+  detail::check_metadata_dtype(t, name);
   check_shape(t, name, shape, what);
   check_device(t, name, device, "query");
   check_data(t, name);
+}
+
+// The position rule of token_to_req layouts (docs/qsa.md, "Metadata"): a row's index within
+// its request could only be counted from the ids of the rows before it, and a padding row that
+// carries a live request id (as graph-padded batches have) would count as a real row of that
+// request, shifting the inferred positions of its real rows and, with seq_lens_q, which of its
+// rows are real: a silently wrong answer. So positions are required and nothing is counted.
+void check_token_to_req_rule(const Views& v) {
+  if (!v.query_positions) {
+    throw_value_error(
+        "query_positions: required with token_to_req (one position per query row, int32 or "
+        "int64): positions inferred by counting each request's rows would shift when a padding "
+        "row carries a live request id; mark padding rows with request id -1 or a negative "
+        "position");
+  }
+  if (v.seq_lens_q) {
+    throw_value_error(
+        "seq_lens_q: cannot be combined with token_to_req: which rows of a request are real "
+        "would be counted from the row order, which a padding row carrying a live request id "
+        "shifts; mark padding rows with request id -1 or a negative query position instead");
+  }
 }
 
 // Checks everything and returns the params with sizes, layouts and scalars decided (pointers
@@ -204,7 +225,7 @@ SparseAttentionParams validate(const Views& v, bool physical, const SparseAttent
     check_dtype(k, "key", {DType::kBF16});
     check_dtype(v.value, "value", {DType::kBF16});
     const TensorView& s = v.indices;
-    check_dtype(s, "selected_kv_indices", {DType::kI32});
+    detail::check_metadata_dtype(s, "selected_kv_indices");
     check_rank(s, "selected_kv_indices", {2});
     check_size(s, "selected_kv_indices", 0, p.rows, "query rows");
     check_device(s, "selected_kv_indices", dev, "query");
@@ -228,7 +249,7 @@ SparseAttentionParams validate(const Views& v, bool physical, const SparseAttent
             "cu_seqlens_k: describes flattened-varlen K/V and cannot be combined "
             "with block_table");
       }
-      check_dtype(bt, "block_table", {DType::kI32});
+      detail::check_metadata_dtype(bt, "block_table");
       check_rank(bt, "block_table", {2});
       check_device(bt, "block_table", dev, "query");
       check_data(bt, "block_table");
@@ -270,7 +291,7 @@ SparseAttentionParams validate(const Views& v, bool physical, const SparseAttent
               k.shape_str());
         }
         const TensorView& cu = *v.cu_seqlens_k;
-        check_dtype(cu, "cu_seqlens_k", {DType::kI32});
+        detail::check_metadata_dtype(cu, "cu_seqlens_k");
         check_rank(cu, "cu_seqlens_k", {1});
         if (cu.size(0) < 1) {
           throw_value_error("cu_seqlens_k: expected [B + 1] offsets, got shape {}", cu.shape_str());
@@ -340,10 +361,11 @@ SparseAttentionParams validate(const Views& v, bool physical, const SparseAttent
       check_metadata(*v.query_positions, "query_positions", row_shape,
                      "query.shape[:-2], one position per query row", dev);
     }
+    if (p.row_mapping == RowMapping::kTokenToReq) check_token_to_req_rule(v);
 
     // ----- token_indices and the block hint -------------------------------------------------
     const TensorView& t = v.indices;
-    check_dtype(t, "token_indices", {DType::kI32});
+    detail::check_metadata_dtype(t, "token_indices");
     check_rank(t, "token_indices", {nrow_axes + 1});
     Shape want = row_shape;
     want.push_back(t.size(-1));
@@ -354,7 +376,7 @@ SparseAttentionParams validate(const Views& v, bool physical, const SparseAttent
     p.width = t.size(-1);
     if (v.block_indices) {
       const TensorView& b = *v.block_indices;
-      check_dtype(b, "block_indices", {DType::kI32});
+      detail::check_metadata_dtype(b, "block_indices");
       check_rank(b, "block_indices", {nrow_axes + 1});
       const int64_t nb = b.size(-1);
       if (nb < 1 || nb > kMaxHintBlocks) {
@@ -504,6 +526,19 @@ void check_native(const Views& v, const SparseAttentionParams& p) {
     case KVLayout::kPhysical:
       break;
   }
+  // The kernels hold token ids in 32 bits and read int64 ones saturated (api/meta_ptr.h),
+  // which is exact while every token they could address has an int32 id.
+  const int64_t addressable = p.kv_layout == KVLayout::kPhysical ? p.total_kv : p.kv_capacity;
+  const char* ids_name =
+      p.kv_layout == KVLayout::kPhysical ? "selected_kv_indices" : "token_indices";
+  const bool wide_ids = v.indices.dtype() == DType::kI64 ||
+                        (v.block_indices && v.block_indices->dtype() == DType::kI64);
+  if (wide_ids && addressable > std::numeric_limits<int32_t>::max()) {
+    throw_not_supported(
+        "{}: backend 'native' takes int64 token ids for K/V of at most 2^31 - 1 tokens per "
+        "request, got {}; pass int32 ids or backend='reference'",
+        ids_name, addressable);
+  }
   detail::check_vector_load_layout(v.key, "key");
   detail::check_vector_load_layout(v.value, "value");
 }
@@ -546,41 +581,41 @@ void fill_params(SparseAttentionParams& p, const Views& v) {
     p.gate_head_stride = v.gate->stride(n);
     p.gate_dim_stride = p.gate_kind == GateKind::kElementwise ? v.gate->stride(-1) : 0;
   }
-  p.token_indices = v.indices.data_as<int32_t>();
+  p.token_indices = meta_ptr(v.indices);
   p.token_indices_row_stride = row_stride(v.indices, n);
   p.token_indices_col_stride = v.indices.stride(-1);
   if (v.block_indices) {
-    p.block_indices = v.block_indices->data_as<int32_t>();
+    p.block_indices = meta_ptr(*v.block_indices);
     p.block_indices_row_stride = row_stride(*v.block_indices, n);
     p.block_indices_col_stride = v.block_indices->stride(-1);
   }
   if (v.cu_seqlens_q) {
-    p.cu_seqlens_q = v.cu_seqlens_q->data_as<int32_t>();
+    p.cu_seqlens_q = meta_ptr(*v.cu_seqlens_q);
     p.cu_seqlens_q_stride = v.cu_seqlens_q->stride(0);
   }
   if (v.token_to_req) {
-    p.token_to_req = v.token_to_req->data_as<int32_t>();
+    p.token_to_req = meta_ptr(*v.token_to_req);
     p.token_to_req_stride = v.token_to_req->stride(0);
   }
   if (v.cu_seqlens_k) {
-    p.cu_seqlens_k = v.cu_seqlens_k->data_as<int32_t>();
+    p.cu_seqlens_k = meta_ptr(*v.cu_seqlens_k);
     p.cu_seqlens_k_stride = v.cu_seqlens_k->stride(0);
   }
   if (v.block_table) {
-    p.block_table = v.block_table->data_as<int32_t>();
+    p.block_table = meta_ptr(*v.block_table);
     p.block_table_batch_stride = v.block_table->stride(0);
     p.block_table_page_stride = v.block_table->stride(1);
   }
   if (v.seq_lens_q) {
-    p.seq_lens_q = v.seq_lens_q->data_as<int32_t>();
+    p.seq_lens_q = meta_ptr(*v.seq_lens_q);
     p.seq_lens_q_stride = v.seq_lens_q->stride(0);
   }
   if (v.seq_lens_k) {
-    p.seq_lens_k = v.seq_lens_k->data_as<int32_t>();
+    p.seq_lens_k = meta_ptr(*v.seq_lens_k);
     p.seq_lens_k_stride = v.seq_lens_k->stride(0);
   }
   if (v.query_positions) {
-    p.query_positions = v.query_positions->data_as<int32_t>();
+    p.query_positions = meta_ptr(*v.query_positions);
     p.query_positions_batch_stride = n == 2 ? v.query_positions->stride(0) : 0;
     p.query_positions_row_stride = v.query_positions->stride(n - 1);
   }

@@ -12,7 +12,8 @@
 // - Strides are int64, in elements of the tensor's own dtype. A stride of an axis of size 1
 //   may be anything (it is never multiplied by a nonzero index).
 // - Q, K, V, out and an element-wise or per-head gate share one dtype (`dtype`, BF16 or FP16).
-//   Indices and metadata are int32. lse is FP32.
+//   Indices and metadata are int32 or int64, read through MetaPtr (api/meta_ptr.h). lse is
+//   FP32.
 // - A pointer is null exactly when its argument was not given; the comment says which
 //   combinations exist.
 #pragma once
@@ -20,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "api/meta_ptr.h"
 #include "sparse_attn/tensor.h"
 
 namespace sparse_attn {
@@ -106,36 +108,36 @@ struct SparseAttentionParams {
 
   // int32 [rows, width]: request-local token ids (logical mode) or physical row ids into K/V
   // (kPhysical); -1 pads. Never null (W may be 0).
-  const int32_t* token_indices = nullptr;
+  MetaPtr token_indices;
   int64_t token_indices_row_stride = 0, token_indices_col_stride = 0;
 
   // int32 [rows, num_blocks]: the 4-token blocks behind token_indices, an optimisation hint
   // (the result must equal the token-only one); null when not given; never in kPhysical.
-  const int32_t* block_indices = nullptr;
+  MetaPtr block_indices;
   int64_t block_indices_row_stride = 0, block_indices_col_stride = 0;
 
   // ----- request metadata (all null in physical mode) -----------------------------------
   RowMapping row_mapping = RowMapping::kPadded;
-  const int32_t* cu_seqlens_q = nullptr;  // [batch + 1]; non-null iff kCuSeqlens
+  MetaPtr cu_seqlens_q;  // [batch + 1]; non-null iff kCuSeqlens
   int64_t cu_seqlens_q_stride = 0;
-  const int32_t* token_to_req = nullptr;  // [rows]; non-null iff kTokenToReq
+  MetaPtr token_to_req;  // [rows]; non-null iff kTokenToReq
   int64_t token_to_req_stride = 0;
-  const int32_t* cu_seqlens_k = nullptr;  // [batch + 1]; non-null iff kVarlen
+  MetaPtr cu_seqlens_k;  // [batch + 1]; non-null iff kVarlen
   int64_t cu_seqlens_k_stride = 0;
-  const int32_t* block_table = nullptr;  // [batch, max_pages]; non-null iff kPaged
+  MetaPtr block_table;  // [batch, max_pages]; non-null iff kPaged
   int64_t block_table_batch_stride = 0, block_table_page_stride = 0;
 
   // [batch]: query rows per request; rows with i >= seq_lens_q[b] are padding (zero output,
   // LSE -inf). Null: every row of the layout is a real row.
-  const int32_t* seq_lens_q = nullptr;
+  MetaPtr seq_lens_q;
   int64_t seq_lens_q_stride = 0;
   // [batch]: KV length per request (<= its capacity). Null: the capacity.
-  const int32_t* seq_lens_k = nullptr;
+  MetaPtr seq_lens_k;
   int64_t seq_lens_k_stride = 0;
   // Request-local causal position of each row: [batch, q_len] for padded queries (element
   // (r / q_len, r % q_len)), [rows] for flattened ones (element r, batch stride 0). Null: the
   // right-aligned default p = seq_len_k - seq_len_q + i.
-  const int32_t* query_positions = nullptr;
+  MetaPtr query_positions;
   int64_t query_positions_batch_stride = 0, query_positions_row_stride = 0;
 
   // ----- scalars and flags --------------------------------------------------------------

@@ -63,10 +63,10 @@ void check_query_and_keys(const TensorView& q, const char* q_name, const TensorV
   detail::check_data(k, k_name);
 }
 
-// int32 metadata of an exact shape on `device`, used without conversion.
-void check_int32(const TensorView& t, const char* name, const Shape& shape, std::string_view what,
-                 Device device, const char* device_ref) {
-  detail::check_dtype(t, name, {DType::kI32});
+// Metadata of an exact shape on `device`: int32 or int64, read as stored.
+void check_metadata(const TensorView& t, const char* name, const Shape& shape,
+                    std::string_view what, Device device, const char* device_ref) {
+  detail::check_metadata_dtype(t, name);
   detail::check_shape(t, name, shape, what);
   detail::check_device(t, name, device, device_ref);
   detail::check_data(t, name);
@@ -146,7 +146,7 @@ ScoreLayout check_score(const TensorView& q, const TensorView& k, const IndexerS
                         k.shape_str());
     }
     const TensorView& bt = *o.block_table;
-    detail::check_dtype(bt, "block_table", {DType::kI32});
+    detail::check_metadata_dtype(bt, "block_table");
     detail::check_rank(bt, "block_table", {2});
     detail::check_device(bt, "block_table", dev, "q_idx");
     detail::check_data(bt, "block_table");
@@ -185,11 +185,11 @@ ScoreLayout check_score(const TensorView& q, const TensorView& k, const IndexerS
                         l.paged ? "block_table.shape[0]" : "block_keys.shape[0]", q.shape_str());
     }
     if (o.query_positions) {
-      check_int32(*o.query_positions, "query_positions", {l.batch, l.q_len}, "q_idx.shape[:2]", dev,
-                  "q_idx");
+      check_metadata(*o.query_positions, "query_positions", {l.batch, l.q_len}, "q_idx.shape[:2]",
+                     dev, "q_idx");
     }
     if (o.seq_lens_q)
-      check_int32(*o.seq_lens_q, "seq_lens_q", {l.batch}, "q_idx.shape[0]", dev, "q_idx");
+      check_metadata(*o.seq_lens_q, "seq_lens_q", {l.batch}, "q_idx.shape[0]", dev, "q_idx");
     l.out_shape = {l.batch, l.q_len, l.num_blocks};
   } else {
     l.q_len = q.size(0);
@@ -211,27 +211,38 @@ ScoreLayout check_score(const TensorView& q, const TensorView& k, const IndexerS
             "cu_seqlens_q");
       }
       l.batch = key_batch;
-      check_int32(*o.cu_seqlens_q, "cu_seqlens_q", {key_batch + 1},
-                  l.paged ? "block_table.shape[0] + 1" : "block_keys.shape[0] + 1", dev, "q_idx");
-      // The int32 offsets end at total_q (the reference checks the values): more rows than
-      // INT32_MAX cannot be described. Checked here from the shape, so that a broadcast q_idx
-      // of 2**40 rows is refused by name before its output is allocated.
-      if (l.q_len > INT32_MAX) {
+      check_metadata(*o.cu_seqlens_q, "cu_seqlens_q", {key_batch + 1},
+                     l.paged ? "block_table.shape[0] + 1" : "block_keys.shape[0] + 1", dev,
+                     "q_idx");
+      // int32 offsets end at total_q (the reference checks the values): more rows than
+      // INT32_MAX cannot be described. Checked here from the shape and dtype, so that a
+      // broadcast q_idx of 2**40 rows is refused by name before its output is allocated.
+      if (o.cu_seqlens_q->dtype() == DType::kI32 && l.q_len > INT32_MAX) {
         throw_value_error(
             "q_idx: expected at most {} rows (cu_seqlens_q's int32 offsets end at total_q), got "
             "shape {}",
             INT32_MAX, q.shape_str());
       }
     } else {
-      check_int32(*o.token_to_req, "token_to_req", {l.q_len}, "q_idx.shape[0]", dev, "q_idx");
+      check_metadata(*o.token_to_req, "token_to_req", {l.q_len}, "q_idx.shape[0]", dev, "q_idx");
       l.batch = o.num_requests.value_or(key_batch);
       if (l.batch < 0 || l.batch > key_batch) {
         throw_value_error("num_requests: expected a value in [0, {}] ({}), got {}", key_batch,
                           l.paged ? "block_table.shape[0]" : "block_keys.shape[0]", l.batch);
       }
+      // docs/qsa.md, "Metadata": counting a request's rows would count a padding row that
+      // carries a live request id, shifting the positions of the real rows behind it.
+      if (!o.query_positions) {
+        throw_value_error(
+            "query_positions: required with token_to_req (one position per row, int32 or int64): "
+            "positions inferred by counting each request's rows would shift when a padding row "
+            "carries a live request id; mark padding rows with request id -1 or a negative "
+            "position");
+      }
     }
     if (o.query_positions) {
-      check_int32(*o.query_positions, "query_positions", {l.q_len}, "q_idx.shape[0]", dev, "q_idx");
+      check_metadata(*o.query_positions, "query_positions", {l.q_len}, "q_idx.shape[0]", dev,
+                     "q_idx");
     }
     l.out_shape = {l.q_len, l.num_blocks};
   }
@@ -254,20 +265,20 @@ detail::MqaScoreParams score_params(const ScoreLayout& l, const TensorView& q, c
   p.q_head_stride = q.stride(-2);
   p.q_dim_stride = q.stride(-1);
   if (o.cu_seqlens_q) {
-    p.cu_seqlens_q = o.cu_seqlens_q->data_as<const int32_t>();
+    p.cu_seqlens_q = meta_ptr(*o.cu_seqlens_q);
     p.cu_seqlens_q_stride = o.cu_seqlens_q->stride(0);
   }
   if (o.token_to_req) {
-    p.token_to_req = o.token_to_req->data_as<const int32_t>();
+    p.token_to_req = meta_ptr(*o.token_to_req);
     p.token_to_req_stride = o.token_to_req->stride(0);
   }
   if (o.query_positions) {
-    p.query_positions = o.query_positions->data_as<const int32_t>();
+    p.query_positions = meta_ptr(*o.query_positions);
     p.query_positions_batch_stride = l.varlen ? 0 : o.query_positions->stride(0);
     p.query_positions_row_stride = o.query_positions->stride(-1);
   }
   if (o.seq_lens_q) {
-    p.seq_lens_q = o.seq_lens_q->data_as<const int32_t>();
+    p.seq_lens_q = meta_ptr(*o.seq_lens_q);
     p.seq_lens_q_stride = o.seq_lens_q->stride(0);
   }
   p.num_blocks = l.num_blocks;
@@ -277,7 +288,7 @@ detail::MqaScoreParams score_params(const ScoreLayout& l, const TensorView& q, c
   p.k_row_stride = keys.stride(1);
   p.k_dim_stride = keys.stride(2);
   if (l.paged) {
-    p.block_table = o.block_table->data_as<const int32_t>();
+    p.block_table = meta_ptr(*o.block_table);
     p.block_table_batch_stride = o.block_table->stride(0);
     p.block_table_page_stride = o.block_table->stride(1);
     p.max_pages = o.block_table->size(1);
@@ -321,9 +332,9 @@ detail::MqaPrefillParams prefill_params(const TensorView& q, const TensorView& k
   p.k = keys.data();
   p.k_row_stride = keys.stride(0);
   p.k_dim_stride = keys.stride(1);
-  p.row_starts = row_starts.data_as<const int32_t>();
+  p.row_starts = meta_ptr(row_starts);
   p.row_starts_stride = row_starts.stride(0);
-  p.row_ends = row_ends.data_as<const int32_t>();
+  p.row_ends = meta_ptr(row_ends);
   p.row_ends_stride = row_ends.stride(0);
   p.scale = scale;
   p.out = out.data_as<float>();
@@ -342,12 +353,13 @@ bool native_decode_page_size(int64_t page_size) {
   return page_size == 8 || page_size == 16 || page_size == 32 || page_size == 64;
 }
 
-// The output width: a key position per column. Positions past INT32_MAX cannot be visible
-// (context_lens are int32), so a wider output would be -inf padding only.
+// The output width: a compressed key per column. Checked before context_lens are seen (the
+// shape function has no context_lens), so the bound is the library's, not the dtype's: 2^31 - 1
+// compressed keys are 8.6e9 tokens, more context than any model serves.
 void check_max_model_len(int64_t max_model_len) {
   if (max_model_len < 0 || max_model_len > INT32_MAX) {
     throw_value_error(
-        "max_model_len: expected an output width in [0, {}] (context_lens are int32), got {}",
+        "max_model_len: expected an output width in [0, {}] (compressed keys per request), got {}",
         INT32_MAX, max_model_len);
   }
 }
@@ -386,11 +398,11 @@ detail::MqaDecodeParams decode_params(const TensorView& q4, const TensorView& k4
   p.k_dim_stride = k.stride(2);
   p.num_pages = k.size(0);
   p.page_size = k.size(1);
-  p.page_table = page_table.data_as<const int32_t>();
+  p.page_table = meta_ptr(page_table);
   p.page_table_batch_stride = page_table.stride(0);
   p.page_table_page_stride = page_table.stride(1);
   p.max_pages = page_table.size(1);
-  p.context_lens = context_lens.data_as<const int32_t>();
+  p.context_lens = meta_ptr(context_lens);
   p.context_lens_stride = context_lens.stride(0);
   p.max_model_len = max_model_len;
   p.scale = scale;
@@ -454,8 +466,8 @@ void qsa_mqa_prefill(const TensorView& q, const TensorView& k, const TensorView&
                      const TensorView& row_ends, const TensorView& out, const MqaScoreOptions& o) {
   check_prefill(q, k);
   const Device dev = q.device();
-  check_int32(row_starts, "row_starts", {q.size(0)}, "q.shape[0]", dev, "q");
-  check_int32(row_ends, "row_ends", {q.size(0)}, "q.shape[0]", dev, "q");
+  check_metadata(row_starts, "row_starts", {q.size(0)}, "q.shape[0]", dev, "q");
+  check_metadata(row_ends, "row_ends", {q.size(0)}, "q.shape[0]", dev, "q");
   const float scale = resolve_scale(o.scale, o.score_scale, q.size(-1));
   check_out(out, {q.size(0), k.size(0)}, "[q.shape[0], k.shape[0]]", dev, "q",
             {{&q, "q"}, {&k, "k"}, {&row_starts, "row_starts"}, {&row_ends, "row_ends"}});
@@ -492,12 +504,12 @@ void qsa_mqa_decode(const TensorView& q, const TensorView& k_cache, const Tensor
   check_decode_inputs(q, k_cache, max_model_len);
   const Device dev = q.device();
   const int64_t batch = q.size(0);
-  detail::check_dtype(page_table, "page_table", {DType::kI32});
+  detail::check_metadata_dtype(page_table, "page_table");
   detail::check_rank(page_table, "page_table", {2});
   detail::check_size(page_table, "page_table", 0, batch, "q.shape[0]");
   detail::check_device(page_table, "page_table", dev, "q");
   detail::check_data(page_table, "page_table");
-  check_int32(context_lens, "context_lens", {batch}, "q.shape[0]", dev, "q");
+  check_metadata(context_lens, "context_lens", {batch}, "q.shape[0]", dev, "q");
   const float scale = resolve_scale(o.scale, o.score_scale, q.size(-1));
   check_out(out, {batch, max_model_len}, "[q.shape[0], max_model_len]", dev, "q",
             {{&q, "q"},

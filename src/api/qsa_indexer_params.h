@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "api/meta_ptr.h"
 #include "sparse_attn/qsa.h"
 #include "sparse_attn/tensor.h"
 
@@ -42,20 +43,20 @@ struct MqaScoreParams {
   int64_t q_dim_stride;  // 1 on the native path (vector loads)
 
   // Varlen request mapping: exactly one of the two is non-null when varlen, both null when padded.
-  const int32_t* cu_seqlens_q;  // [batch + 1] row offsets; request r owns rows [cu[r], cu[r+1])
+  MetaPtr cu_seqlens_q;  // [batch + 1] row offsets; request r owns rows [cu[r], cu[r+1])
   int64_t cu_seqlens_q_stride;
-  const int32_t* token_to_req;  // [q_len] request id of each row
+  MetaPtr token_to_req;  // [q_len] request id of each row
   int64_t token_to_req_stride;
 
   // [batch, q_len] (padded) or [q_len] (varlen): request-local position of each row. Null: the
   // row's index within its request (padded: i; cu_seqlens: row - cu[r]; token_to_req: the
   // number of earlier rows with the same request id).
-  const int32_t* query_positions;
+  MetaPtr query_positions;
   int64_t query_positions_batch_stride;  // padded only; 0 for varlen
   int64_t query_positions_row_stride;
   // [batch], padded only: valid rows per request; rows i >= seq_lens_q[b] are all -inf.
   // Null: every row is valid (always null for varlen).
-  const int32_t* seq_lens_q;
+  MetaPtr seq_lens_q;
   int64_t seq_lens_q_stride;
 
   // --- keys ---
@@ -68,7 +69,7 @@ struct MqaScoreParams {
   int64_t k_batch_stride;  // logical: stride of the request axis; paged: stride of the page axis
   int64_t k_row_stride;    // logical: stride of the block axis; paged: stride of the slot axis
   int64_t k_dim_stride;    // 1 on the native path
-  const int32_t* block_table;  // [key_batch, max_pages]; null for logical keys
+  MetaPtr block_table;     // [key_batch, max_pages]; null for logical keys
   int64_t block_table_batch_stride;
   int64_t block_table_page_stride;
   int64_t max_pages;  // paged only (0 otherwise)
@@ -104,9 +105,9 @@ struct MqaPrefillParams {
   int64_t k_row_stride;
   int64_t k_dim_stride;  // 1 on the native path
 
-  const int32_t* row_starts;  // [rows], inclusive first visible key
+  MetaPtr row_starts;  // [rows], inclusive first visible key
   int64_t row_starts_stride;
-  const int32_t* row_ends;  // [rows], exclusive end of the visible keys
+  MetaPtr row_ends;  // [rows], exclusive end of the visible keys
   int64_t row_ends_stride;
 
   float scale;  // multiplier
@@ -141,12 +142,12 @@ struct MqaDecodeParams {
   int64_t num_pages;
   int64_t page_size;  // native: 8, 16, 32 or 64 (checked at the API)
 
-  const int32_t* page_table;  // [batch, max_pages], -1 = no page
+  MetaPtr page_table;  // [batch, max_pages], -1 = no page
   int64_t page_table_batch_stride;
   int64_t page_table_page_stride;
   int64_t max_pages;
 
-  const int32_t* context_lens;  // [batch], visible compressed keys per request
+  MetaPtr context_lens;  // [batch], visible compressed keys per request
   int64_t context_lens_stride;
 
   int64_t max_model_len;  // output width; every column is written

@@ -45,7 +45,7 @@ void check_int32_out(const TensorView& t, const char* name, const Shape& shape,
 }
 
 void check_block_ids(const TensorView& block_ids) {
-  detail::check_dtype(block_ids, "block_ids", {DType::kI32});
+  detail::check_metadata_dtype(block_ids, "block_ids");
   detail::check_rank(block_ids, "block_ids", {2, 3});
   detail::check_data(block_ids, "block_ids");
 }
@@ -115,7 +115,7 @@ void qsa_expand_blocks(const TensorView& block_ids, const TensorView& query_posi
   const Shape token_shape = qsa_expand_blocks_token_shape(block_ids);
   const Device dev = block_ids.device();
   const Shape rows_shape(token_shape.begin(), token_shape.end() - 1);
-  detail::check_dtype(query_positions, "query_positions", {DType::kI32});
+  detail::check_metadata_dtype(query_positions, "query_positions");
   detail::check_shape(query_positions, "query_positions", rows_shape, "block_ids.shape[:-1]");
   detail::check_device(query_positions, "query_positions", dev, "block_ids");
   detail::check_data(query_positions, "query_positions");
@@ -141,11 +141,11 @@ void qsa_expand_blocks(const TensorView& block_ids, const TensorView& query_posi
   p.batch = block_ids.dim() == 3 ? block_ids.size(0) : 1;
   p.rows = block_ids.size(-2);
   p.k = block_ids.size(-1);
-  p.block_ids = block_ids.data_as<const int32_t>();
+  p.block_ids = meta_ptr(block_ids);
   p.block_ids_batch_stride = is.batch;
   p.block_ids_row_stride = is.row;
   p.block_ids_col_stride = is.col;
-  p.query_positions = query_positions.data_as<const int32_t>();
+  p.query_positions = meta_ptr(query_positions);
   p.query_positions_batch_stride = query_positions.dim() == 2 ? query_positions.stride(0) : 0;
   p.query_positions_row_stride = query_positions.stride(-1);
   p.token_indices = token_indices.data_as<int32_t>();

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "api/meta_ptr.h"
 #include "sparse_attn/common.h"
 
 namespace sparse_attn::detail {
@@ -30,11 +31,11 @@ struct ExpandBlocksParams {
   int64_t batch;
   int64_t rows;  // per batch entry
   int64_t k;
-  const int32_t* block_ids;  // [batch, rows, k], -1 (any negative) = nothing selected
+  MetaPtr block_ids;  // [batch, rows, k], -1 (any negative) = nothing selected
   int64_t block_ids_batch_stride;
   int64_t block_ids_row_stride;
   int64_t block_ids_col_stride;
-  const int32_t* query_positions;  // [batch, rows]
+  MetaPtr query_positions;  // [batch, rows]
   int64_t query_positions_batch_stride;
   int64_t query_positions_row_stride;
   int32_t* token_indices;  // [batch, rows, 4k + 3]

@@ -33,10 +33,10 @@ struct Views {
   const char* v_name = "v";
 };
 
-// An int32 metadata tensor of the given shape on the query's device.
+// A metadata tensor of the given shape on the query's device: int32 or int64, read as stored.
 void check_metadata(const TensorView& t, std::string_view name, const Shape& shape,
                     std::string_view what, Device device) {
-  check_dtype(t, name, {DType::kI32});
+  detail::check_metadata_dtype(t, name);
   check_shape(t, name, shape, what);
   check_device(t, name, device, "q");
   check_data(t, name);
@@ -203,16 +203,16 @@ void fill_pointers(BlockSparseAttnParams& p, const Views& v, bool paged) {
   p.out_stride[1] = v.out.stride(0);
   p.out_stride[2] = v.out.stride(1);
   p.out_stride[3] = v.out.stride(2);
-  p.cu_seqlens_q = v.cu_seqlens_q.data_as<const int32_t>();
+  p.cu_seqlens_q = meta_ptr(v.cu_seqlens_q);
   p.cu_seqlens_q_stride = v.cu_seqlens_q.stride(0);
   p.k = v.k.data();
   p.v = v.v.data();
   if (paged) {
     copy_strides(v.k, p.k_stride, 4);
     copy_strides(v.v, p.v_stride, 4);
-    p.block_table = v.block_table->data_as<const int32_t>();
+    p.block_table = meta_ptr(*v.block_table);
     copy_strides(*v.block_table, p.block_table_stride, 2);
-    p.seqlens_k = v.seqlens_k->data_as<const int32_t>();
+    p.seqlens_k = meta_ptr(*v.seqlens_k);
     p.seqlens_k_stride = v.seqlens_k->stride(0);
   } else {
     p.k_stride[0] = p.v_stride[0] = 0;
@@ -220,7 +220,7 @@ void fill_pointers(BlockSparseAttnParams& p, const Views& v, bool paged) {
       p.k_stride[d + 1] = v.k.stride(d);
       p.v_stride[d + 1] = v.v.stride(d);
     }
-    p.cu_seqlens_k = v.cu_seqlens_k->data_as<const int32_t>();
+    p.cu_seqlens_k = meta_ptr(*v.cu_seqlens_k);
     p.cu_seqlens_k_stride = v.cu_seqlens_k->stride(0);
   }
   if (v.mask) {

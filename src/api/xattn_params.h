@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "api/meta_ptr.h"
 #include "sparse_attn/tensor.h"
 
 namespace sparse_attn {
@@ -110,7 +111,7 @@ struct BlockSparseAttnParams {
   // sequence b at q + (cu_seqlens_q[b] + r) * q_stride[1].
   const void* q = nullptr;
   int64_t q_stride[4] = {};
-  const int32_t* cu_seqlens_q = nullptr;  // [batch + 1], or null (padded)
+  MetaPtr cu_seqlens_q;                   // [batch + 1], or null (padded)
   int64_t cu_seqlens_q_stride = 0;        // entry b at cu_seqlens_q[b * stride]
   int64_t total_q = 0;                    // varlen: q.shape[0]; padded: batch * max_seqlen_q
 
@@ -122,12 +123,12 @@ struct BlockSparseAttnParams {
   int64_t k_stride[4] = {};
   const void* v = nullptr;
   int64_t v_stride[4] = {};
-  const int32_t* cu_seqlens_k = nullptr;  // kVarlen: [batch + 1]; otherwise null
+  MetaPtr cu_seqlens_k;                   // kVarlen: [batch + 1]; otherwise null
   int64_t cu_seqlens_k_stride = 0;        // entry b at cu_seqlens_k[b * stride]
   int64_t total_k = 0;                    // kVarlen: k.shape[0]
-  const int32_t* block_table = nullptr;   // kPaged: [batch, max_pages]; otherwise null
+  MetaPtr block_table;                    // kPaged: [batch, max_pages]; otherwise null
   int64_t block_table_stride[2] = {};
-  const int32_t* seqlens_k = nullptr;  // kPaged: [batch]; otherwise null
+  MetaPtr seqlens_k;  // kPaged: [batch]; otherwise null
   int64_t seqlens_k_stride = 0;
   int64_t page_size = 0;  // kPaged: any size >= 1
   int64_t num_pages = 0;  // kPaged: k.shape[0]

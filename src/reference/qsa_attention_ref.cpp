@@ -13,7 +13,7 @@ namespace {
 
 using detail::throw_value_error;
 
-int32_t at(const int32_t* p, int64_t stride, int64_t i) { return p[i * stride]; }
+int64_t at(const MetaPtr& p, int64_t stride, int64_t i) { return p[i * stride]; }
 
 }  // namespace
 
@@ -129,7 +129,6 @@ std::vector<QsaRow> read_qsa_rows(const SparseAttentionParams& p, const QsaReque
     for (auto& r : rows) r.active = true;
     return rows;
   }
-  std::vector<int64_t> seen(p.batch, 0);  // kTokenToReq: rows of each request so far
   for (int64_t r = 0; r < p.rows; ++r) {
     int64_t b = 0;
     int64_t i = r;
@@ -146,7 +145,9 @@ std::vector<QsaRow> read_qsa_rows(const SparseAttentionParams& p, const QsaReque
       case RowMapping::kTokenToReq:
         b = at(p.token_to_req, p.token_to_req_stride, r);
         if (b == -1) continue;  // a padding row stays inactive: zero output, LSE -inf
-        i = seen[b]++;
+        // Validation made token_to_req come with positions and without seq_lens_q, so the
+        // row's index within its request decides nothing: no row's is counted.
+        i = 0;
         break;
       case RowMapping::kSingleRequest:
       case RowMapping::kNone:
@@ -154,7 +155,6 @@ std::vector<QsaRow> read_qsa_rows(const SparseAttentionParams& p, const QsaReque
     }
     QsaRow& info = rows[r];
     info.request = b;
-    info.active = i < req.seq_len_q[b];
     info.seq_len_k = req.seq_len_k[b];
     if (p.query_positions) {
       const int64_t off =
@@ -165,6 +165,8 @@ std::vector<QsaRow> read_qsa_rows(const SparseAttentionParams& p, const QsaReque
     } else {
       info.position = req.seq_len_k[b] - req.seq_len_q[b] + i;
     }
+    // Rows past the request's seq_lens_q and rows at a negative position are padding rows.
+    info.active = i < req.seq_len_q[b] && info.position >= 0;
   }
   return rows;
 }

@@ -28,7 +28,7 @@ QsaRequests read_qsa_requests(const SparseAttentionParams& params);
 
 // What the metadata says about one query row.
 struct QsaRow {
-  bool active = false;  // false: padding row (or a request-less row of an empty batch)
+  bool active = false;  // false: padding row (request id -1, past seq_lens_q, position < 0)
   int64_t request = 0;
   int64_t position = 0;   // causal position p (logical mode)
   int64_t seq_len_k = 0;  // valid ids are < seq_len_k (logical mode)

@@ -92,14 +92,15 @@ std::vector<ScoreRow> read_score_rows(const MqaScoreParams& p) {
                                 ? p.query_positions[b * p.query_positions_batch_stride +
                                                     i * p.query_positions_row_stride]
                                 : i;
-        rows.push_back({b, pos, i < valid_rows, b * p.q_batch_stride + i * p.q_row_stride,
+        rows.push_back({b, pos, i < valid_rows && pos >= 0,
+                        b * p.q_batch_stride + i * p.q_row_stride,
                         b * p.out_batch_stride + i * p.out_row_stride});
       }
     }
     return rows;
   }
   std::vector<int64_t> req(p.q_len);
-  std::vector<int64_t> local(p.q_len);
+  std::vector<int64_t> local(p.q_len);  // cu_seqlens_q: the row's index within its request
   if (p.cu_seqlens_q) {
     auto cu = [&](int64_t r) -> int64_t { return p.cu_seqlens_q[r * p.cu_seqlens_q_stride]; };
     // Monotonic from 0 to q_len (checked): every offset lies in [0, q_len].
@@ -110,17 +111,15 @@ std::vector<ScoreRow> read_score_rows(const MqaScoreParams& p) {
       }
     }
   } else {
-    std::vector<int64_t> seen(p.batch, 0);
-    for (int64_t row = 0; row < p.q_len; ++row) {
-      const int64_t r = p.token_to_req[row * p.token_to_req_stride];  // -1 or in [0, batch)
-      req[row] = r;
-      local[row] = r == -1 ? 0 : seen[r]++;  // a padding row counts for no request
-    }
+    // -1 or in [0, batch) (checked); validation made token_to_req come with query_positions.
+    for (int64_t row = 0; row < p.q_len; ++row)
+      req[row] = p.token_to_req[row * p.token_to_req_stride];
   }
   for (int64_t row = 0; row < p.q_len; ++row) {
-    const bool padding = req[row] == -1;
     const int64_t pos =
         p.query_positions ? p.query_positions[row * p.query_positions_row_stride] : local[row];
+    // Request id -1 and a negative position mark a padding row of a graph-padded batch.
+    const bool padding = req[row] == -1 || pos < 0;
     rows.push_back(
         {padding ? 0 : req[row], pos, !padding, row * p.q_row_stride, row * p.out_row_stride});
   }

@@ -23,7 +23,7 @@ void reference_mqa_decode(const MqaDecodeParams& p);
 struct ScoreRow {
   int64_t req;    // request index
   int64_t pos;    // request-local position
-  bool valid;     // false: a padding row (past seq_lens_q, or request id -1): all -inf
+  bool valid;     // false: a padding row (past seq_lens_q, request id -1 or position < 0): -inf
   int64_t q_off;  // element offset of q[row, 0, 0]
   int64_t out_off;
 };

@@ -1,6 +1,7 @@
 #include "reference/qsa_select_ref.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <vector>
 
@@ -52,9 +53,11 @@ void reference_expand_blocks(const ExpandBlocksParams& p) {
   for (int64_t r = 0; r < total_rows; ++r) {
     const int64_t b = r / p.rows;
     const int64_t i = r % p.rows;
-    const int32_t* ids = p.block_ids + b * p.block_ids_batch_stride + i * p.block_ids_row_stride;
-    const int64_t pos =
-        p.query_positions[b * p.query_positions_batch_stride + i * p.query_positions_row_stride];
+    const MetaPtr ids = p.block_ids + (b * p.block_ids_batch_stride + i * p.block_ids_row_stride);
+    // The outputs hold int32 token ids, so an int64 position past INT32_MAX reads as INT32_MAX.
+    const int64_t pos = std::min<int64_t>(
+        p.query_positions[b * p.query_positions_batch_stride + i * p.query_positions_row_stride],
+        INT32_MAX);
     int32_t* tokens =
         p.token_indices + b * p.token_indices_batch_stride + i * p.token_indices_row_stride;
     int32_t* blocks = p.block_indices ? p.block_indices + b * p.block_indices_batch_stride +

@@ -23,7 +23,7 @@ template <typename... Args>
 
 // Reads cu_seqlens [batch + 1] (entry b at cu[b * stride]) and checks the promise:
 // non-decreasing offsets in [0, total], lengths <= max_len.
-std::vector<int64_t> read_offsets(const int32_t* cu, int64_t stride, int64_t batch, int64_t total,
+std::vector<int64_t> read_offsets(const MetaPtr& cu, int64_t stride, int64_t batch, int64_t total,
                                   int64_t max_len, const char* name, const char* total_name,
                                   const char* max_name) {
   std::vector<int64_t> off(static_cast<size_t>(batch + 1));
@@ -49,7 +49,7 @@ std::vector<int64_t> read_offsets(const int32_t* cu, int64_t stride, int64_t bat
 
 std::vector<XAttnSequence> read_block_sparse_sequences(const BlockSparseAttnParams& p) {
   std::vector<XAttnSequence> seqs(static_cast<size_t>(p.batch));
-  if (p.cu_seqlens_q != nullptr) {
+  if (p.cu_seqlens_q) {
     const auto off = read_offsets(p.cu_seqlens_q, p.cu_seqlens_q_stride, p.batch, p.total_q,
                                   p.max_seqlen_q, "cu_seqlens_q", "total_q", "max_seqlen_q");
     for (int64_t b = 0; b < p.batch; ++b) {

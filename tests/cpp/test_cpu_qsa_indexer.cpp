@@ -69,11 +69,11 @@ TEST_P(CpuIndexerScore, SameBitsAsTheReference) {
     cu = int32_tensor({B + 1}, {0, 10, 10, static_cast<int32_t>(B * rows)});
     o.cu_seqlens_q = cu.view();
   } else if (c.q_form == "token_to_req") {
-    t2r = random_int32({B * rows}, rng, 0, static_cast<int32_t>(B - 1));
+    t2r = random_int32({B * rows}, rng, -1, static_cast<int32_t>(B - 1));  // -1: padding rows
     o.token_to_req = t2r.view();
     o.num_requests = B;
   }
-  if (c.positions) {
+  if (c.positions || c.q_form == "token_to_req") {  // token_to_req needs them
     pos = padded ? random_int32({B, rows}, rng, -5, 4 * nb + 8)
                  : random_int32({B * rows}, rng, -5, 4 * nb + 8);
     o.query_positions = pos.view();
@@ -188,7 +188,9 @@ TEST(CpuIndexerScore, BrokenMetadataIsTheReferencesValueError) {
     EXPECT_THROW(qsa_indexer_mqa_score(q, keys, out, o), ValueError) << backend_name(b);
     o.cu_seqlens_q.reset();
     Tensor t2r = int32_tensor({20}, std::vector<int32_t>(20, 2));
+    Tensor pos = int32_tensor({20}, std::vector<int32_t>(20, 9));
     o.token_to_req = t2r.view();
+    o.query_positions = pos.view();
     o.num_requests = 2;
     try {
       qsa_indexer_mqa_score(q, keys, out, o);

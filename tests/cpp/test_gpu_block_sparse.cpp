@@ -68,6 +68,42 @@ TEST_P(GpuBlockSparse, MatchesReference) {
 INSTANTIATE_TEST_SUITE_P(Forms, GpuBlockSparse, ::testing::ValuesIn(testing::block_sparse_cases()),
                          case_name);
 
+// The native tensors' metadata (offsets, lengths, page table) as int64, outputs poisoned again.
+void widen_metadata(Problem& pb) {
+  const auto wide = [](const Tensor& host) { return to_device(testing::widened(host.view())); };
+  pb.ncu_q = wide(pb.cu_q);
+  if (pb.c.page_size == 0) pb.ncu_k = wide(pb.cu_k);
+  if (pb.c.page_size != 0) {
+    pb.ntable = wide(pb.table);
+    pb.nseqlens = wide(pb.seqlens);
+  }
+  pb.nout = testing::poisoned_device(pb.q.shape(), pb.c.dtype);
+  if (pb.c.lse) pb.nlse = testing::poisoned_device({pb.total_q, pb.c.hq}, DType::kF32);
+}
+
+// int64 metadata is narrowed to int32 scratch on the stream before the kernel runs: the int32
+// call's bits, and the reference's results, on every shared form.
+TEST_P(GpuBlockSparse, Int64MetadataGivesTheInt32Bits) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = testing::make_rng();
+  Problem pb = make_device_problem(GetParam(), rng);
+  run(pb, false);
+  run(pb, true);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const Tensor narrow = Tensor::to_host(pb.nout.view());
+  const Tensor narrow_lse = pb.c.lse ? Tensor::to_host(pb.nlse.view()) : Tensor();
+  widen_metadata(pb);
+  run(pb, true);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  expect_matches_reference(pb);
+  const Tensor wide = Tensor::to_host(pb.nout.view());
+  EXPECT_EQ(std::memcmp(wide.data(), narrow.data(), narrow.numel() * 2), 0);
+  if (pb.c.lse) {
+    const Tensor wide_lse = Tensor::to_host(pb.nlse.view());
+    EXPECT_EQ(std::memcmp(wide_lse.data(), narrow_lse.data(), narrow_lse.numel() * 4), 0);
+  }
+}
+
 // Same inputs, same bits.
 TEST(GpuBlockSparseDeterminism, RerunsAreBitwiseEqual) {
   SPARSE_ATTN_REQUIRE_GPU();
@@ -113,6 +149,47 @@ TEST(GpuBlockSparseGraph, ReplayReadsCurrentMask) {
     for (int64_t i = 0; i < pb.mask.numel(); ++i)
       pb.mask.data_as<uint8_t>()[i] = u01(rng) < 0.3 ? 1 : 0;
     copy_into(pb.nmask.view(), pb.mask.view());
+    testing::poison(pb.out.view());
+    copy_into(pb.nout.view(), pb.out.view());
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    run(pb, false);
+    expect_matches_reference(pb);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// With int64 metadata the capture holds the narrowing (a stream-ordered allocation, the copy
+// kernel, the free): a replay narrows the lengths and page table current at replay.
+TEST(GpuBlockSparseGraph, ReplayNarrowsCurrentInt64Metadata) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = testing::make_rng();
+  BsCase c;
+  c.lq = {300, 100};
+  c.lk = {900, 400};
+  c.page_size = 64;
+  Problem pb = make_device_problem(c, rng);
+  widen_metadata(pb);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  run(pb, true, stream);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  run(pb, true, stream);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int64_t shorter : {0, 1}) {
+    // Shorter sequences (fewer keys, a table whose last pages now go unused) at replay.
+    std::vector<int32_t> lens(pb.seqlens.numel());
+    for (int64_t b = 0; b < pb.seqlens.numel(); ++b) {
+      lens[b] = pb.seqlens.data_as<int32_t>()[b] - static_cast<int32_t>(100 * (shorter + 1) + b);
+    }
+    pb.seqlens = testing::int32_tensor(pb.seqlens.shape(), lens);
+    copy_into(pb.nseqlens.view(), testing::widened(pb.seqlens.view()).view());
     testing::poison(pb.out.view());
     copy_into(pb.nout.view(), pb.out.view());
     ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);

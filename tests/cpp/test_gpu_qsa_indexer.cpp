@@ -256,46 +256,29 @@ TEST_P(GpuIndexer, ScoreVarlenCuSeqlens) {
                   1.0 / std::sqrt(128.0)));
 }
 
-TEST_P(GpuIndexer, ScoreVarlenTokenToReqCountsPositions) {
+// token_to_req with positions (required): interleaved requests, padding rows of a
+// graph-padded batch marked by id -1 or by a live id at a negative position (-inf, no key
+// read), and ids spread over many requests.
+TEST_P(GpuIndexer, ScoreVarlenTokenToReqPaddingRows) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = make_rng();
-  const int64_t total = 300, NB = 80, B = 3;
+  const int64_t total = 300, NB = 80, B = 3000;
   Tensor q = random_tensor({total, H, D}, GetParam(), rng);
   Tensor k = random_tensor({B, NB, D}, GetParam(), rng);
-  Tensor t2r = random_int32({total}, rng, 0, B - 1);  // interleaved requests
-  Tensor dt2r = to_device(t2r);
-  IndexerScoreOptions o;
-  o.token_to_req = dt2r.view();
-  std::vector<ScoreRow> rows;
-  std::vector<int64_t> seen(B, 0);
-  for (int64_t i = 0; i < total; ++i) {
-    const int64_t r = t2r.data_as<int32_t>()[i];
-    rows.push_back({i, r, seen[r]++, true});
-  }
-  check_score(q, k, o,
-              score_expected(
-                  q, k, rows, NB, [&](int64_t r, int64_t b) { return r * NB + b; },
-                  1.0 / std::sqrt(128.0)));
-}
-
-TEST(GpuIndexerScore, TokenToReqIdsSpreadPastOneHistogramPass) {
-  SPARSE_ATTN_REQUIRE_GPU();
-  auto rng = make_rng();
-  // Request ids spanning more than the kernel's 2048-id histogram, so that counting the
-  // positions of rows before a tile takes several passes.
-  const int64_t total = 300, NB = 6, B = 5000;
-  Tensor q = random_tensor({total, H, D}, DType::kBF16, rng);
-  Tensor k = random_tensor({B, NB, D}, DType::kBF16, rng);
-  const std::vector<int32_t> ids{0, 7, 2047, 2048, 2600, 4999};
-  std::vector<int32_t> t2r(total);
+  const std::vector<int32_t> ids{-1, 0, 7, 2047, 2048, 2999};
   std::uniform_int_distribution<size_t> pick(0, ids.size() - 1);
+  std::vector<int32_t> t2r(total);
   for (auto& id : t2r) id = ids[pick(rng)];
-  Tensor dt2r = to_device(int32_tensor({total}, t2r));
+  Tensor pos = random_int32({total}, rng, -4, 4 * NB + 3);  // negative: a padding row
+  Tensor dt2r = to_device(int32_tensor({total}, t2r)), dpos = to_device(pos);
   IndexerScoreOptions o;
   o.token_to_req = dt2r.view();
+  o.query_positions = dpos.view();
   std::vector<ScoreRow> rows;
-  std::vector<int64_t> seen(B, 0);
-  for (int64_t i = 0; i < total; ++i) rows.push_back({i, t2r[i], seen[t2r[i]]++, true});
+  for (int64_t i = 0; i < total; ++i) {
+    const int64_t p = pos.data_as<int32_t>()[i];
+    rows.push_back({i, std::max<int64_t>(t2r[i], 0), p, t2r[i] >= 0 && p >= 0});
+  }
   check_score(q, k, o,
               score_expected(
                   q, k, rows, NB, [&](int64_t r, int64_t b) { return r * NB + b; },
@@ -470,6 +453,83 @@ class Graph {
   cudaGraph_t graph_ = nullptr;
   cudaGraphExec_t exec_ = nullptr;
 };
+
+// Metadata in int64 (positions, request ids, offsets, lengths, tables, intervals) is read as
+// stored: the native scores equal the int32 call's bit for bit, and the reference's.
+TEST(GpuIndexerScore, Int64MetadataMatchesInt32) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = make_rng();
+  const auto both = [](const std::function<Tensor(bool wide)>& run) {
+    const Tensor narrow = run(false), wide = run(true);
+    EXPECT_EQ(to_vector(wide.view()), to_vector(narrow.view()));
+  };
+  const auto dev = [](const Tensor& host, bool wide) {
+    return to_device(wide ? testing::widened(host.view()) : host);
+  };
+  // Score: padded with positions and seq_lens_q; varlen by cu_seqlens_q over a paged cache;
+  // token_to_req with padding rows.
+  const int64_t B = 2, Q = 90, NB = 64, page_size = 16, pages = 7;
+  Tensor qp = to_device(random_tensor({B, Q, H, D}, DType::kBF16, rng));
+  Tensor qv = to_device(random_tensor({B * Q, H, D}, DType::kBF16, rng));
+  Tensor keys = to_device(random_tensor({B, NB, D}, DType::kBF16, rng));
+  Tensor cache = to_device(random_tensor({pages, page_size, 1, D}, DType::kBF16, rng));
+  Tensor pos_p = random_int32({B, Q}, rng, -3, 4 * NB + 3);
+  Tensor pos_v = random_int32({B * Q}, rng, -3, 4 * NB + 3);
+  Tensor seq = int32_tensor({B}, {90, 41});
+  Tensor cu = int32_tensor({B + 1}, {0, 100, 180});
+  Tensor table = int32_tensor({B, 4}, {3, -1, 0, 6, 7, 2, 5, 1});
+  Tensor t2r = random_int32({B * Q}, rng, -1, 1);
+  Tensor kp = to_device(random_tensor({200, D}, DType::kBF16, rng));
+  Tensor starts = random_int32({B * Q}, rng, -5, 150), ends = random_int32({B * Q}, rng, 0, 230);
+  DecodeCase c = random_decode(DType::kBF16, 5, 16, 40, 30, 300, rng);
+  Tensor dq = to_device(c.q), dk = to_device(c.cache);
+  for (Backend backend : {Backend::kNative, Backend::kReference}) {
+    both([&](bool wide) {
+      Tensor dpos = dev(pos_p, wide), dseq = dev(seq, wide);
+      IndexerScoreOptions o;
+      o.backend = backend;
+      o.query_positions = dpos.view();
+      o.seq_lens_q = dseq.view();
+      return run_native({B, Q, NB},
+                        [&](const TensorView& out) { qsa_indexer_mqa_score(qp, keys, out, o); });
+    });
+    both([&](bool wide) {
+      Tensor dcu = dev(cu, wide), dtable = dev(table, wide), dpos = dev(pos_v, wide);
+      IndexerScoreOptions o;
+      o.backend = backend;
+      o.cu_seqlens_q = dcu.view();
+      o.block_table = dtable.view();
+      o.query_positions = dpos.view();
+      return run_native({B * Q, 4 * page_size},
+                        [&](const TensorView& out) { qsa_indexer_mqa_score(qv, cache, out, o); });
+    });
+    both([&](bool wide) {
+      Tensor dt2r = dev(t2r, wide), dpos = dev(pos_v, wide);
+      IndexerScoreOptions o;
+      o.backend = backend;
+      o.token_to_req = dt2r.view();
+      o.query_positions = dpos.view();
+      return run_native({B * Q, NB},
+                        [&](const TensorView& out) { qsa_indexer_mqa_score(qv, keys, out, o); });
+    });
+    // Prefill intervals and decode tables / lengths.
+    both([&](bool wide) {
+      Tensor ds = dev(starts, wide), de = dev(ends, wide);
+      MqaScoreOptions o;
+      o.backend = backend;
+      return run_native({B * Q, 200},
+                        [&](const TensorView& out) { qsa_mqa_prefill(qv, kp, ds, de, out, o); });
+    });
+    both([&](bool wide) {
+      Tensor dt = dev(c.table, wide), dl = dev(c.lens, wide);
+      MqaScoreOptions o;
+      o.backend = backend;
+      return run_native({5, c.max_model_len}, [&](const TensorView& out) {
+        qsa_mqa_decode(dq, dk, dt, dl, c.max_model_len, out, o);
+      });
+    });
+  }
+}
 
 TEST(GpuIndexerGraph, PrefillReplayReadsCurrentIntervals) {
   SPARSE_ATTN_REQUIRE_GPU();

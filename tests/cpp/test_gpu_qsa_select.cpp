@@ -277,6 +277,30 @@ INSTANTIATE_TEST_SUITE_P(
                       ExpandCase{"rows70000_k4_many_rows", {70000, 4}, true, false}),
     [](const auto& info) { return info.param.name; });
 
+// int64 block ids and positions (values past the int32 range among them: positions above
+// INT32_MAX read as INT32_MAX, ids past it are never complete) give the reference's ids.
+TEST(GpuExpandInt64, MatchesReferenceExactly) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = make_rng();
+  const int64_t rows = 300, k = 40;
+  std::vector<int64_t> ids(rows * k), pos(rows);
+  std::uniform_int_distribution<int64_t> id(-3, 60), p(-5, 250), pick(0, 9);
+  constexpr int64_t kBig = int64_t{1} << 40;
+  for (auto& x : ids) x = pick(rng) == 0 ? (pick(rng) % 2 ? kBig : -kBig) : id(rng);
+  for (int64_t r = 0; r < rows; ++r) {
+    pos[r] = r % 50 == 7 ? kBig + r : (r % 50 == 8 ? int64_t{INT32_MAX} : p(rng));
+  }
+  const Tensor host_ids = testing::int64_tensor({rows, k}, ids);
+  const Tensor host_pos = testing::int64_tensor({rows}, pos);
+  const Tensor dev_ids = to_device(host_ids), dev_pos = to_device(host_pos);
+  const Mirrored tokens = poisoned_output(make_layout({rows, 4 * k + 3}, false));
+  const Mirrored blocks = poisoned_output(make_layout({rows, k}, false));
+  qsa_expand_blocks(dev_ids, dev_pos, tokens.dev, blocks.dev);
+  qsa_expand_blocks(host_ids, host_pos, tokens.host, blocks.host);
+  expect_same_buffers(tokens, "token_indices");
+  expect_same_buffers(blocks, "block_indices");
+}
+
 // ---------------------------------------------------------------------------------------
 // Both, as a caller chains them, on a stream of its own
 // ---------------------------------------------------------------------------------------

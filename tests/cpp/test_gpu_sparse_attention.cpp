@@ -48,9 +48,14 @@ struct Case {
   Gate gate = Gate::kNone;
   bool lse = true;
   std::optional<int64_t> num_splits;
-  bool positions = false;     // explicit query_positions (else the right-aligned default)
-  bool token_to_req = false;  // flattened rows mapped by token_to_req instead of cu_seqlens
-  int64_t padding_rows = 0;   // with token_to_req: rows of request id -1 among the real ones
+  bool positions = false;  // random query_positions (else the right-aligned default)
+  // Flattened rows mapped by token_to_req instead of cu_seqlens; query_positions are passed
+  // (random or right-aligned), as token_to_req requires.
+  bool token_to_req = false;
+  int64_t padding_rows = 0;      // with token_to_req: padding rows among the real ones
+  bool pad_by_position = false;  // padding rows carry request 0's id at a negative position
+                                 // (else request id -1)
+  bool int64_metadata = false;   // every metadata tensor (ids, table, lengths, ...) as int64
   bool views = false;         // sliced inputs with offsets, strided out with bytes around it
   bool dense_v = false;       // with views: V stays dense, so K and V strides differ
   // Each row of a request repeats the previous row's ids with about 1 in 20 redrawn, as
@@ -116,22 +121,23 @@ Problem make_problem(const Case& c, std::mt19937_64& rng) {
       rank.push_back(seen[t2r[r]]++);
     }
     t2r = t2r2;
-    // Padding rows of a graph-padded batch: id -1, spread among the real rows.
+    // Padding rows of a graph-padded batch, spread among the real rows.
     for (int64_t j = 0; j < c.padding_rows; ++j) {
       const int64_t at = (j * 7 + 3) % (static_cast<int64_t>(t2r.size()) + 1);
       t2r.insert(t2r.begin() + at, -1);
       rank.insert(rank.begin() + at, 0);
     }
     pb.rows = static_cast<int64_t>(t2r.size());
-    pb.token_to_req = host_i32({pb.rows}, t2r);
   }
   // Real rows (i < seq_len_q) and their positions: explicit, or right-aligned.
   std::vector<int32_t> pos32;
   for (int64_t r = 0; r < pb.rows; ++r) {
     if (t2r[r] < 0) {  // a padding row: zero output, LSE -inf
+      const int32_t p = c.pad_by_position ? static_cast<int32_t>(-1 - r % 3) : 7;
+      if (c.pad_by_position) t2r[r] = 0;  // a live request id: the position marks it
       pb.row_req.push_back(-1);
-      pb.row_pos.push_back(0);
-      pos32.push_back(0);
+      pb.row_pos.push_back(p);
+      pos32.push_back(p);
       continue;
     }
     const int64_t b = t2r[r], i = rank[r];
@@ -142,6 +148,7 @@ Problem make_problem(const Case& c, std::mt19937_64& rng) {
     pb.row_pos.push_back(p);
     pos32.push_back(static_cast<int32_t>(p));
   }
+  if (c.token_to_req) pb.token_to_req = host_i32({pb.rows}, t2r);
 
   // K/V storage and the block table.
   const int64_t max_k = *std::max_element(c.k_lens.begin(), c.k_lens.end());
@@ -280,8 +287,14 @@ TensorView embed(const Tensor& host, std::vector<Tensor>& keep, std::mt19937_64&
   Shape big = host.shape();
   big.front() += 1;
   big.back() += 8;
-  Tensor outer_host = host.dtype() == DType::kI32 ? testing::random_int32(big, rng, -5, 5)
-                                                  : testing::random_tensor(big, host.dtype(), rng);
+  Tensor outer_host;
+  if (host.dtype() == DType::kI32) {
+    outer_host = testing::random_int32(big, rng, -5, 5);
+  } else if (host.dtype() == DType::kI64) {
+    outer_host = testing::widened(testing::random_int32(big, rng, -5, 5));
+  } else {
+    outer_host = testing::random_tensor(big, host.dtype(), rng);
+  }
   Tensor outer = to_device(outer_host);
   keep.push_back(outer);
   TensorView view = outer.view()
@@ -307,6 +320,10 @@ DeviceProblem to_device_problem(const Problem& pb, std::mt19937_64& rng) {
     dp.keep.push_back(d);
     return d.view();
   };
+  // Metadata as int32, or (int64_metadata) the same values as int64.
+  auto put_meta = [&](const Tensor& h) {
+    return put(c.int64_metadata ? testing::widened(h.view()) : h);
+  };
   dp.q = put(pb.q);
   dp.k = put(pb.k);
   if (c.dense_v) {
@@ -316,7 +333,7 @@ DeviceProblem to_device_problem(const Problem& pb, std::mt19937_64& rng) {
   } else {
     dp.v = put(pb.v);
   }
-  dp.idx = put(pb.idx);
+  dp.idx = put_meta(pb.idx);
   if (c.padded_q) {
     dp.q = dp.q.as_strided(
         {pb.batch, pb.q_len, c.hq, kD},
@@ -355,18 +372,18 @@ DeviceProblem to_device_problem(const Problem& pb, std::mt19937_64& rng) {
   auto& o = dp.opts;
   o.backend = Backend::kNative;
   o.num_splits = c.num_splits;
-  o.seq_lens_k = put(pb.seq_lens_k);
+  o.seq_lens_k = put_meta(pb.seq_lens_k);
   if (c.paged) {
-    o.block_table = put(pb.block_table);
+    o.block_table = put_meta(pb.block_table);
     o.page_size = c.page_size;
   }
-  if (c.padded_q || !c.q_real.empty()) o.seq_lens_q = put(pb.seq_lens_q);
+  if (c.padded_q || !c.q_real.empty()) o.seq_lens_q = put_meta(pb.seq_lens_q);
   if (c.token_to_req) {
-    o.token_to_req = put(pb.token_to_req);
+    o.token_to_req = put_meta(pb.token_to_req);
   } else if (!c.padded_q) {
-    o.cu_seqlens_q = put(pb.cu_seqlens_q);
+    o.cu_seqlens_q = put_meta(pb.cu_seqlens_q);
   }
-  if (c.positions) o.query_positions = put(pb.positions);
+  if (c.positions || c.token_to_req) o.query_positions = put_meta(pb.positions);
   if (c.gate != Gate::kNone) {
     TensorView g = put(pb.gate);
     if (c.padded_q) {
@@ -513,7 +530,7 @@ std::vector<Case> cases() {
   }
   {
     Case c;
-    c.name = "prefill_token_to_req_default_positions";
+    c.name = "prefill_token_to_req_right_aligned_positions";
     c.token_to_req = true;
     c.q_rows = {6, 5, 7};
     c.k_lens = {120, 80, 300};
@@ -521,41 +538,37 @@ std::vector<Case> cases() {
     v.push_back(c);
   }
   {
-    // Request id -1 rows among the real ones, positions inferred (the rank pre-pass must not
-    // count them) and given.
-    for (bool positions : {false, true}) {
-      Case c;
-      c.name = positions ? "prefill_token_to_req_padding_rows_positions"
-                         : "prefill_token_to_req_padding_rows";
-      c.token_to_req = true;
-      c.positions = positions;
-      c.padding_rows = 5;
-      c.q_rows = {6, 5, 7};
-      c.k_lens = {120, 80, 300};
-      c.width = 67;
-      v.push_back(c);
+    // Padding rows of a graph-padded batch among the real ones: request id -1, or a live
+    // request id at a negative position; right-aligned and random positions; int32 and int64.
+    for (bool by_position : {false, true}) {
+      for (bool positions : {false, true}) {
+        for (bool wide : {false, true}) {
+          Case c;
+          c.name = std::string("prefill_token_to_req_padding_rows") +
+                   (by_position ? "_at_negative_positions" : "_id_minus_one") +
+                   (positions ? "_random_positions" : "") + (wide ? "_int64" : "");
+          c.token_to_req = true;
+          c.positions = positions;
+          c.padding_rows = 5;
+          c.pad_by_position = by_position;
+          c.int64_metadata = wide;
+          c.q_rows = {6, 5, 7};
+          c.k_lens = {120, 80, 300};
+          c.width = 67;
+          c.gate = by_position ? Gate::kElementwise : Gate::kNone;
+          v.push_back(c);
+        }
+      }
     }
   }
   {
-    // Positions given and no seq_lens_q: no rank pre-pass runs, and every row is real.
     Case c;
-    c.name = "prefill_token_to_req_explicit_positions";
+    c.name = "prefill_token_to_req_random_positions";
     c.token_to_req = true;
     c.positions = true;
     c.q_rows = {3, 1, 4};
     c.k_lens = {40, 7, 64};
     c.width = 40;
-    v.push_back(c);
-  }
-  {
-    Case c;
-    c.name = "prefill_token_to_req_seq_lens_q";
-    c.token_to_req = true;
-    c.q_rows = {6, 5, 7};
-    c.q_real = {4, 5, 0};
-    c.k_lens = {120, 80, 300};
-    c.width = 67;
-    c.gate = Gate::kElementwise;
     v.push_back(c);
   }
   {
@@ -566,6 +579,39 @@ std::vector<Case> cases() {
     c.k_lens = {900, 64};
     c.width = 333;
     c.num_splits = 2;
+    v.push_back(c);
+  }
+  {
+    // int64 metadata in the other layouts: decode with SplitKV, padded queries with dense K/V,
+    // cu_seqlens_q with seq_lens_q, a hole page, sliced views.
+    Case c = decode("decode_b3_splits5_int64", 3);
+    c.num_splits = 5;
+    c.hole_page = true;
+    c.int64_metadata = true;
+    v.push_back(c);
+    c = decode("views_decode_b3_splits3_int64", 3);
+    c.views = true;
+    c.num_splits = 3;
+    c.int64_metadata = true;
+    v.push_back(c);
+    c = Case{};
+    c.name = "prefill_padded_q5_dense_kv_int64";
+    c.padded_q = true;
+    c.paged = false;
+    c.q_rows = {5, 3};
+    c.k_lens = {200, 90};
+    c.width = 131;
+    c.num_splits = 1;
+    c.int64_metadata = true;
+    v.push_back(c);
+    c = Case{};
+    c.name = "prefill_cu_seqlens_seq_lens_q_random_positions_int64";
+    c.q_rows = {7, 3};
+    c.q_real = {5, 3};
+    c.k_lens = {900, 64};
+    c.width = 333;
+    c.positions = true;
+    c.int64_metadata = true;
     v.push_back(c);
   }
   {
@@ -666,6 +712,7 @@ struct HintCase {
   int64_t page_size;
   std::optional<int64_t> num_splits;
   std::vector<int64_t> q_rows, k_lens;
+  bool int64_metadata = false;  // block_indices and every other metadata tensor as int64
 };
 
 class GpuSparseAttentionBlockHint : public ::testing::TestWithParam<HintCase> {};
@@ -681,6 +728,7 @@ TEST_P(GpuSparseAttentionBlockHint, HintAndProducerContractGiveTheTokenResult) {
   c.num_splits = GetParam().num_splits;
   c.width = 4 * kNb + 3;
   c.gate = Gate::kPerHead;
+  c.int64_metadata = GetParam().int64_metadata;
   Problem pb = make_problem(c, rng);
   std::vector<int32_t> blocks(pb.rows * kNb, -1), ids(pb.rows * c.width, -1);
   for (int64_t r = 0; r < pb.rows; ++r) {
@@ -694,7 +742,8 @@ TEST_P(GpuSparseAttentionBlockHint, HintAndProducerContractGiveTheTokenResult) {
   }
   pb.idx = testing::int32_tensor({pb.rows, c.width}, ids);
   DeviceProblem dp = to_device_problem(pb, rng);
-  Tensor db = to_device(testing::int32_tensor({pb.rows, kNb}, blocks));
+  const Tensor hb = testing::int32_tensor({pb.rows, kNb}, blocks);
+  Tensor db = to_device(c.int64_metadata ? testing::widened(hb.view()) : hb);
   dp.opts.block_indices = db.view();
   dp.opts.assume_compact_blocks = true;
   dp.opts.warp_specialized = true;
@@ -710,13 +759,16 @@ INSTANTIATE_TEST_SUITE_P(Pages, GpuSparseAttentionBlockHint, ::testing::ValuesIn
                                {64, 1, {9}, {58}},
                                {6, std::nullopt, {7, 2}, {500, 66}},
                                // The row-tile kernel (one split, rows per request >= 4).
-                               {16, 1, {40, 13}, {3000, 900}}};
+                               {16, 1, {40, 13}, {3000, 900}},
+                               {64, std::nullopt, {37, 5}, {3000, 203}, true},
+                               {16, 1, {40, 13}, {3000, 900}, true}};
                          }()),
                          [](const ::testing::TestParamInfo<HintCase>& info) {
                            return "page" + std::to_string(info.param.page_size) + "_splits" +
                                   (info.param.num_splits ? std::to_string(*info.param.num_splits)
                                                          : "auto") +
-                                  "_rows" + std::to_string(info.param.q_rows.size());
+                                  "_rows" + std::to_string(info.param.q_rows.size()) +
+                                  (info.param.int64_metadata ? "_int64" : "");
                          });
 
 // The block hint as an engine passes it: block_indices is the raw top-k of each row (unsorted,
@@ -964,14 +1016,15 @@ std::vector<WorkspaceCase> workspace_cases() {
     v.push_back({"decode_b2_one_split_needs_none", c, false});
   }
   {
+    // token_to_req rows are never counted: no scratch beyond the SplitKV partials.
     Case c;
     c.token_to_req = true;
+    c.padding_rows = 2;
     c.q_rows = {6, 5, 7};
-    c.q_real = {4, 5, 0};
     c.k_lens = {120, 80, 300};
     c.width = 67;
     c.num_splits = 1;
-    v.push_back({"prefill_token_to_req_row_rank_only", c, true});
+    v.push_back({"prefill_token_to_req_one_split_needs_none", c, false});
   }
   {
     Case c;
@@ -979,7 +1032,8 @@ std::vector<WorkspaceCase> workspace_cases() {
     c.q_rows = {2, 1};
     c.k_lens = {3000, 2500};
     c.num_splits = 3;
-    v.push_back({"token_to_req_splits3_ranks_and_partials", c, true});
+    c.int64_metadata = true;
+    v.push_back({"token_to_req_splits3_partials_int64", c, true});
   }
   return v;
 }

@@ -56,6 +56,10 @@ struct Case {
   bool strided_out = false;  // out / lse are views inside larger poisoned buffers
   bool block_hint = false;   // ids come from blocks + tail; also run with block_indices
   int64_t hint_blocks = 5;
+  // kTokenToReq padding rows: keep their request's id and sit at a negative position, instead
+  // of carrying id -1.
+  bool pad_by_position = false;
+  bool int64_metadata = false;  // every metadata tensor (ids, offsets, lengths, ...) as int64
   Backend backend = Backend::kReference;  // or kNative: the CPU backend, same oracle
 };
 
@@ -74,20 +78,30 @@ class Problem {
   explicit Problem(const Case& c) : c_(c), rng_(make_rng()) { build(); }
 
   void run(const SparseAttentionOptions& extra, const std::optional<TensorView>& block_hint) {
+    // int64_metadata: the same values as int64 tensors, kept alive for the call.
+    std::vector<Tensor> wide;
+    const auto meta = [&](const Tensor& t) -> TensorView {
+      if (!c_.int64_metadata) return t.view();
+      wide.push_back(testing::widened(t));
+      return wide.back().view();
+    };
     SparseAttentionOptions o = extra;
     o.backend = c_.backend;
-    o.block_indices = block_hint;
-    if (cu_q_.data()) o.cu_seqlens_q = cu_q_.view();
-    if (t2r_.data()) o.token_to_req = t2r_.view();
-    if (cu_k_.data()) o.cu_seqlens_k = cu_k_.view();
-    if (table_.data()) o.block_table = table_.view();
-    if (padded_rows_) o.seq_lens_q = seq_q_.view();
-    if (c_.pass_seq_lens_k) o.seq_lens_k = seq_k_.view();
-    if (c_.explicit_positions) o.query_positions = positions_.view();
+    if (block_hint) o.block_indices = c_.int64_metadata ? meta(blocks_) : *block_hint;
+    if (cu_q_.data()) o.cu_seqlens_q = meta(cu_q_);
+    if (t2r_.data()) o.token_to_req = meta(t2r_);
+    if (cu_k_.data()) o.cu_seqlens_k = meta(cu_k_);
+    if (table_.data()) o.block_table = meta(table_);
+    // token_to_req layouts mark padding rows in token_to_req or the positions and always pass
+    // positions (docs/qsa.md, "Metadata").
+    const bool token_to_req = c_.q_form == QForm::kTokenToReq;
+    if (padded_rows_ && !token_to_req) o.seq_lens_q = meta(seq_q_);
+    if (c_.pass_seq_lens_k) o.seq_lens_k = meta(seq_k_);
+    if (c_.explicit_positions || token_to_req) o.query_positions = meta(positions_);
     if (c_.gate != Gate::kNone) o.gate = gate_.view();
     poison(out_buf_.view());
     poison(lse_buf_.view());
-    qsa_sparse_attention(query_.view(), key_, value_, token_.view(), out_, lse_, o);
+    qsa_sparse_attention(query_.view(), key_, value_, meta(token_), out_, lse_, o);
   }
   void run() { run({}, std::nullopt); }
 
@@ -190,6 +204,9 @@ void Problem::build() {
         }
       }
       std::vector<int32_t> t2r(row_req_.begin(), row_req_.end());
+      for (int64_t r = 0; r < rows(); ++r) {
+        if (row_i_[r] < 0 && !c_.pad_by_position) t2r[r] = -1;
+      }
       t2r_ = testing::int32_tensor({rows()}, t2r);
     }
     row_shape = {rows()};
@@ -205,6 +222,7 @@ void Problem::build() {
     } else {
       pos[r] = static_cast<int32_t>(k_len - c_.q_lens[b] + std::max<int64_t>(row_i_[r], 0));
     }
+    if (row_i_[r] < 0 && c_.pad_by_position) pos[r] = static_cast<int32_t>(-1 - r % 3);
     row_pos_.push_back(pos[r]);
   }
   positions_ = testing::int32_tensor(row_shape, pos);
@@ -397,6 +415,10 @@ TEST_P(SparseAttentionHost, MatchesDoublePrecision) {
   Problem p(GetParam());
   p.run();
   p.check();
+  if (GetParam().block_hint) {
+    p.run({}, p.blocks().view());
+    p.check();
+  }
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -483,6 +505,41 @@ std::vector<Case> cases() {
   c.q_form = QForm::kTokenToReq;
   c.kv_form = KVForm::kPaged;
   v.push_back(with(c, "token_to_req_rows_past_seq_lens_q_paged"));
+  c.pad_by_position = true;
+  v.push_back(with(c, "token_to_req_padding_rows_at_negative_positions"));
+  c.int64_metadata = true;
+  v.push_back(with(c, "token_to_req_padding_rows_at_negative_positions_int64"));
+  c.pad_by_position = false;
+  v.push_back(with(c, "token_to_req_padding_rows_int64"));
+  // int64 metadata in every layout: the same results as int32 (each tensor read as stored).
+  c = {};
+  c.q_lens = {3, 5, 1};
+  c.k_lens = {17, 40, 9};
+  c.q_pad = 6;
+  c.int64_metadata = true;
+  v.push_back(with(c, "padded_rows_past_seq_lens_q_int64"));
+  c.explicit_positions = true;
+  v.push_back(with(c, "padded_explicit_positions_int64"));
+  c = {};
+  c.q_form = QForm::kCuSeqlens;
+  c.q_lens = {3, 0, 6};
+  c.k_lens = {12, 5, 33};
+  c.kv_form = KVForm::kVarlen;
+  c.int64_metadata = true;
+  v.push_back(with(c, "varlen_kv_int64"));
+  c = {};
+  c.kv_form = KVForm::kPaged;
+  c.page_size = 8;
+  c.k_lens = {17, 70};
+  c.width = 40;
+  c.bad_pages = true;
+  c.q_form = QForm::kCuSeqlens;
+  c.int64_metadata = true;
+  v.push_back(with(c, "paged_page8_bad_pages_flat_int64"));
+  c.block_hint = true;
+  c.explicit_positions = true;
+  c.page_size = 4;
+  v.push_back(with(c, "paged_page4_block_hint_int64"));
   c = {};
   c.q_form = QForm::kSingle;
   c.q_lens = {7};
@@ -768,19 +825,26 @@ TEST(SparseAttentionReferenceContents, BrokenMetadataRaisesValueError) {
     Tensor cu_short = testing::int32_tensor({3}, {0, 1, 3});
     o.cu_seqlens_q = cu_short.view();
     expect_error(o, "cu_seqlens_q");
+    Tensor cu_ok = testing::int32_tensor({3}, {0, 2, 4});
+    o.cu_seqlens_q = cu_ok.view();
+    Tensor lens_q = testing::int32_tensor({2}, {3, 2});  // request 0 has 2 rows
+    o.seq_lens_q = lens_q.view();
+    expect_error(o, "seq_lens_q");
+    o.seq_lens_q.reset();
     o.cu_seqlens_q.reset();
+    Tensor positions = testing::int32_tensor({4}, {0, 1, 2, 3});
+    o.query_positions = positions.view();
     Tensor t2r = testing::int32_tensor({4}, {0, 1, 2, 0});
     o.token_to_req = t2r.view();
+    expect_error(o, "token_to_req");
+    Tensor t2r_below = testing::int64_tensor({4}, {0, -2, 1, 0});  // -1 is padding, -2 broken
+    o.token_to_req = t2r_below.view();
     expect_error(o, "token_to_req");
     Tensor t2r_ok = testing::int32_tensor({4}, {0, 1, 1, 0});
     o.token_to_req = t2r_ok.view();
     Tensor lens = testing::int32_tensor({2}, {6, 7});
     o.seq_lens_k = lens.view();
     expect_error(o, "seq_lens_k");
-    o.seq_lens_k.reset();
-    Tensor lens_q = testing::int32_tensor({2}, {3, 2});  // request 0 has 2 rows
-    o.seq_lens_q = lens_q.view();
-    expect_error(o, "seq_lens_q");
   }
 }
 

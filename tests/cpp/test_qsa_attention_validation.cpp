@@ -188,7 +188,7 @@ std::vector<Rule> rules() {
   add(
       "block_table_dtype",
       [](Call& c) {
-        c.o.block_table = c.make({2, 3}, DType::kI64);
+        c.o.block_table = c.make({2, 3}, DType::kF32);
       },
       K::kType, "block_table");
   add(
@@ -236,14 +236,14 @@ std::vector<Rule> rules() {
         c.o.block_table.reset();
         c.k = c.make({24, 2, 256}, DType::kBF16);
         c.v = c.make({24, 2, 256}, DType::kBF16);
-        c.o.cu_seqlens_k = c.make({3}, DType::kI64);
+        c.o.cu_seqlens_k = c.make({3}, DType::kF32);
       },
       K::kType, "cu_seqlens_k");
   add(
       "seq_lens_k_shape", [](Call& c) { c.o.seq_lens_k = c.make_i32({3}); }, K::kValue,
       "seq_lens_k");
   add(
-      "seq_lens_k_dtype", [](Call& c) { c.o.seq_lens_k = c.make({2}, DType::kI64); }, K::kType,
+      "seq_lens_k_dtype", [](Call& c) { c.o.seq_lens_k = c.make({2}, DType::kF32); }, K::kType,
       "seq_lens_k");
   // ----- query rows -> requests ---------------------------------------------------------
   add(
@@ -265,7 +265,7 @@ std::vector<Rule> rules() {
       "cu_seqlens_q_dtype",
       [flat](Call& c) {
         flat(c);
-        c.o.cu_seqlens_q = c.make({3}, DType::kI64);
+        c.o.cu_seqlens_q = c.make({3}, DType::kF32);
       },
       K::kType, "cu_seqlens_q");
   add(
@@ -294,9 +294,26 @@ std::vector<Rule> rules() {
       "token_to_req_dtype",
       [flat](Call& c) {
         flat(c);
-        c.o.token_to_req = c.make({6}, DType::kI64);
+        c.o.token_to_req = c.make({6}, DType::kF32);
       },
       K::kType, "token_to_req");
+  // The position rule (docs/qsa.md, "Metadata"): token_to_req rows are never counted.
+  add(
+      "token_to_req_without_query_positions",
+      [flat](Call& c) {
+        flat(c);
+        c.o.token_to_req = c.make_i32({6});
+      },
+      K::kValue, "query_positions");
+  add(
+      "token_to_req_with_seq_lens_q",
+      [flat](Call& c) {
+        flat(c);
+        c.o.token_to_req = c.make_i32({6});
+        c.o.query_positions = c.make_i32({6});
+        c.o.seq_lens_q = c.make_i32({2});
+      },
+      K::kValue, "seq_lens_q");
   add(
       "num_requests_differs_from_kv",
       [flat](Call& c) {
@@ -321,7 +338,7 @@ std::vector<Rule> rules() {
       },
       K::kValue, "seq_lens_q");
   add(
-      "seq_lens_q_dtype", [](Call& c) { c.o.seq_lens_q = c.make({2}, DType::kI64); }, K::kType,
+      "seq_lens_q_dtype", [](Call& c) { c.o.seq_lens_q = c.make({2}, DType::kF32); }, K::kType,
       "seq_lens_q");
   add(
       "query_positions_shape", [](Call& c) { c.o.query_positions = c.make_i32({6}); }, K::kValue,
@@ -329,7 +346,7 @@ std::vector<Rule> rules() {
   add(
       "query_positions_dtype",
       [](Call& c) {
-        c.o.query_positions = c.make({2, 3}, DType::kI64);
+        c.o.query_positions = c.make({2, 3}, DType::kF32);
       },
       K::kType, "query_positions");
   // ----- token_indices and the block hint -----------------------------------------------
@@ -338,7 +355,7 @@ std::vector<Rule> rules() {
   add(
       "token_indices_dtype",
       [](Call& c) {
-        c.token = c.make({2, 3, 11}, DType::kI64);
+        c.token = c.make({2, 3, 11}, DType::kF32);
       },
       K::kType, "token_indices");
   add(
@@ -391,7 +408,7 @@ std::vector<Rule> rules() {
   add(
       "block_indices_dtype",
       [](Call& c) {
-        c.o.block_indices = c.make({2, 3, 2}, DType::kI64);
+        c.o.block_indices = c.make({2, 3, 2}, DType::kF32);
       },
       K::kType, "block_indices");
   // ----- scalars ------------------------------------------------------------------------
@@ -534,7 +551,7 @@ std::vector<Rule> rules() {
       "selected_kv_indices_dtype",
       [](Call& c) {
         c.physical();
-        c.o.selected_kv_indices = c.make({6, 5}, DType::kI64);
+        c.o.selected_kv_indices = c.make({6, 5}, DType::kF32);
       },
       K::kType, "selected_kv_indices");
   add(
@@ -836,7 +853,7 @@ TEST(SparseAttentionWorkspaceSize, RaisesTheCallsErrorsNamingTheArgument) {
     EXPECT_NE(std::string(e.what()).find("query"), std::string::npos) << e.what();
   }
   Call t;
-  t.o.block_table = t.make({2, 3}, DType::kI64);
+  t.o.block_table = t.make({2, 3}, DType::kF32);
   EXPECT_THROW(qsa_sparse_attention_workspace_size(t.q, t.k, t.v, t.token, t.o), TypeError);
   Call p;
   p.physical();

@@ -20,11 +20,13 @@ namespace {
 using testing::all_close;
 using testing::get;
 using testing::int32_tensor;
+using testing::int64_tensor;
 using testing::make_rng;
 using testing::poison;
 using testing::random_int32;
 using testing::random_tensor;
 using testing::to_vector;
+using testing::widened;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 // Outputs are FP32 sums of FP32 products of exact bf16/fp16 inputs; the expectation is exact
@@ -196,18 +198,89 @@ TEST_P(IndexerDtype, ScoreVarlenTokenToReqInterleavedRows) {
   // Four key rows but only three requests in use: num_requests bounds the ids.
   Tensor k = random_tensor({4, NB, D}, GetParam(), rng);
   Tensor t2r = random_int32({total}, rng, 0, 2);
+  // A prefill from each request's first token: its i-th row sits at position i (given, since
+  // token_to_req rows are never counted).
+  std::vector<int64_t> req_of, rank;
+  std::vector<int64_t> seen(3, 0);
+  for (double v : to_vector(t2r)) {
+    req_of.push_back(static_cast<int64_t>(v));
+    rank.push_back(seen[req_of.back()]++);
+  }
+  Tensor pos = int64_tensor({total}, rank);
   IndexerScoreOptions o = reference_score();
   o.token_to_req = t2r.view();
   o.num_requests = 3;
+  o.query_positions = pos.view();
   Tensor out = Tensor::empty({total, NB}, DType::kF32);
   poison(out);
   qsa_indexer_mqa_score(q, k, out, o);
-  std::vector<int64_t> req_of;
-  for (double v : to_vector(t2r)) req_of.push_back(static_cast<int64_t>(v));
   EXPECT_TRUE(all_close(
       out,
       expected_scores(q, k, varlen_rows(req_of, nullptr), std::nullopt, NB, 1.0 / std::sqrt(32.0)),
       kAtol, kRtol));
+}
+
+// int64 metadata everywhere (cu_seqlens_q, positions, seq_lens_q, the block table), with
+// padding rows marked by a negative position: the int32 call's scores, bit for bit.
+TEST_P(IndexerDtype, ScoreInt64MetadataMatchesInt32) {
+  auto rng = make_rng();
+  const int64_t B = 2, Q = 7, H = 4, D = 64, page_size = 4, max_pages = 3, pages = 5;
+  const int64_t NB = max_pages * page_size;
+  Tensor cache = random_tensor({pages, page_size, D}, GetParam(), rng);
+  Tensor table = int32_tensor({B, max_pages}, {4, -1, 2, 0, 7, 1});
+  for (bool varlen : {false, true}) {
+    Tensor q = varlen ? random_tensor({B * Q, H, D}, GetParam(), rng)
+                      : random_tensor({B, Q, H, D}, GetParam(), rng);
+    Tensor pos = varlen ? random_int32({B * Q}, rng, -3, 4 * NB + 3)
+                        : random_int32({B, Q}, rng, -3, 4 * NB + 3);
+    Tensor cu = int32_tensor({B + 1}, {0, 3, static_cast<int32_t>(B * Q)});
+    Tensor seq = int32_tensor({B}, {7, 4});
+    const auto call = [&](bool wide) {
+      std::vector<Tensor> keep;
+      const auto meta = [&](const Tensor& t) {
+        keep.push_back(wide ? widened(t) : t);
+        return keep.back().view();
+      };
+      IndexerScoreOptions o = reference_score();
+      o.block_table = meta(table);
+      o.query_positions = meta(pos);
+      if (varlen) o.cu_seqlens_q = meta(cu);
+      if (!varlen) o.seq_lens_q = meta(seq);
+      Tensor out = Tensor::empty(qsa_indexer_mqa_score_shape(q, cache, o), DType::kF32);
+      poison(out);
+      qsa_indexer_mqa_score(q, cache, out, o);
+      return to_vector(out);
+    };
+    const std::vector<double> narrow = call(false);
+    EXPECT_EQ(call(true), narrow) << (varlen ? "varlen" : "padded");
+    // Rows at a negative position are padding rows: every score -inf.
+    const std::vector<double> p = to_vector(pos);
+    for (size_t r = 0; r < p.size(); ++r) {
+      if (p[r] >= 0) continue;
+      for (int64_t b = 0; b < NB; ++b) EXPECT_EQ(narrow[r * NB + b], -kInf) << r;
+    }
+  }
+}
+
+// The position rule (docs/qsa.md, "Metadata"): token_to_req rows are never counted, so
+// positions are required.
+TEST(IndexerScore, TokenToReqNeedsQueryPositions) {
+  auto rng = make_rng();
+  Tensor q = random_tensor({4, 4, 16}, DType::kBF16, rng);
+  Tensor k = random_tensor({2, 3, 16}, DType::kBF16, rng);
+  Tensor t2r = int32_tensor({4}, {0, 1, 1, 0});
+  Tensor out = Tensor::empty({4, 3}, DType::kF32);
+  for (Backend backend : {Backend::kReference, Backend::kNative}) {
+    IndexerScoreOptions o;
+    o.backend = backend;
+    o.token_to_req = t2r.view();
+    try {
+      qsa_indexer_mqa_score(q, k, out, o);
+      ADD_FAILURE() << "no error";
+    } catch (const ValueError& e) {
+      EXPECT_EQ(std::string(e.what()).rfind("query_positions:", 0), 0u) << e.what();
+    }
+  }
 }
 
 TEST_P(IndexerDtype, ScoreVarlenWithQueryPositions) {
@@ -427,8 +500,10 @@ TEST(IndexerScore, ReferenceRejectsRequestIdOutOfRange) {
   Tensor k = random_tensor({3, 3, 16}, DType::kBF16, rng);
   for (int32_t bad : {-2, 2}) {  // -1 is a padding row, not an error
     Tensor t2r = int32_tensor({4}, {0, 1, bad, 0});
+    Tensor pos = int32_tensor({4}, {0, 0, 1, 1});
     IndexerScoreOptions o = reference_score();
     o.token_to_req = t2r.view();
+    o.query_positions = pos.view();
     o.num_requests = 2;
     expect_contents_error([&](const TensorView& out) { qsa_indexer_mqa_score(q, k, out, o); },
                           {4, 3}, "token_to_req");
@@ -789,7 +864,7 @@ std::vector<ValidationCase> validation_cases() {
   add(
       "score_block_table_dtype",
       [=] {
-        Tensor t = Tensor::empty({2, 2}, DType::kI64);
+        Tensor t = Tensor::empty({2, 2}, DType::kF32);
         score(q, cache, out_paged,
               with(paged_options(), [&](auto& o) { o.block_table = t.view(); }));
       },
@@ -874,7 +949,7 @@ std::vector<ValidationCase> validation_cases() {
   add(
       "score_cu_seqlens_dtype",
       [=] {
-        Tensor t = Tensor::empty({3}, DType::kI64);
+        Tensor t = Tensor::empty({3}, DType::kF32);
         score(qv, k, outv, with(varlen_options(), [&](auto& o) { o.cu_seqlens_q = t.view(); }));
       },
       Kind::kType, "cu_seqlens_q");
@@ -924,7 +999,7 @@ std::vector<ValidationCase> validation_cases() {
   add(
       "score_query_positions_dtype",
       [=] {
-        Tensor t = Tensor::empty({2, 5}, DType::kI64);
+        Tensor t = Tensor::empty({2, 5}, DType::kF32);
         score(q, k, out, with(ref, [&](auto& o) { o.query_positions = t.view(); }));
       },
       Kind::kType, "query_positions");
@@ -1056,7 +1131,7 @@ std::vector<ValidationCase> validation_cases() {
   add(
       "prefill_row_starts_dtype",
       [=] {
-        Tensor t = Tensor::empty({9}, DType::kI64);
+        Tensor t = Tensor::empty({9}, DType::kF32);
         prefill(pq, pk, t, pe, pout);
       },
       Kind::kType, "row_starts");
@@ -1180,7 +1255,7 @@ std::vector<ValidationCase> validation_cases() {
   add(
       "decode_page_table_dtype",
       [=] {
-        Tensor t = Tensor::empty({2, 2}, DType::kI64);
+        Tensor t = Tensor::empty({2, 2}, DType::kF32);
         decode(dq, cache, t, ctx, 20, dout);
       },
       Kind::kType, "page_table");
@@ -1196,7 +1271,7 @@ std::vector<ValidationCase> validation_cases() {
   add(
       "decode_context_lens_dtype",
       [=] {
-        Tensor t = Tensor::empty({2}, DType::kI64);
+        Tensor t = Tensor::empty({2}, DType::kF32);
         decode(dq, cache, table, t, 20, dout);
       },
       Kind::kType, "context_lens");

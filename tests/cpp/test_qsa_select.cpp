@@ -207,6 +207,36 @@ TEST(QsaExpand, NegativePositionSelectsNothing) {
   EXPECT_EQ(to_vector(tokens), std::vector<double>(14, -1));
 }
 
+// int64 block ids and positions are read as stored: the int32 call's ids. A position past
+// INT32_MAX reads as INT32_MAX (the outputs hold int32 token ids), and an id past it is a block
+// no int32 position completes.
+TEST(QsaExpand, Int64InputsMatchInt32) {
+  auto rng = make_rng();
+  Tensor ids = random_int32({2, 5, 6}, rng, -2, 30);
+  Tensor pos = random_int32({2, 5}, rng, -3, 120);
+  Tensor tokens = Tensor::empty({2, 5, 27}, DType::kI32);
+  Tensor blocks = Tensor::empty({2, 5, 6}, DType::kI32);
+  qsa_expand_blocks(ids, pos, tokens, blocks.view());
+  const std::vector<double> narrow_tokens = to_vector(tokens), narrow_blocks = to_vector(blocks);
+  poison(tokens);
+  poison(blocks);
+  qsa_expand_blocks(testing::widened(ids), testing::widened(pos), tokens, blocks.view());
+  EXPECT_EQ(to_vector(tokens), narrow_tokens);
+  EXPECT_EQ(to_vector(blocks), narrow_blocks);
+
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  Tensor big_ids = testing::int64_tensor({2, 2}, {int64_t{1} << 40, 3, -(int64_t{1} << 40), 1});
+  Tensor big_pos = testing::int64_tensor({2}, {int64_t{1} << 40, kMax});
+  Tensor big_tokens = Tensor::empty({2, 11}, DType::kI32);
+  qsa_expand_blocks(big_ids, big_pos, big_tokens);
+  // Both rows sit at INT32_MAX, whose incomplete block is empty (p % 4 == 3): no tail tokens.
+  std::vector<double> row = {12, 13, 14, 15, -1, -1, -1, -1, -1, -1, -1};
+  std::vector<double> want = row;
+  row = {4, 5, 6, 7, -1, -1, -1, -1, -1, -1, -1};
+  want.insert(want.end(), row.begin(), row.end());
+  EXPECT_EQ(to_vector(big_tokens), want);
+}
+
 class QsaExpandRandom : public ::testing::TestWithParam<bool> {};
 
 TEST_P(QsaExpandRandom, MatchesExpectationWithStridedOutputs) {
@@ -348,7 +378,7 @@ TEST(QsaSelectValidation, TopkOutOverlapsScores) {
 
 TEST(QsaSelectValidation, ExpandBlockIdsDtype) {
   SelectInputs in;
-  Tensor ids = Tensor::empty({4, 3}, DType::kI64);
+  Tensor ids = Tensor::empty({4, 3}, DType::kF32);
   expect_error<TypeError>([&] { qsa_expand_blocks(ids, in.pos, in.tokens); }, "block_ids");
 }
 
@@ -360,7 +390,7 @@ TEST(QsaSelectValidation, ExpandBlockIdsRank) {
 
 TEST(QsaSelectValidation, ExpandQueryPositionsDtype) {
   SelectInputs in;
-  Tensor pos = Tensor::empty({4}, DType::kI64);
+  Tensor pos = Tensor::empty({4}, DType::kF32);
   expect_error<TypeError>([&] { qsa_expand_blocks(in.ids, pos, in.tokens); }, "query_positions");
 }
 

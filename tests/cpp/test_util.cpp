@@ -90,6 +90,23 @@ Tensor int32_tensor(const Shape& shape, const std::vector<int32_t>& values) {
   return t;
 }
 
+Tensor int64_tensor(const Shape& shape, const std::vector<int64_t>& values) {
+  Tensor t = Tensor::empty(shape, DType::kI64);
+  EXPECT_EQ(static_cast<size_t>(t.numel()), values.size());
+  std::memcpy(t.data(), values.data(), values.size() * sizeof(int64_t));
+  return t;
+}
+
+Tensor widened(const TensorView& view) {
+  const Tensor host = Tensor::to_host(view);
+  Tensor w = Tensor::empty(host.shape(), DType::kI64);
+  for (int64_t i = 0; i < host.numel(); ++i) w.data_as<int64_t>()[i] = host.data_as<int32_t>()[i];
+  if (!view.device().is_cuda()) return w;
+  Tensor d = Tensor::empty(host.shape(), DType::kI64, view.device());
+  copy_into(d, w);
+  return d;
+}
+
 void poison(const TensorView& view) {
   // uint8 (workspace bytes): 0xff everywhere, which reads back as NaN through any float view.
   const double p = view.dtype() == DType::kU8 ? 0xff

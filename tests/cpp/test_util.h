@@ -25,8 +25,11 @@ Tensor random_tensor(const Shape& shape, DType dtype, std::mt19937_64& rng, floa
                      float hi = 1.f);
 // Uniform int32 in [lo, hi].
 Tensor random_int32(const Shape& shape, std::mt19937_64& rng, int32_t lo, int32_t hi);
-// int32 tensor from values (row-major).
+// int32 / int64 tensor from values (row-major).
 Tensor int32_tensor(const Shape& shape, const std::vector<int32_t>& values);
+Tensor int64_tensor(const Shape& shape, const std::vector<int64_t>& values);
+// A contiguous int64 copy of an int32 view, on the view's device: the same metadata as int64.
+Tensor widened(const TensorView& view);
 
 // Fills every byte of the view's elements with a poison pattern: NaN for floating dtypes,
 // 0x7f7f7f7f-style garbage for integers, 0xff for uint8 (NaN when read as floats).

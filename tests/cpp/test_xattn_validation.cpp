@@ -352,8 +352,8 @@ TEST_F(AttentionArgs, QHeadsMustBeAMultipleOfKHeads) {
   expect_error<ValueError>([&] { run_qkv(q, k3, v3); }, "q");
 }
 
-TEST_F(AttentionArgs, CuSeqlensQMustBeInt32) {
-  Tensor c = Tensor::empty({3}, DType::kI64);
+TEST_F(AttentionArgs, CuSeqlensQMustBeInteger) {
+  Tensor c = Tensor::empty({3}, DType::kF32);
   expect_error<TypeError>(
       [&] { block_sparse_attention(q, k, v, c, cu_k, mask_arg, max_q, max_k, out, lse_arg, o); },
       "cu_seqlens_q");

@@ -23,6 +23,8 @@ from xattn_testing import cdiv, ref_block_sparse, ref_estimate_sums, ref_select
 
 BF16, F16, F32, I32, U8, BOOL = (torch.bfloat16, torch.float16, torch.float32, torch.int32,
                                  torch.uint8, torch.bool)
+I64 = torch.int64
+META = (I32, I64)  # integer metadata (ids, offsets, lengths, positions): either width as stored
 NAN, INF = math.nan, math.inf
 
 # The existing suites' tolerances (test_qsa_indexer.py, test_qsa_attention.py, test_xattn.py).
@@ -114,6 +116,17 @@ def set_arg(kw, key, value, args=None):
         items = list(items)
         items[index] = value
         kw[name] = tuple(items)
+    return kw
+
+
+def widen_metadata(case, kw):
+    """kw with every given int32 metadata input as int64 (the same values): the library reads
+    either width as stored, so the call must give the same results."""
+    for key, arg in case.args.items():
+        value = get_arg(kw, key)
+        if isinstance(arg, Arg) and not arg.out and I64 in arg.dtypes and \
+                isinstance(value, torch.Tensor) and value.dtype == I32:
+            kw = set_arg(kw, key, value.to(I64), case.args)
     return kw
 
 
@@ -342,14 +355,18 @@ def indexer_score_case(draw):
             req = [b for b in range(B) for _ in range(lens[b])]
             order = rng.perm(total) if draw(st.booleans()) else list(range(total))
             req = [req[i] for i in order]  # rows of different requests may interleave
+            if draw(st.booleans()):  # padding rows of a graph-padded batch
+                req = [-1 if rng.randint(0, 4, ()).item() == 0 else b for b in req]
             kw["token_to_req"] = int32(req) if total else torch.zeros(0, dtype=I32)
             if draw(st.booleans()):
                 kw["num_requests"] = draw(st.integers(max(req, default=-1) + 1, B))
         local = [req[:r].count(req[r]) for r in range(total)]
-        active = [True] * total
+        active = [b != -1 for b in req]
+        req = [max(b, 0) for b in req]  # (a padding row's request is never read)
     kw["q_idx"] = maybe_strided(draw, q)
     positions = local
-    if draw(st.booleans()):
+    # token_to_req rows are never counted (docs/qsa.md, "Metadata"): positions are required.
+    if draw(st.booleans()) or layout == "token_to_req":
         pos = rng.randint(-3, 4 * N + 6, rows_shape)
         kw["query_positions"] = pos
         positions = pos.reshape(-1).tolist()
@@ -377,7 +394,7 @@ def indexer_score_case(draw):
     if paged:
         args["block_keys"] = Arg((dt,), (3, 4), pinned=(-1,) + (
             (1,) if "page_size" in kw or given_out else ()) + ((2,) if rank4 else ()))
-        args["block_table"] = Arg((I32,), (2,), pinned=batch_pin + ((1,) if given_out else ()),
+        args["block_table"] = Arg(META, (2,), pinned=batch_pin + ((1,) if given_out else ()),
                                   required=False)
         args["page_size"] = Value(kind=INT_KIND, value=[page_size + 1, 0, -1] + INT_HUGE)
     else:
@@ -385,7 +402,7 @@ def indexer_score_case(draw):
                                  pinned=batch_pin + (-1,) + ((1,) if given_out else ()))
         extras.append(("page_size without block_table", setting(page_size=4)))
     if padded:
-        args["seq_lens_q"] = Arg((I32,), (1,), pinned=(0,), required=False,
+        args["seq_lens_q"] = Arg(META, (1,), pinned=(0,), required=False,
                                  make=lambda: torch.zeros(B, dtype=I32))
         extras += [
             ("cu_seqlens_q with padded q_idx", setting(cu_seqlens_q=int32([0] * (B + 1)))),
@@ -403,7 +420,7 @@ def indexer_score_case(draw):
              without("cu_seqlens_q", "token_to_req", "num_requests")),
         ]
         if layout == "cu_seqlens_q":
-            args["cu_seqlens_q"] = Arg((I32,), (1,), pinned=(0,))
+            args["cu_seqlens_q"] = Arg(META, (1,), pinned=(0,))
             extras += [
                 ("cu_seqlens_q and token_to_req",
                  setting(token_to_req=torch.zeros(total, dtype=I32))),
@@ -417,19 +434,22 @@ def indexer_score_case(draw):
                 extras.append(("decreasing cu_seqlens_q",
                                setting(cu_seqlens_q=int32([0, total + 1] + [total] * (B - 1)))))
         else:
-            args["token_to_req"] = Arg((I32,), (1,), pinned=(0,))
+            args["token_to_req"] = Arg(META, (1,), pinned=(0,))
             args["num_requests"] = Value(kind=INT_KIND, value=[-1, B + 1] + INT_HUGE)
+            extras.append(("token_to_req without query_positions", without("query_positions")))
             if total:
                 extras += [
                     ("token_to_req id >= num_requests",
                      setting(token_to_req=torch.full((total,), B, dtype=I32))),
                     ("token_to_req id below -1 (-1 marks a padding row)",
                      setting(token_to_req=torch.full((total,), -2, dtype=I32))),
-                    ("num_requests below a token_to_req id",
-                     setting(num_requests=max(req))),
                 ]
-    args["query_positions"] = Arg((I32,), (len(rows_shape),), pinned=tuple(range(len(rows_shape))),
-                                  required=False, make=lambda: torch.zeros(rows_shape, dtype=I32))
+                if any(active):
+                    extras.append(("num_requests below a token_to_req id",
+                                   setting(num_requests=max(req))))
+    args["query_positions"] = Arg(META, (len(rows_shape),), pinned=tuple(range(len(rows_shape))),
+                                  required=layout == "token_to_req",
+                                  make=lambda: torch.zeros(rows_shape, dtype=I32))
     args["block_size"] = Value(kind=INT_KIND + [None], value=[3, 5, 0, -4, 2**63])
     args.update(scale_args())
     extras.append(("scale and score_scale", setting(scale=0.5, score_scale=2.0)))
@@ -472,8 +492,8 @@ def mqa_prefill_case(draw, fn=sparse_attn.qsa_mqa_prefill):
         "q": Arg((dt,), (3,), pinned=(0, 2)),
         "k": Arg((dt,), (2, 3),
                  pinned=(-1,) + ((0,) if given_out else ()) + ((1,) if k_rank == 3 else ())),
-        "row_starts": Arg((I32,), (1,), pinned=(0,)),
-        "row_ends": Arg((I32,), (1,), pinned=(0,)),
+        "row_starts": Arg(META, (1,), pinned=(0,)),
+        "row_ends": Arg(META, (1,), pinned=(0,)),
         "backend": BACKEND,
         "out": Arg((F32,), (2,), pinned=(0, 1), out=True, required=False,
                    make=lambda: torch.empty((R, N), dtype=F32)),
@@ -525,8 +545,8 @@ def mqa_decode_case(draw):
     args = {
         "q": Arg((dt,), (3, 4), pinned=(0, -1) + ((1,) if q_rank == 4 else ())),
         "k_cache": Arg((dt,), (3, 4), pinned=(-1,) + ((2,) if cache_rank4 else ())),
-        "page_table": Arg((I32,), (2,), pinned=(0,)),
-        "context_lens": Arg((I32,), (1,), pinned=(0,)),
+        "page_table": Arg(META, (2,), pinned=(0,)),
+        "context_lens": Arg(META, (1,), pinned=(0,)),
         "max_model_len": Value(kind=INT_KIND + [None],
                                value=[-1, 2**63, -2**63] + ([width + 1] if given_out else [])
                                + ([2**62] if B else [])),
@@ -627,7 +647,9 @@ def sparse_attention_case(draw, workspace_size=False):
             elif q_layout == "token_to_req":
                 order = rng.perm(len(req)) if draw(st.booleans()) else list(range(len(req)))
                 req = [req[i] for i in order]
-                kw["token_to_req"] = int32(req) if req else torch.zeros(0, dtype=I32)
+                padding = [draw(st.booleans()) and rng.randint(0, 4, ()).item() == 0 for _ in req]
+                ids = [-1 if pad else b for b, pad in zip(req, padding)]  # -1: a padding row
+                kw["token_to_req"] = int32(ids) if req else torch.zeros(0, dtype=I32)
                 if draw(st.booleans()):
                     kw["num_requests"] = B
         R = len(req)
@@ -643,14 +665,17 @@ def sparse_attention_case(draw, workspace_size=False):
             seq_len_k = lens
         seq_len_q = list(count)
         active = [True] * R
-        if draw(st.booleans()):
+        if q_layout == "token_to_req":
+            active = [not pad for pad in padding]
+        # token_to_req takes no seq_lens_q and needs positions (docs/qsa.md, "Metadata").
+        if q_layout != "token_to_req" and draw(st.booleans()):
             lens = [draw(st.integers(0, c)) for c in count]
             kw["seq_lens_q"] = int32(lens)
             seq_len_q = lens
             active = [local[r] < lens[req[r]] for r in range(R)]
         positions = [seq_len_k[req[r]] - seq_len_q[req[r]] + local[r] for r in range(R)]
         hint = draw(st.booleans())
-        if draw(st.booleans()) or hint:
+        if draw(st.booleans()) or hint or q_layout == "token_to_req":
             pos = rng.randint(-2, max(capacity) + 3, rows_shape)
             kw["query_positions"] = maybe_strided(draw, pos)  # any strides (no row-view rule)
             positions = pos.reshape(-1).tolist()
@@ -778,7 +803,7 @@ def sparse_attention_case(draw, workspace_size=False):
         extras.append(("misaligned workspace",
                        setting(workspace=torch.empty(80, dtype=U8)[1:65])))
     if physical:
-        args["selected_kv_indices"] = Arg((I32,), (2,), pinned=(0,))
+        args["selected_kv_indices"] = Arg(META, (2,), pinned=(0,))
         for name, make in (("seq_lens_k", lambda: torch.zeros(1, dtype=I32)),
                            ("query_positions", lambda: torch.zeros(R, dtype=I32)),
                            ("block_table", lambda: torch.zeros((1, 1), dtype=I32)),
@@ -794,20 +819,21 @@ def sparse_attention_case(draw, workspace_size=False):
                     native=False)
 
     rows = rows_shape[0] if len(rows_shape) == 1 else None
-    args["token_indices"] = Arg((I32,), (2, 3), pinned=row_pins + ((-1,) if hint else ()),
+    args["token_indices"] = Arg(META, (2, 3), pinned=row_pins + ((-1,) if hint else ()),
                                 row_axes=keep_rows)
     if hint:
-        args["block_indices"] = Arg((I32,), (2, 3), pinned=row_pins + (-1,), required=False,
+        args["block_indices"] = Arg(META, (2, 3), pinned=row_pins + (-1,), required=False,
                                     row_axes=keep_rows)
-    args["query_positions"] = Arg((I32,), (len(rows_shape),), pinned=row_pins, required=False,
+    args["query_positions"] = Arg(META, (len(rows_shape),), pinned=row_pins,
+                                  required=q_layout == "token_to_req",
                                   make=lambda: torch.zeros(rows_shape, dtype=I32))
     gate_rank = q_rank if gate is None else gate.dim()
     args["gate"] = Arg((dt,), (q_rank, q_rank - 1), pinned=tuple(range(gate_rank)),
                        required=False, make=lambda: torch.zeros(out_shape, dtype=dt),
                        row_axes=keep_rows)
-    args["seq_lens_k"] = Arg((I32,), (1,), pinned=(0,), required=False,
+    args["seq_lens_k"] = Arg(META, (1,), pinned=(0,), required=False,
                              make=lambda: int32(capacity))
-    args["seq_lens_q"] = Arg((I32,), (1,), pinned=(0,), required=False, make=lambda: int32(count))
+    args["seq_lens_q"] = Arg(META, (1,), pinned=(0,), required=False, make=lambda: int32(count))
     extras += [
         ("no token_indices", setting(token_indices=None, block_indices=None)),
         ("token_indices and selected_kv_indices",
@@ -826,7 +852,7 @@ def sparse_attention_case(draw, workspace_size=False):
     # Optional layout arguments: without them the call may be another valid layout (a
     # single request needs no row mapping; paged K/V without its table is padded K/V).
     if kv_layout == "paged":
-        args["block_table"] = Arg((I32,), (2,), pinned=(0,), required=False)
+        args["block_table"] = Arg(META, (2,), pinned=(0,), required=False)
         args["page_size"] = Value(kind=INT_KIND, value=[page_size + 1, 0, -1] + INT_HUGE)
         extras.append(("cu_seqlens_k with paged K/V",
                        setting(cu_seqlens_k=int32([0] * (B + 1)))))
@@ -834,7 +860,7 @@ def sparse_attention_case(draw, workspace_size=False):
         extras.append(("page_size without block_table",
                        setting(page_size=key.shape[1])))
     if kv_layout == "varlen":
-        args["cu_seqlens_k"] = Arg((I32,), (1,), pinned=(0,), required=False)
+        args["cu_seqlens_k"] = Arg(META, (1,), pinned=(0,), required=False)
         extras.append(("block_table with flattened K/V",
                        setting(block_table=torch.zeros((B, 1), dtype=I32))))
         contents += [
@@ -859,14 +885,16 @@ def sparse_attention_case(draw, workspace_size=False):
         extras.append(("num_requests other than the requests",
                        setting(num_requests=B + 1, token_to_req=int32(req))))
         if q_layout == "cu_seqlens_q":
-            args["cu_seqlens_q"] = Arg((I32,), (1,), pinned=(0,), required=B > 1)
+            args["cu_seqlens_q"] = Arg(META, (1,), pinned=(0,), required=B > 1)
             extras.append(("cu_seqlens_q and token_to_req",
                            setting(token_to_req=torch.zeros(rows, dtype=I32))))
             contents.append(("cu_seqlens_q not ending at the rows",
                              setting(cu_seqlens_q=int32([0] * B + [rows + 1]))))
         elif q_layout == "token_to_req":
-            args["token_to_req"] = Arg((I32,), (1,), pinned=(0,), required=B > 1)
+            args["token_to_req"] = Arg(META, (1,), pinned=(0,), required=B > 1)
             args["num_requests"] = Value(kind=INT_KIND, value=[B + 1, B - 1, -1] + INT_HUGE)
+            extras += [("token_to_req without query_positions", without("query_positions")),
+                       ("token_to_req with seq_lens_q", setting(seq_lens_q=int32(count)))]
             if rows:
                 contents += [("token_to_req id >= B",
                               setting(token_to_req=torch.full((rows,), B, dtype=I32))),
@@ -963,8 +991,8 @@ def expand_case(draw):
     given = kw["token_indices"] is not None or kw["block_indices"] is not None
     rank = len(lead) + 1
     args = {
-        "block_ids": Arg((I32,), (2, 3), pinned=tuple(range(len(lead))) + ((-1,) if given else ())),
-        "query_positions": Arg((I32,), (len(lead),), pinned=tuple(range(len(lead)))),
+        "block_ids": Arg(META, (2, 3), pinned=tuple(range(len(lead))) + ((-1,) if given else ())),
+        "query_positions": Arg(META, (len(lead),), pinned=tuple(range(len(lead)))),
         "return_block_indices": Value(kind=BOOL_KIND),
         "token_indices": Arg((I32,), (rank,), pinned=tuple(range(rank)), out=True, required=False,
                              make=lambda: torch.empty((*lead, 4 * nb + 3), dtype=I32)),
@@ -1234,7 +1262,7 @@ def block_sparse_case(draw, paged=False):
                  + ((0, 1) if given else ())),
         kv[0]: Arg((dt,), (4,) if paged else (3,), pinned=(1, 2, 3) if paged else (1, 2)),
         kv[1]: Arg((dt,), (4,) if paged else (3,), pinned=(1, 2, 3) if paged else (1, 2)),
-        "cu_seqlens_q": Arg((I32,), (1,), pinned=(0,)),
+        "cu_seqlens_q": Arg(META, (1,), pinned=(0,)),
         "head_mask_type": Value(kind=["1", [1.5] * hq],
                                 value=[[2] * hq, [-2] * hq, [1] * (hq + 1)]),
         "softmax_scale": Value(kind=FLOAT_KIND, value=FINITE_POSITIVE_VALUES),
@@ -1264,8 +1292,8 @@ def block_sparse_case(draw, paged=False):
         extras.append(("decreasing cu_seqlens_q",
                        setting(cu_seqlens_q=int32([0, cu_q[-1]] + [0] * (B - 1)))))
     if paged:
-        args["block_table"] = Arg((I32,), (2,), pinned=(0,))
-        args["seqlens_k"] = Arg((I32,), (1,), pinned=(0,))
+        args["block_table"] = Arg(META, (2,), pinned=(0,))
+        args["seqlens_k"] = Arg(META, (1,), pinned=(0,))
         args["max_seqlen_k"].value.append(max_pages * page_size + 1)
         extras.append(("seqlens_k past max_seqlen_k",
                        setting(seqlens_k=int32([max_k + 1] * B))))
@@ -1277,7 +1305,7 @@ def block_sparse_case(draw, paged=False):
                 return {**kw, "block_table": t}
             extras.append(("a used page id past the cache", bad_page))
     else:
-        args["cu_seqlens_k"] = Arg((I32,), (1,), pinned=(0,))
+        args["cu_seqlens_k"] = Arg(META, (1,), pinned=(0,))
         args["p_dropout"] = Value(kind=["0", None, True], value=[0.1, -0.1, NAN, 1.0])
         args["exact_streaming"] = Value(value=[True])
         args["return_attn_probs"] = Value(value=[True])

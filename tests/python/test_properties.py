@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import sparse_attn
 from property_cases import (BOOL, BUILDERS, POISON, Arg, Value, get_arg, set_arg, split_key,
-                            to_torch)
+                            to_torch, widen_metadata)
 from qsa_testing import needs_cuda
 
 SCALE = float(os.environ.get("SPARSE_ATTN_HYPOTHESIS_SCALE", "1"))
@@ -364,12 +364,18 @@ def run_and_check(case, kw):
         assert same_bits(a, b), "a rerun gave different bits"
 
 
+def drawn_kw(case, data):
+    """The case's arguments, with its int32 metadata as int64 in some draws."""
+    return widen_metadata(case, case.kw) if data.draw(st.booleans(), label="int64 metadata") \
+        else case.kw
+
+
 @pytest.mark.parametrize("name", NAMES)
 @profile(40)
 @given(data=st.data())
 def test_valid_calls_match_the_oracle(name, data):
     case = data.draw(BUILDERS[name](), label="call")
-    run_and_check(case, case.kw)
+    run_and_check(case, drawn_kw(case, data))
 
 
 # --------------------------------------------------------------------------------------------
@@ -388,7 +394,7 @@ CPU_NATIVE = [n for n in NAMES if n not in (
 @given(data=st.data())
 def test_cpu_native_matches_the_oracle(name, data):
     case = data.draw(BUILDERS[name](), label="call")
-    kw = dict(case.kw, backend="native")
+    kw = dict(drawn_kw(case, data), backend="native")
     result = case.fn(**kw)
     case.check(result, kw)
     again_kw = fresh_outputs(case, kw)
@@ -418,7 +424,7 @@ def to_cuda(value, output):
 def test_native_matches_the_oracle(name, data):
     case = data.draw(BUILDERS[name](), label="call")
     outputs = output_names(case)
-    kw = {k: to_cuda(v, k in outputs) for k, v in case.kw.items()}
+    kw = {k: to_cuda(v, k in outputs) for k, v in drawn_kw(case, data).items()}
     if case.has_backend:
         kw["backend"] = "native"
     kw.pop("workspace", None)  # the native call sizes its own (a given one may be too small)

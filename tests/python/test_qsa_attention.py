@@ -127,54 +127,112 @@ def every_backend():
             for dtype in ("bf16", "fp16")]
 
 
-@pytest.mark.parametrize("device,backend,dtype", every_backend())
-@pytest.mark.parametrize("positions", [False, True])
-def test_request_id_minus_one_marks_a_padding_row(device, backend, dtype, positions):
-    """A graph-padded batch: rows with token_to_req -1 (between and after the real rows) give
-    zero output and LSE -inf, and the real rows get what they get without the padding rows
-    (also when positions are inferred from each request's row count, which padding must not
-    shift)."""
-    dt = FLOAT_DTYPES[dtype]
+def graph_padded_batch(device, dt):
+    """Two requests (KV lengths 40 and 64, paged) and eight rows, three of them padding rows of a
+    graph-padded batch; `pos` holds each real row's right-aligned position (its request's last
+    row on its last key) and a position that could be real for each padding row."""
     hq, hkv, d, page_size = 24, 2, 256, 16
     lens_k = [40, 64]
-    table = torch.tensor([[4, 0, 2, -1], [3, 6, 1, 5]], dtype=torch.int32, device=device)
-    key = randn((7, page_size, hkv, d), dt, device)
-    value = randn((7, page_size, hkv, d), dt, device)
     req = [0, 1, -1, 1, 0, 1, -1, -1]
-    real = [r for r, b in enumerate(req) if b >= 0]
-    query = randn((len(req), hq, d), dt, device)
-    ids = torch.randint(-1, 64, (len(req), 40), dtype=torch.int32, device=device)
-    seen = {0: 0, 1: 0}
-    pos = []
+    seen, pos = {0: 0, 1: 0}, []
     for b in req:
         if b < 0:
-            pos.append(0)
+            pos.append(5)
             continue
-        rows_b = req.count(b)
-        pos.append(lens_k[b] - rows_b + seen[b])
+        pos.append(lens_k[b] - req.count(b) + seen[b])
         seen[b] += 1
+    return dict(
+        req=req, pos=pos, lens_k=lens_k, page_size=page_size, d=d,
+        table=torch.tensor([[4, 0, 2, -1], [3, 6, 1, 5]], dtype=torch.int32, device=device),
+        key=randn((7, page_size, hkv, d), dt, device),
+        value=randn((7, page_size, hkv, d), dt, device),
+        query=randn((len(req), hq, d), dt, device),
+        ids=torch.randint(-1, 64, (len(req), 40), dtype=torch.int32, device=device))
 
-    def run(rows):
-        sub = torch.tensor([req[r] for r in rows], dtype=torch.int32, device=device)
-        kw = dict(query_positions=torch.tensor([pos[r] for r in rows], dtype=torch.int32,
-                                               device=device)) if positions else {}
-        return call_native_or_skip(lambda: sparse_attn.qsa_sparse_attention(
-            query[rows], key, value, ids[rows], block_table=table, page_size=page_size,
-            seq_lens_k=torch.tensor(lens_k, dtype=torch.int32, device=device),
-            token_to_req=sub, num_requests=2, return_lse=True, backend=backend, **kw), backend)
 
-    out, lse = run(list(range(len(req))))
-    alone, alone_lse = run(real)
-    pad = [r for r, b in enumerate(req) if b < 0]
+def run_padded_batch(batch, backend, rows, req, pos, meta_dtype=torch.int32):
+    device = batch["query"].device
+    meta = lambda values: torch.tensor(values, dtype=meta_dtype, device=device)  # noqa: E731
+    return call_native_or_skip(lambda: sparse_attn.qsa_sparse_attention(
+        batch["query"][rows], batch["key"], batch["value"], batch["ids"][rows],
+        block_table=batch["table"].to(meta_dtype), page_size=batch["page_size"],
+        seq_lens_k=meta(batch["lens_k"]), token_to_req=meta([req[r] for r in rows]),
+        num_requests=2, query_positions=meta([pos[r] for r in rows]), return_lse=True,
+        backend=backend), backend)
+
+
+def expected_rows(batch, dt, rows, pos):
+    return ref_attention_rows(
+        batch["query"][rows], batch["ids"][rows],
+        paged_kv_of(batch["key"], batch["value"], batch["table"].cpu(),
+                    [batch["req"][r] for r in rows]),
+        positions=[pos[r] for r in rows], seq_lens_k=[batch["lens_k"][batch["req"][r]]
+                                                      for r in rows],
+        active=[True] * len(rows), scale=1 / math.sqrt(batch["d"]), out_dtype=dt)
+
+
+@pytest.mark.parametrize("device,backend,dtype", every_backend())
+@pytest.mark.parametrize("mark", ["request_id", "position"])
+@pytest.mark.parametrize("meta_dtype", ["int32", "int64"])
+def test_padding_rows_of_a_graph_padded_batch(device, backend, dtype, mark, meta_dtype):
+    """Rows marked as padding (token_to_req -1, or a live request id at a negative position),
+    between and after the real rows, give zero output and LSE -inf, and the real rows get what
+    they get without the padding rows; int32 and int64 metadata alike."""
+    dt = FLOAT_DTYPES[dtype]
+    batch = graph_padded_batch(device, dt)
+    req, pos = batch["req"], batch["pos"]
+    if mark == "position":  # padding rows carry the last real request's id, at positions < 0
+        req = [1 if b < 0 else b for b in req]
+        pos = [-1 - r % 3 if b < 0 else p for r, (b, p) in enumerate(zip(batch["req"], pos))]
+    real = [r for r, b in enumerate(batch["req"]) if b >= 0]
+    pad = [r for r, b in enumerate(batch["req"]) if b < 0]
+    meta_dtype = getattr(torch, meta_dtype)
+    out, lse = run_padded_batch(batch, backend, list(range(len(req))), req, pos, meta_dtype)
+    alone, alone_lse = run_padded_batch(batch, backend, real, req, pos, meta_dtype)
     assert torch.equal(out[pad], torch.zeros_like(out[pad]))
     assert (lse[pad] == -math.inf).all()
     assert torch.equal(out[real], alone) and torch.equal(lse[real], alone_lse)
-    ref, _ = ref_attention_rows(query[real], ids[real],
-                                paged_kv_of(key, value, table.cpu(), [req[r] for r in real]),
-                                positions=[pos[r] for r in real],
-                                seq_lens_k=[lens_k[req[r]] for r in real],
-                                active=[True] * len(real), scale=1 / math.sqrt(d), out_dtype=dt)
+    ref, _ = expected_rows(batch, dt, real, pos)
     assert_close(out[real], ref, **OUT_TOL[dt])
+
+
+@pytest.mark.parametrize("device,backend,dtype", every_backend())
+def test_padding_rows_with_a_live_request_id_cannot_shift_positions(device, backend, dtype):
+    """Issue 16's silent wrong answer, reproduced: padding rows that carry a live request id (as
+    engines pad CUDA-graph batches) used to count as rows of that request when positions were
+    inferred, so the request's real rows sat too early and lost their newest tokens. Positions
+    are now never inferred from token_to_req: without query_positions the call raises, naming
+    it; with them (the padding rows at a negative position) the real rows are right."""
+    dt = FLOAT_DTYPES[dtype]
+    batch = graph_padded_batch(device, dt)
+    req = [1 if b < 0 else b for b in batch["req"]]  # padding rows carry request 1's id
+    pos = [-1 if b < 0 else p for b, p in zip(batch["req"], batch["pos"])]
+    rows = list(range(len(req)))
+    real = [r for r, b in enumerate(batch["req"]) if b >= 0]
+    for r in real:  # each real row selects its three newest tokens
+        batch["ids"][r] = -1
+        batch["ids"][r, :3] = torch.tensor([pos[r], pos[r] - 1, pos[r] - 2])
+    with pytest.raises(ValueError, match=r"^query_positions: required with token_to_req"):
+        call_native_or_skip(lambda: sparse_attn.qsa_sparse_attention(
+            batch["query"], batch["key"], batch["value"], batch["ids"],
+            block_table=batch["table"], page_size=batch["page_size"],
+            seq_lens_k=torch.tensor(batch["lens_k"], dtype=torch.int32, device=device),
+            token_to_req=torch.tensor(req, dtype=torch.int32, device=device), num_requests=2,
+            backend=backend), backend)
+    out, _ = run_padded_batch(batch, backend, rows, req, pos)
+    ref, _ = expected_rows(batch, dt, real, pos)
+    assert_close(out[real], ref, **OUT_TOL[dt])
+    # What the old inference computed: request 1's three padding rows counted as its rows put
+    # its real rows three positions early (p = seq_len_k - rows_of_request + i), which masks
+    # the newest tokens they selected: a different, wrong answer.
+    counted = {b: req.count(b) for b in (0, 1)}
+    seen = {0: 0, 1: 0}
+    shifted = []
+    for b in req:
+        shifted.append(batch["lens_k"][b] - counted[b] + seen[b])
+        seen[b] += 1
+    wrong, _ = expected_rows(batch, dt, real, shifted)
+    assert (wrong.float() - ref.float()).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("device,backend,dtype", every_backend())
@@ -311,10 +369,10 @@ def _args(dtype=torch.bfloat16):
     (dict(scale="0.1"), TypeError, "scale"),
     (dict(backend="auto"), ValueError, "backend"),
     (dict(gate=torch.zeros((1, 2, 3), dtype=torch.bfloat16)), ValueError, "gate"),
-    (dict(seq_lens_k=torch.zeros(1, dtype=torch.int64)), TypeError, "seq_lens_k"),
+    (dict(seq_lens_k=torch.zeros(1, dtype=torch.float32)), TypeError, "seq_lens_k"),
     (dict(block_table=[[0]]), TypeError, "block_table"),
 ], ids=["scale_and_softmax_scale", "k_scale", "num_splits_zero", "num_splits_float",
-        "warp_specialized_int", "scale_str", "backend_auto", "gate_shape", "seq_lens_k_int64",
+        "warp_specialized_int", "scale_str", "backend_auto", "gate_shape", "seq_lens_k_float32",
         "block_table_list"])
 def test_errors_name_the_argument(kwargs, kind, name):
     with pytest.raises(kind, match=name):

@@ -63,7 +63,9 @@ def test_score_varlen(device, layout):
         meta = dict(cu_seqlens_q=torch.tensor([0, 3, 3, 12], dtype=torch.int32, device=device))
     else:
         ids = [r for r, n in enumerate(lens) for _ in range(n)]
+        rank = [i for n in lens for i in range(n)]  # a prefill from each request's first token
         meta = dict(token_to_req=torch.tensor(ids, dtype=torch.int32, device=device),
+                    query_positions=torch.tensor(rank, dtype=torch.int32, device=device),
                     num_requests=3)
     out = sparse_attn.qsa_indexer_mqa_score(q, k, backend="reference", **meta)
     assert out.shape == (12, 4)
@@ -78,32 +80,53 @@ def test_score_varlen(device, layout):
     pytest.param(device, backend, marks=() if device == "cpu" else DEVICES[1].marks,
                  id=f"{device}-{backend}")
     for device in ("cpu", "cuda") for backend in ("reference", "native")])
-@pytest.mark.parametrize("positions", [False, True])
-def test_score_request_id_minus_one_marks_a_padding_row(device, backend, positions):
-    """token_to_req -1 rows (a graph-padded batch) score -inf everywhere, and the real rows get
-    what they get without them, positions inferred or given."""
+@pytest.mark.parametrize("mark", ["request_id", "position"])
+@pytest.mark.parametrize("meta_dtype", ["int32", "int64"])
+def test_score_padding_rows_of_a_graph_padded_batch(device, backend, mark, meta_dtype):
+    """Padding rows of a graph-padded batch (token_to_req -1, or a live request id at a negative
+    position) score -inf everywhere, and the real rows get what they get without them; int32
+    and int64 metadata alike."""
     k = randn((2, 20, D), torch.bfloat16, device)
-    req = [0, -1, 1, 1, -1, 0, 1, -1] + [0] * 6 + [1] * 5 + [-1]  # 8 real rows a request
-    q = randn((len(req), H, D), torch.bfloat16, device)
+    marked = [0, -1, 1, 1, -1, 0, 1, -1] + [0] * 6 + [1] * 5 + [-1]  # 8 real rows a request
+    q = randn((len(marked), H, D), torch.bfloat16, device)
     seen, pos = {0: 0, 1: 0}, []
-    for b in req:
+    for b in marked:
         pos.append(seen.get(b, 0) * 9 + 3)
         if b >= 0:
             seen[b] += 1
+    req = marked
+    if mark == "position":  # padding rows carry request 0's id, at negative positions
+        req = [0 if b < 0 else b for b in marked]
+        pos = [-1 - r % 4 if b < 0 else p for r, (b, p) in enumerate(zip(marked, pos))]
+    meta_dtype = getattr(torch, meta_dtype)
 
     def run(rows):
-        kw = dict(query_positions=torch.tensor([pos[r] for r in rows], dtype=torch.int32,
-                                               device=device)) if positions else {}
+        meta = lambda values: torch.tensor(values, dtype=meta_dtype, device=device)  # noqa: E731
         return call_native_or_skip(lambda: sparse_attn.qsa_indexer_mqa_score(
-            q[rows], k, token_to_req=torch.tensor([req[r] for r in rows], dtype=torch.int32,
-                                                  device=device),
-            num_requests=2, backend=backend, **kw), backend)
+            q[rows], k, token_to_req=meta([req[r] for r in rows]),
+            query_positions=meta([pos[r] for r in rows]), num_requests=2, backend=backend),
+            backend)
 
-    real = [r for r, b in enumerate(req) if b >= 0]
-    pad = [r for r, b in enumerate(req) if b < 0]
-    out = run(list(range(len(req))))
+    real = [r for r, b in enumerate(marked) if b >= 0]
+    pad = [r for r, b in enumerate(marked) if b < 0]
+    out = run(list(range(len(marked))))
     assert (out[pad] == -math.inf).all()
     assert torch.equal(out[real], run(real))
+
+
+@pytest.mark.parametrize("device,backend", [
+    pytest.param(device, backend, marks=() if device == "cpu" else DEVICES[1].marks,
+                 id=f"{device}-{backend}")
+    for device in ("cpu", "cuda") for backend in ("reference", "native")])
+def test_score_token_to_req_needs_query_positions(device, backend):
+    """A row's position is never counted from token_to_req (a padding row carrying a live id
+    would shift it): without query_positions the call raises, naming them."""
+    k = randn((2, 20, D), torch.bfloat16, device)
+    q = randn((4, H, D), torch.bfloat16, device)
+    with pytest.raises(ValueError, match=r"^query_positions: required with token_to_req"):
+        call_native_or_skip(lambda: sparse_attn.qsa_indexer_mqa_score(
+            q, k, token_to_req=torch.tensor([0, 1, 1, 0], dtype=torch.int32, device=device),
+            backend=backend), backend)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -244,10 +267,35 @@ def test_scale_and_score_scale_together_is_a_value_error():
         sparse_attn.qsa_mqa_prefill(*_prefill_args(), 2.0, scale=0.5, backend="reference")
 
 
-def test_int64_metadata_is_a_type_error_naming_it():
+def test_float_metadata_is_a_type_error_naming_it():
     q, k, starts, ends = _prefill_args()
-    with pytest.raises(TypeError, match="row_ends"):
-        sparse_attn.qsa_mqa_prefill(q, k, starts, ends.long(), backend="reference")
+    with pytest.raises(TypeError, match="^row_ends: expected dtype int32 or int64"):
+        sparse_attn.qsa_mqa_prefill(q, k, starts, ends.float(), backend="reference")
+
+
+@pytest.mark.parametrize("device,backend", [
+    pytest.param(device, backend, marks=() if device == "cpu" else DEVICES[1].marks,
+                 id=f"{device}-{backend}")
+    for device in ("cpu", "cuda") for backend in ("reference", "native")])
+def test_int64_metadata_gives_the_int32_scores(device, backend):
+    """Engines keep metadata in int64; it is read as stored, with the int32 call's results."""
+    dt = torch.bfloat16
+    q = randn((5, H, D), dt, device)
+    k = randn((40, D), dt, device)
+    starts = torch.tensor([0, 3, -2, 7, 30], dtype=torch.int32, device=device)
+    ends = torch.tensor([5, 3, 40, 99, 2**31 - 1], dtype=torch.int32, device=device)
+    prefill = [call_native_or_skip(lambda: sparse_attn.qsa_mqa_prefill(
+        q, k, starts.to(dtype), ends.to(dtype), backend=backend), backend)
+        for dtype in (torch.int32, torch.int64)]
+    assert torch.equal(prefill[0], prefill[1])
+    cache = randn((6, 8, 1, D), dt, device)
+    table = torch.tensor([[5, -1, 2], [0, 9, 1], [3, 4, 4], [1, 1, -1], [2, 0, 5]],
+                         dtype=torch.int32, device=device)
+    lens = torch.tensor([24, 0, 17, 30, 9], dtype=torch.int32, device=device)
+    decode = [call_native_or_skip(lambda: sparse_attn.qsa_mqa_decode(
+        q, cache, table.to(dtype), lens.to(dtype), 32, backend=backend), backend)
+        for dtype in (torch.int32, torch.int64)]
+    assert torch.equal(decode[0], decode[1])
 
 
 def test_float_where_a_tensor_goes_is_a_type_error_naming_it():

@@ -113,7 +113,7 @@ def test_selection_errors_name_the_argument():
     with pytest.raises(TypeError, match="scores"):
         sparse_attn.qsa_topk_blocks(torch.randn(2, 5).half(), 2)
     with pytest.raises(TypeError, match="block_ids"):
-        sparse_attn.qsa_expand_blocks(torch.zeros((2, 3), dtype=torch.int64),
+        sparse_attn.qsa_expand_blocks(torch.zeros((2, 3), dtype=torch.float32),
                                       torch.zeros(2, dtype=torch.int32))
     with pytest.raises(TypeError, match="^query_positions: expected a tensor"):
         sparse_attn.qsa_expand_blocks(torch.zeros((2, 3), dtype=torch.int32), [5, 6])

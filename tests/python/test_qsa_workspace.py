@@ -22,7 +22,7 @@ def small_call(device="cpu"):
 def decode_call(device, batch=2, token_to_req=False):
     """A decode step in the canonical geometry (24/2/256, paged K/V in pages of 64, 2051
     selected ids per row): SplitKV partials with the default split heuristic; token_to_req
-    without positions adds the row-rank pass."""
+    (int64, with the positions it needs) adds nothing to them."""
     page, pages_per_req, width = 64, 64, 2051  # capacity 4096 tokens per request
     lens = [2500 + 577 * b for b in range(batch)]
     query = randn((batch, 24, 256), torch.bfloat16, device)
@@ -34,7 +34,8 @@ def decode_call(device, batch=2, token_to_req=False):
     kwargs = dict(block_table=table, seq_lens_k=torch.tensor(lens, dtype=torch.int32,
                                                                 device=device))
     if token_to_req:
-        kwargs.update(token_to_req=torch.arange(batch, dtype=torch.int32, device=device))
+        kwargs.update(token_to_req=torch.arange(batch, dtype=torch.int64, device=device),
+                      query_positions=torch.tensor(lens, dtype=torch.int64, device=device) - 1)
     else:
         kwargs.update(cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=device))
     return (query, key, value, ids.to(device)), kwargs
@@ -63,8 +64,8 @@ def test_size_takes_every_keyword_of_the_call():
 @pytest.mark.parametrize("kwargs,kind,name", [
     (dict(scale=0.1, softmax_scale=0.1), ValueError, "softmax_scale"),
     (dict(num_splits=0), ValueError, "num_splits"),
-    (dict(seq_lens_k=torch.zeros(1, dtype=torch.int64)), TypeError, "seq_lens_k"),
-], ids=["scale_and_softmax_scale", "num_splits_zero", "seq_lens_k_int64"])
+    (dict(seq_lens_k=torch.zeros(1, dtype=torch.float32)), TypeError, "seq_lens_k"),
+], ids=["scale_and_softmax_scale", "num_splits_zero", "seq_lens_k_float32"])
 def test_size_raises_the_calls_errors(kwargs, kind, name):
     with pytest.raises(kind, match=name):
         sparse_attn.qsa_sparse_attention_workspace_size(*small_call(), backend="reference",
@@ -138,7 +139,7 @@ def test_native_with_a_poisoned_workspace_matches(token_to_req):
     size = call_native_or_skip(lambda: sparse_attn.qsa_sparse_attention_workspace_size(
         *args, backend="native", **kwargs), "native")
     # Two requests, two KV heads: 4 CTAs without splits on a GPU of 100+ SMs, so the
-    # heuristic splits (partials in the workspace); token_to_req adds the row ranks.
+    # heuristic splits (partials in the workspace).
     assert size > 0
     workspace = torch.full((size,), 255, dtype=torch.uint8, device="cuda")
     out, lse = sparse_attn.qsa_sparse_attention(*args, backend="native", workspace=workspace,

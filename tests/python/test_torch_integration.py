@@ -140,8 +140,7 @@ def test_compiled_out_argument_is_written():
 
 def paged_decode_inputs(device, token_to_req):
     """Two decode rows, canonical geometry, paged K/V: the split heuristic picks SplitKV
-    (4 CTAs per split on a GPU of 100+ SMs); token_to_req without positions adds the row-rank
-    pass."""
+    (4 CTAs per split on a GPU of 100+ SMs)."""
     page, pages = 64, 12
     lens = torch.tensor([700, 431], dtype=torch.int32, device=device)
     query = randn((2, 24, 256), torch.bfloat16, device)
@@ -167,9 +166,12 @@ def native_calls():
                                                 cu_seqlens_q=torch.cat([rows, rows[-1:] + 1]),
                                                 backend="native")
 
-    def run_attention_row_rank(q, k, v, i, table, lens, rows):
+    def run_attention_token_to_req(q, k, v, i, table, lens, rows):
+        # int64 request ids and positions, as engines keep them (read as stored, no copy).
         return sparse_attn.qsa_sparse_attention(q, k, v, i, block_table=table, seq_lens_k=lens,
-                                                token_to_req=rows, backend="native")
+                                                token_to_req=rows.long(),
+                                                query_positions=(lens - 1).long(),
+                                                backend="native")
 
     def run_decode(q, cache, table, lens):
         return sparse_attn.qsa_mqa_decode(q, cache, table, lens, 32, backend="native")
@@ -203,8 +205,8 @@ def native_calls():
         pytest.param(attention_padded, run_attention_padded, 2, id="attention_padded_one_split"),
         pytest.param(lambda: paged_decode_inputs("cuda", False), run_attention_splitkv, 2,
                      id="attention_paged_splitkv"),
-        pytest.param(lambda: paged_decode_inputs("cuda", True), run_attention_row_rank, 2,
-                     id="attention_token_to_req_row_rank"),
+        pytest.param(lambda: paged_decode_inputs("cuda", True), run_attention_token_to_req, 2,
+                     id="attention_token_to_req_int64"),
         pytest.param(lambda: decode_inputs("cuda", "native")[:4], run_decode, 1,
                      id="indexer_mqa_decode"),
         pytest.param(indexer, run_indexer, 1, id="indexer_mqa_score"),

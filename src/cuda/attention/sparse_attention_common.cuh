@@ -41,7 +41,7 @@ struct RowInfo {
   int b = 0;              // request
   int64_t pos = 0;        // causal position: tokens t > pos are masked
   int64_t seq_len_k = 0;  // tokens t >= seq_len_k are masked
-  bool active = true;     // false for padding rows (past seq_lens_q, or request id -1)
+  bool active = true;     // false for padding rows (request id -1, past seq_lens_q, position < 0)
 };
 
 __device__ inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
@@ -69,8 +69,9 @@ __device__ inline int find_request(const SparseAttentionParams& p, int64_t r) {
 
 // Request, position and KV length of row r (called by the whole CTA). A token_to_req id of -1
 // marks a padding row (inactive: nothing is read, the output is 0 and the LSE -inf), and so
-// does any other id outside [0, batch), a broken promise. Other contents the caller promised
-// (monotonic offsets, lengths within capacity) are clamped so no access leaves its tensor.
+// does any other id outside [0, batch), a broken promise, and so does a negative position.
+// Other contents the caller promised (monotonic offsets, lengths within capacity) are clamped
+// so no access leaves its tensor.
 __device__ inline RowInfo resolve_row(const SparseAttentionParams& p,
                                       const SparseAttentionLaunch& x, int64_t r) {
   RowInfo ri;
@@ -100,14 +101,9 @@ __device__ inline RowInfo resolve_row(const SparseAttentionParams& p,
         return ri;
       }
       ri.b = static_cast<int>(id);
-      if (x.row_rank) {
-        i = x.row_rank[r];
-        rows_b = x.request_rows[ri.b];
-      } else {
-        // No rank pre-pass: query_positions give the position and no seq_lens_q masks rows,
-        // so the row is real (i = 0 of a one-row request, as far as the mask goes).
-        rows_b = 1;
-      }
+      // Validation made token_to_req come with query_positions and without seq_lens_q: the
+      // row's index within its request decides nothing (i = 0 of a one-row request).
+      rows_b = 1;
       break;
     }
     case RowMapping::kSingleRequest:
@@ -130,6 +126,7 @@ __device__ inline RowInfo resolve_row(const SparseAttentionParams& p,
   } else {
     ri.pos = ri.seq_len_k - seq_len_q + i;
   }
+  ri.active = ri.active && ri.pos >= 0;
   return ri;
 }
 
@@ -143,7 +140,8 @@ __device__ inline int32_t entry_page(const SparseAttentionParams& p, const RowIn
   const int page_idx = first >= 0 && first < ri.seq_len_k
                            ? static_cast<int>(first) / static_cast<int>(p.page_size)
                            : 0;
-  return p.block_table[ri.b * p.block_table_batch_stride + page_idx * p.block_table_page_stride];
+  return p.block_table.i32(ri.b * p.block_table_batch_stride +
+                           page_idx * p.block_table_page_stride);
 }
 
 // Whether token t of a row is read: inside the KV length, not after the position, and (paged)

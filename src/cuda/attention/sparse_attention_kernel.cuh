@@ -62,9 +62,11 @@ __global__ void __launch_bounds__(FwdShape::kThreads, 1)
   // layout whose requests do not hold one row each prefetches another request's row.
   if (p.kv_layout == KVLayout::kPaged && p.block_table_page_stride == 1 && p.rows == p.batch &&
       (p.row_mapping == RowMapping::kCuSeqlens || p.row_mapping == RowMapping::kPadded)) {
-    const int32_t* table_row = p.block_table + r * p.block_table_batch_stride;
-    for (int64_t i = static_cast<int64_t>(tid) * 32; i < p.max_pages; i += S::kThreads * 32) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(table_row + i));
+    const MetaPtr table_row = p.block_table + r * p.block_table_batch_stride;
+    const int64_t per_line = 128 / table_row.element_size();  // entries per 128-byte line
+    for (int64_t i = static_cast<int64_t>(tid) * per_line; i < p.max_pages;
+         i += S::kThreads * per_line) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(table_row.address(i)));
     }
   }
 
@@ -78,15 +80,15 @@ __global__ void __launch_bounds__(FwdShape::kThreads, 1)
   const int64_t split_end = min(n_entries, col_begin + x.split_cols);
   int32_t ids[kPerThread];
   auto load_ids = [&](int64_t c0, int64_t c1) {
-    const int32_t* row = x.block_hint ? p.block_indices + r * p.block_indices_row_stride
-                                      : p.token_indices + r * p.token_indices_row_stride;
+    const MetaPtr row = x.block_hint ? p.block_indices + r * p.block_indices_row_stride
+                                     : p.token_indices + r * p.token_indices_row_stride;
     const int64_t col_stride =
         x.block_hint ? p.block_indices_col_stride : p.token_indices_col_stride;
     const int64_t stored = x.block_hint ? min(c1, p.num_blocks) : c1;  // the tail is not stored
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       const int64_t e = c0 + j * S::kThreads + tid;
-      ids[j] = e < stored ? row[e * col_stride] : -1;
+      ids[j] = e < stored ? row.i32(e * col_stride) : -1;
     }
   };
   load_ids(col_begin, min(split_end, col_begin + pass_entries));

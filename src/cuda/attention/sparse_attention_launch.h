@@ -21,11 +21,6 @@ struct SparseAttentionLaunch {
   // LSEs (log2 units, -inf for an empty split); null when num_splits == 1.
   float* o_partial = nullptr;
   float* lse_partial = nullptr;
-  // RowMapping::kTokenToReq when the row index matters (no query_positions, or seq_lens_q):
-  // [rows] request-local row index and [batch] rows per request, from the rank pre-pass;
-  // null otherwise.
-  const int32_t* row_rank = nullptr;
-  const int32_t* request_rows = nullptr;
 };
 
 // Runs the forward kernel and, when x.num_splits > 1, the merge kernel on `stream`.
@@ -39,10 +34,5 @@ void launch_sparse_attention(const SparseAttentionParams& p, const SparseAttenti
 template <typename T>
 void launch_sparse_attention_rows(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
                                   cudaStream_t stream);
-
-// Fills x.row_rank / x.request_rows (device buffers of rows and batch int32, the latter
-// zeroed here) for token_to_req layouts without query positions.
-void launch_sparse_attention_row_rank(const SparseAttentionParams& p, int32_t* row_rank,
-                                      int32_t* request_rows, cudaStream_t stream);
 
 }  // namespace sparse_attn::cuda

@@ -42,7 +42,7 @@ bool use_row_tiles(const SparseAttentionParams& p, int num_splits) {
 // and how many bytes the whole takes.
 struct WorkspaceLayout {
   static constexpr size_t kAlign = 256;
-  size_t o_partial = 0, lse_partial = 0, row_rank = 0, bytes = 0;
+  size_t o_partial = 0, lse_partial = 0, bytes = 0;
 };
 
 // The launch schedule of a call (pointers unset) and its workspace layout: the one place that
@@ -51,8 +51,6 @@ struct WorkspaceLayout {
 struct Schedule {
   SparseAttentionLaunch launch;
   size_t partial_slots = 0;  // num_splits * rows * Hq with SplitKV, else 0
-  bool row_rank = false;     // the rank pre-pass runs (token_to_req without positions, or with
-                             // seq_lens_q)
   bool row_tiles = false;    // the row-tile kernel runs instead of the per-row one
   WorkspaceLayout workspace;
 };
@@ -79,7 +77,6 @@ Schedule schedule(const SparseAttentionParams& p) {
   x.num_splits = static_cast<int>((tiles + tiles_per_split - 1) / tiles_per_split);
 
   s.row_tiles = use_row_tiles(p, x.num_splits);
-  s.row_rank = p.row_mapping == RowMapping::kTokenToReq && (!p.query_positions || p.seq_lens_q);
   s.partial_slots =
       x.num_splits > 1 ? static_cast<size_t>(x.num_splits) * p.rows * p.num_q_heads : 0;
   const auto align = [](size_t n) {
@@ -88,9 +85,7 @@ Schedule schedule(const SparseAttentionParams& p) {
   WorkspaceLayout& w = s.workspace;
   w.o_partial = 0;
   w.lse_partial = align(s.partial_slots * C::kHeadDim * sizeof(float));
-  w.row_rank = w.lse_partial + align(s.partial_slots * sizeof(float));
-  const size_t rank_ints = s.row_rank ? static_cast<size_t>(p.rows + p.batch) : 0;
-  w.bytes = w.row_rank + rank_ints * sizeof(int32_t);
+  w.bytes = w.lse_partial + align(s.partial_slots * sizeof(float));
   return s;
 }
 
@@ -118,12 +113,6 @@ void native_sparse_attention(const SparseAttentionParams& p) {
   if (s.partial_slots > 0) {
     x.o_partial = reinterpret_cast<float*>(workspace + s.workspace.o_partial);
     x.lse_partial = reinterpret_cast<float*>(workspace + s.workspace.lse_partial);
-  }
-  if (s.row_rank) {
-    auto* ints = reinterpret_cast<int32_t*>(workspace + s.workspace.row_rank);
-    cuda::launch_sparse_attention_row_rank(p, ints, ints + p.rows, stream);
-    x.row_rank = ints;
-    x.request_rows = ints + p.rows;
   }
   cuda::dispatch_dtype(p.dtype, "qsa_sparse_attention", [&](auto tag) {
     using T = typename decltype(tag)::type;

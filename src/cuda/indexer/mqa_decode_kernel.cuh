@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(kThreads)
   float* const out = p.out + b * p.out_batch_stride;
   // Columns >= limit are -inf: past the context, the output, or the page table.
   const int64_t limit =
-      min(std::min<int64_t>(__ldg(p.context_lens + b * p.context_lens_stride), p.max_model_len),
+      min(std::min<int64_t>(p.context_lens[b * p.context_lens_stride], p.max_model_len),
           p.max_pages << p.page_size_log2);
   if (c0 >= limit) {
     for (int64_t i = c0 + tid; i < c1; i += kThreads) out[i * p.out_col_stride] = -INFINITY;
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   const auto* k = static_cast<const uint16_t*>(p.k_cache);
-  const int32_t* pages = p.page_table + b * p.page_table_batch_stride;
+  const MetaPtr pages = p.page_table + b * p.page_table_batch_stride;
   const int64_t slot_mask = (int64_t(1) << p.page_size_log2) - 1;
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {
@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kThreads)
         bool ok = n < limit;
         const uint16_t* row = k;
         if (ok) {
-          const int64_t page = __ldg(pages + (n >> p.page_size_log2) * p.page_table_page_stride);
+          const int64_t page = pages[(n >> p.page_size_log2) * p.page_table_page_stride];
           ok = page >= 0 && page < p.num_pages;
           row = k + page * p.k_page_stride + (n & slot_mask) * p.k_slot_stride;
         }

@@ -12,6 +12,8 @@
 
 #include <cstdint>
 
+#include "api/meta_ptr.h"
+
 namespace sparse_attn::cuda::indexer {
 
 inline constexpr int kHeads = 4;  // indexer heads: QSA's only native geometry
@@ -22,7 +24,7 @@ enum class RowMode : int {
   kPrefill,    // one request; keys [row_starts[r], row_ends[r])
   kPadded,     // q [batch, q_len]: row r is request r / q_len, index r % q_len
   kVarlenCu,   // q [total_q]: request found in cu_seqlens_q [batch + 1]
-  kVarlenTok,  // q [total_q]: request token_to_req[r]
+  kVarlenTok,  // q [total_q]: request token_to_req[r], position query_positions[r] (required)
 };
 
 // Strides in elements. Rows whose request metadata is broken (ids out of range, a row
@@ -38,21 +40,21 @@ struct RowsProblem {
   int64_t q_row_stride;
   int64_t q_head_stride;
 
-  // kPrefill: int32 [num_rows] each; visible keys [max(start, 0), min(end, num_keys)).
-  const int32_t* row_starts;
+  // kPrefill: [num_rows] each; visible keys [max(start, 0), min(end, num_keys)).
+  MetaPtr row_starts;
   int64_t row_starts_stride;
-  const int32_t* row_ends;
+  MetaPtr row_ends;
   int64_t row_ends_stride;
 
   // Score forms: visible keys b with 4b + 3 <= position (block_size 4).
-  const int32_t* cu_seqlens_q;  // kVarlenCu: [batch + 1]
+  MetaPtr cu_seqlens_q;  // kVarlenCu: [batch + 1]
   int64_t cu_seqlens_q_stride;
-  const int32_t* token_to_req;  // kVarlenTok: [num_rows]
+  MetaPtr token_to_req;  // kVarlenTok: [num_rows]
   int64_t token_to_req_stride;
-  const int32_t* query_positions;  // nullable; padded [batch, q_len], varlen [num_rows]
+  MetaPtr query_positions;  // nullable; padded [batch, q_len], varlen [num_rows]
   int64_t query_positions_batch_stride;
   int64_t query_positions_row_stride;
-  const int32_t* seq_lens_q;  // nullable, padded only: [batch] valid rows per request
+  MetaPtr seq_lens_q;  // nullable, padded only: [batch] valid rows per request
   int64_t seq_lens_q_stride;
 
   // Keys: logical k [batch, num_keys, dim] (prefill: batch 1, batch stride 0), or, with a
@@ -62,7 +64,7 @@ struct RowsProblem {
   const void* k;               // 16-byte aligned rows, unit feature stride
   int64_t k_batch_stride;      // logical: per request; paged: per page
   int64_t k_row_stride;        // logical: per key; paged: per slot
-  const int32_t* block_table;  // nullable: [batch, max_pages]
+  MetaPtr block_table;         // nullable: [batch, max_pages]
   int64_t block_table_batch_stride;
   int64_t block_table_page_stride;
   int64_t page_size;
@@ -89,12 +91,12 @@ struct DecodeProblem {
   int64_t num_pages;
   int page_size_log2;  // page sizes are 8, 16, 32 or 64
 
-  const int32_t* page_table;  // [batch, max_pages], -1 = no page
+  MetaPtr page_table;  // [batch, max_pages], -1 = no page
   int64_t page_table_batch_stride;
   int64_t page_table_page_stride;
   int64_t max_pages;
 
-  const int32_t* context_lens;  // [batch]
+  MetaPtr context_lens;  // [batch]
   int64_t context_lens_stride;
 
   int64_t max_model_len;

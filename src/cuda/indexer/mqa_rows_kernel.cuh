@@ -48,7 +48,6 @@ inline constexpr int kBlockRows = kWarps * kRowsPerWarp;  // 64 query rows per C
 inline constexpr int kBlockKeys = 64;                     // keys per pipeline stage
 inline constexpr int kStages = 4;                         // cp.async stages in flight
 inline constexpr int kChunks = kDim * 2 / 16;             // 16-byte chunks per key (16)
-inline constexpr int kHistBins = 2048;  // request ids counted per pass (positions from ids)
 
 static_assert(kBlockRows <= kThreads, "one thread resolves one row of the tile");
 static_assert(kBlockKeys * kChunks % kThreads == 0, "a tile is copied in whole rounds");
@@ -63,19 +62,12 @@ struct SharedStorage {
   int64_t lo[kBlockRows];                  // visible keys [lo, hi), clipped to [0, num_keys]
   int64_t hi[kBlockRows];
   int32_t req[kBlockRows];  // request of the row; -1: not a valid row (all -inf)
-  int32_t hist[kHistBins];
   int32_t next_req;
-  int32_t id_min;
-  int32_t id_max;
   unsigned long long union_lo;  // the current request's rows' visible columns, CTA-wide
   unsigned long long union_hi;
 };
 
 __device__ __forceinline__ int swizzle(int key, int chunk) { return chunk ^ ((key & 1) << 2); }
-
-__device__ __forceinline__ int32_t ld_meta(const int32_t* p, int64_t i, int64_t stride) {
-  return __ldg(p + i * stride);
-}
 
 // Fills out[row, a..b) (columns, element stride `stride`) with -inf, cooperatively by a warp.
 __device__ inline void warp_fill_row(float* row, int64_t a, int64_t b, int64_t stride, int lane) {
@@ -96,8 +88,7 @@ __device__ inline void warp_fill_row(float* row, int64_t a, int64_t b, int64_t s
   for (int64_t i = head + nv * 4 + lane; i < n; i += 32) p[i] = ninf;
 }
 
-// Request, row offsets and (except for positions counted later) the visible interval of one
-// flattened query row.
+// Request, row offsets and the visible interval of one flattened query row.
 __device__ inline void resolve_row(const RowsProblem& p, int64_t r, SharedStorage& s, int t) {
   int32_t req = -1;
   int64_t lo = 0, hi = 0, q_off = 0, out_off = 0;
@@ -108,19 +99,18 @@ __device__ inline void resolve_row(const RowsProblem& p, int64_t r, SharedStorag
         req = 0;
         q_off = r * p.q_row_stride;
         out_off = r * p.out_row_stride;
-        lo = std::max<int64_t>(ld_meta(p.row_starts, r, p.row_starts_stride), 0);
-        hi = std::min<int64_t>(ld_meta(p.row_ends, r, p.row_ends_stride), p.num_keys);
+        lo = std::max<int64_t>(p.row_starts[r * p.row_starts_stride], 0);
+        hi = std::min<int64_t>(p.row_ends[r * p.row_ends_stride], p.num_keys);
         break;
       }
       case RowMode::kPadded: {
         const int64_t b = r / p.q_len, i = r % p.q_len;
         q_off = b * p.q_batch_stride + i * p.q_row_stride;
         out_off = b * p.out_batch_stride + i * p.out_row_stride;
-        const bool valid =
-            p.seq_lens_q == nullptr || i < ld_meta(p.seq_lens_q, b, p.seq_lens_q_stride);
+        const bool valid = !p.seq_lens_q || i < p.seq_lens_q[b * p.seq_lens_q_stride];
         req = valid ? static_cast<int32_t>(b) : -1;
-        pos = p.query_positions ? __ldg(p.query_positions + b * p.query_positions_batch_stride +
-                                        i * p.query_positions_row_stride)
+        pos = p.query_positions ? p.query_positions[b * p.query_positions_batch_stride +
+                                                    i * p.query_positions_row_stride]
                                 : i;
         break;
       }
@@ -133,32 +123,32 @@ __device__ inline void resolve_row(const RowsProblem& p, int64_t r, SharedStorag
         int64_t a = 0, b = p.batch;  // invariant: answer in [a, b)
         while (b - a > 1) {
           const int64_t m = (a + b) / 2;
-          if (ld_meta(p.cu_seqlens_q, m, p.cu_seqlens_q_stride) <= r)
+          if (p.cu_seqlens_q[m * p.cu_seqlens_q_stride] <= r)
             a = m;
           else
             b = m;
         }
-        const int64_t start = ld_meta(p.cu_seqlens_q, a, p.cu_seqlens_q_stride);
-        const int64_t end = ld_meta(p.cu_seqlens_q, a + 1, p.cu_seqlens_q_stride);
+        const int64_t start = p.cu_seqlens_q[a * p.cu_seqlens_q_stride];
+        const int64_t end = p.cu_seqlens_q[(a + 1) * p.cu_seqlens_q_stride];
         if (start <= r && r < end) {
           req = static_cast<int32_t>(a);
-          pos = p.query_positions ? ld_meta(p.query_positions, r, p.query_positions_row_stride)
-                                  : r - start;
+          pos = p.query_positions ? p.query_positions[r * p.query_positions_row_stride] : r - start;
         }
         break;
       }
       case RowMode::kVarlenTok: {
         q_off = r * p.q_row_stride;
         out_off = r * p.out_row_stride;
-        const int32_t id = ld_meta(p.token_to_req, r, p.token_to_req_stride);
+        const int64_t id = p.token_to_req[r * p.token_to_req_stride];
         if (id >= 0 && id < p.batch) {
-          req = id;
-          // Without positions they are counted after all rows are resolved (count_positions).
-          if (p.query_positions) pos = ld_meta(p.query_positions, r, p.query_positions_row_stride);
+          req = static_cast<int32_t>(id);
+          pos = p.query_positions[r * p.query_positions_row_stride];  // given (validated)
         }
         break;
       }
     }
+    // A negative position marks a padding row of a graph-padded batch: -inf, no key read.
+    if (p.mode != RowMode::kPrefill && pos < 0) req = -1;
     if (p.mode != RowMode::kPrefill) {
       // Block b (tokens 4b..4b+3) is visible iff 4b + 3 <= pos.
       lo = 0;
@@ -170,42 +160,6 @@ __device__ inline void resolve_row(const RowsProblem& p, int64_t r, SharedStorag
   s.hi[t] = max(hi, lo);
   s.q_off[t] = q_off;
   s.out_off[t] = out_off;
-}
-
-// token_to_req without positions: a row's position is the number of earlier rows with the same
-// request id. Rows before the tile are counted with a shared-memory histogram over the tile's
-// id range (kHistBins ids per pass), rows inside it directly.
-__device__ inline void count_positions(const RowsProblem& p, int64_t row0, SharedStorage& s,
-                                       int tid) {
-  if (tid == 0) {
-    s.id_min = INT_MAX;
-    s.id_max = -1;
-  }
-  __syncthreads();
-  const int32_t my_id = tid < kBlockRows ? s.req[tid] : -1;
-  if (my_id >= 0) {
-    atomicMin(&s.id_min, my_id);
-    atomicMax(&s.id_max, my_id);
-  }
-  __syncthreads();
-  const int32_t id_min = s.id_min, id_max = s.id_max;
-  int64_t count = 0;
-  for (int64_t base = id_min; base <= id_max; base += kHistBins) {
-    for (int i = tid; i < kHistBins; i += kThreads) s.hist[i] = 0;
-    __syncthreads();
-    for (int64_t j = tid; j < row0; j += kThreads) {
-      const int64_t id = ld_meta(p.token_to_req, j, p.token_to_req_stride);
-      if (id >= base && id < base + kHistBins) atomicAdd(&s.hist[id - base], 1);
-    }
-    __syncthreads();
-    if (my_id >= base && my_id < base + kHistBins) count += s.hist[my_id - base];
-    __syncthreads();
-  }
-  if (my_id >= 0) {
-    for (int j = 0; j < tid; ++j) count += s.req[j] == my_id;
-    s.hi[tid] = count >= 3 ? std::min<int64_t>(p.num_keys, (count + 1) / 4) : 0;
-  }
-  __syncthreads();
 }
 
 // Issues the cp.async copies of key tile [n0, n0 + kBlockKeys) of request `req` into `stage`.
@@ -220,11 +174,11 @@ __device__ inline void load_tile(const RowsProblem& p, SharedStorage& s, int sta
     bool valid = n < col1;
     const uint16_t* src = k;
     if (valid) {
-      if (p.block_table == nullptr) {
+      if (!p.block_table) {
         src = k + req * p.k_batch_stride + n * p.k_row_stride + chunk * 8;
       } else {
-        const int64_t page = __ldg(p.block_table + req * p.block_table_batch_stride +
-                                   (n / p.page_size) * p.block_table_page_stride);
+        const int64_t page = p.block_table[req * p.block_table_batch_stride +
+                                           (n / p.page_size) * p.block_table_page_stride];
         valid = page >= 0 && page < p.num_pages;
         if (valid)
           src = k + page * p.k_batch_stride + (n % p.page_size) * p.k_row_stride + chunk * 8;
@@ -268,8 +222,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   // --- rows of the tile: request, offsets, visible interval
   if (tid < kBlockRows) resolve_row(p, row0 + tid, s, tid);
   __syncthreads();
-  if (p.mode == RowMode::kVarlenTok && p.query_positions == nullptr)
-    count_positions(p, row0, s, tid);
 
   // --- Q fragments of the warp's rows ra = 16 warp + g and rb = ra + 8, all heads
   const int ra = warp * kRowsPerWarp + g, rb = ra + 8;
@@ -328,7 +280,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     const int64_t cs = p.out_col_stride;
     const bool pairs_a = cs == 1 && (reinterpret_cast<uintptr_t>(row_a) & 7) == 0;
     const bool pairs_b = cs == 1 && (reinterpret_cast<uintptr_t>(row_b) & 7) == 0;
-    const bool paged = p.block_table != nullptr;  // only then can a key inside the range be missing
+    const bool paged =
+        static_cast<bool>(p.block_table);  // only then can a key inside the range be missing
     if (lane == 0 && wlo < whi) {
       atomicMin(&s.union_lo, static_cast<unsigned long long>(wlo));
       atomicMax(&s.union_hi, static_cast<unsigned long long>(whi));

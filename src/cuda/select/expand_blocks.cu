@@ -28,9 +28,10 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t r = int64_t{blockIdx.x} * kWarpsPerCta + threadIdx.x / 32; r < total_rows;
        r += int64_t{gridDim.x} * kWarpsPerCta) {
     const int64_t b = r / p.rows, i = r % p.rows;
-    const int32_t* ids = p.block_ids + b * p.block_ids_batch_stride + i * p.block_ids_row_stride;
-    const int64_t pos =
-        p.query_positions[b * p.query_positions_batch_stride + i * p.query_positions_row_stride];
+    const MetaPtr ids = p.block_ids + (b * p.block_ids_batch_stride + i * p.block_ids_row_stride);
+    // Saturated, as the reference caps it: the outputs hold int32 token ids.
+    const int64_t pos = p.query_positions.i32(b * p.query_positions_batch_stride +
+                                              i * p.query_positions_row_stride);
     int32_t* tokens =
         p.token_indices + b * p.token_indices_batch_stride + i * p.token_indices_row_stride;
     int32_t* blocks = p.block_indices ? p.block_indices + b * p.block_indices_batch_stride +
