@@ -48,6 +48,12 @@ class MetaPtr {
     return v < INT32_MIN ? INT32_MIN : (v > INT32_MAX ? INT32_MAX : static_cast<int32_t>(v));
   }
 
+  // The elements as int32, for kernels whose launcher narrowed this metadata to int32
+  // (cuda/common/narrow_metadata.h), so their hot loops load it with no width branch.
+  SPARSE_ATTN_HOST_DEVICE const int32_t* narrowed() const {
+    return static_cast<const int32_t*>(data_);
+  }
+
   // The pointer `i` elements further on, and that element's address (for prefetches).
   SPARSE_ATTN_HOST_DEVICE MetaPtr operator+(int64_t i) const {
     MetaPtr p = *this;

@@ -177,7 +177,8 @@ def expected_rows(batch, dt, rows, pos):
 def test_padding_rows_of_a_graph_padded_batch(device, backend, dtype, mark, meta_dtype):
     """Rows marked as padding (token_to_req -1, or a live request id at a negative position),
     between and after the real rows, give zero output and LSE -inf, and the real rows get what
-    they get without the padding rows; int32 and int64 metadata alike."""
+    they get without the padding rows (up to rounding: the native schedule depends on the row
+    count, so its sums may run in another order); int32 and int64 metadata alike."""
     dt = FLOAT_DTYPES[dtype]
     batch = graph_padded_batch(device, dt)
     req, pos = batch["req"], batch["pos"]
@@ -191,7 +192,8 @@ def test_padding_rows_of_a_graph_padded_batch(device, backend, dtype, mark, meta
     alone, alone_lse = run_padded_batch(batch, backend, real, req, pos, meta_dtype)
     assert torch.equal(out[pad], torch.zeros_like(out[pad]))
     assert (lse[pad] == -math.inf).all()
-    assert torch.equal(out[real], alone) and torch.equal(lse[real], alone_lse)
+    assert_close(out[real], alone, **OUT_TOL[dt])
+    assert_close(lse[real], alone_lse, rtol=1e-4, atol=1e-4)
     ref, _ = expected_rows(batch, dt, real, pos)
     assert_close(out[real], ref, **OUT_TOL[dt])
 

@@ -140,8 +140,8 @@ __device__ inline int32_t entry_page(const SparseAttentionParams& p, const RowIn
   const int page_idx = first >= 0 && first < ri.seq_len_k
                            ? static_cast<int>(first) / static_cast<int>(p.page_size)
                            : 0;
-  return p.block_table.i32(ri.b * p.block_table_batch_stride +
-                           page_idx * p.block_table_page_stride);
+  return p.block_table
+      .narrowed()[ri.b * p.block_table_batch_stride + page_idx * p.block_table_page_stride];
 }
 
 // Whether token t of a row is read: inside the KV length, not after the position, and (paged)

@@ -80,15 +80,16 @@ __global__ void __launch_bounds__(FwdShape::kThreads, 1)
   const int64_t split_end = min(n_entries, col_begin + x.split_cols);
   int32_t ids[kPerThread];
   auto load_ids = [&](int64_t c0, int64_t c1) {
-    const MetaPtr row = x.block_hint ? p.block_indices + r * p.block_indices_row_stride
-                                     : p.token_indices + r * p.token_indices_row_stride;
+    const int32_t* row =
+        x.block_hint ? p.block_indices.narrowed() + r * p.block_indices_row_stride
+                     : p.token_indices.narrowed() + r * p.token_indices_row_stride;
     const int64_t col_stride =
         x.block_hint ? p.block_indices_col_stride : p.token_indices_col_stride;
     const int64_t stored = x.block_hint ? min(c1, p.num_blocks) : c1;  // the tail is not stored
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       const int64_t e = c0 + j * S::kThreads + tid;
-      ids[j] = e < stored ? row.i32(e * col_stride) : -1;
+      ids[j] = e < stored ? row[e * col_stride] : -1;
     }
   };
   load_ids(col_begin, min(split_end, col_begin + pass_entries));

@@ -14,6 +14,7 @@
 #include "cuda/common/device_guard.h"
 #include "cuda/common/device_props.h"
 #include "cuda/common/dispatch.h"
+#include "cuda/common/narrow_metadata.h"
 #include "cuda/common/workspace_pool.h"
 #include "sparse_attn/errors.h"
 
@@ -107,6 +108,18 @@ void native_sparse_attention(const SparseAttentionParams& p) {
   const cuda::Schedule s = cuda::schedule(p);
   cuda::SparseAttentionLaunch x = s.launch;
 
+  // The kernels read the ids and the page table as int32 (their hot loops issue a pass's loads
+  // together); int64 ones go through int32 copies. The schedule above depends on shapes only.
+  SparseAttentionParams q = p;
+  cuda::NarrowedMetadata narrowed(p.device_index, stream);
+  narrowed.narrow(q.token_indices, p.rows, p.width, q.token_indices_row_stride,
+                  &q.token_indices_col_stride);
+  narrowed.narrow(q.block_indices, p.rows, p.num_blocks, q.block_indices_row_stride,
+                  &q.block_indices_col_stride);
+  narrowed.narrow(q.block_table, p.batch, p.max_pages, q.block_table_batch_stride,
+                  &q.block_table_page_stride);
+  narrowed.finish();
+
   // The caller's workspace (validated to hold s.workspace.bytes), else one from the pool.
   const cuda::StreamScratch pooled(p.workspace ? 0 : s.workspace.bytes, p.device_index, stream);
   char* workspace = static_cast<char*>(p.workspace ? p.workspace : pooled.get());
@@ -117,9 +130,9 @@ void native_sparse_attention(const SparseAttentionParams& p) {
   cuda::dispatch_dtype(p.dtype, "qsa_sparse_attention", [&](auto tag) {
     using T = typename decltype(tag)::type;
     if (s.row_tiles) {
-      cuda::launch_sparse_attention_rows<T>(p, x, stream);
+      cuda::launch_sparse_attention_rows<T>(q, x, stream);
     } else {
-      cuda::launch_sparse_attention<T>(p, x, stream);
+      cuda::launch_sparse_attention<T>(q, x, stream);
     }
   });
 }

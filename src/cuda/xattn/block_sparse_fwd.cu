@@ -9,14 +9,13 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <optional>
 #include <string>
-#include <vector>
 
 #include "api/xattn_params.h"
 #include "cuda/common/check.h"
 #include "cuda/common/device_guard.h"
 #include "cuda/common/device_props.h"
+#include "cuda/common/narrow_metadata.h"
 #include "cuda/common/workspace_pool.h"
 #include "cuda/xattn/block_sparse_fwd.h"
 #include "sparse_attn/errors.h"
@@ -76,66 +75,6 @@ CUtensorMap tensor_map(const void* base, DType dtype, const int64_t (&size)[4],
   }
   return map;
 }
-
-// The kernel (block_sparse_problem.cuh) reads int32 metadata. int64 metadata is copied into
-// int32 scratch first, on the call's stream, with no host read of its values (so a captured
-// graph narrows the metadata current at replay). Each value saturates to the int32 range: the
-// bounds it is compared with (row counts, key lengths, page counts) fit int32
-// (native_block_sparse_attention checks), so a saturated value is exactly as in or out of
-// range as the stored one.
-__global__ void narrow_metadata_kernel(MetaPtr src, int64_t rows, int64_t cols, int64_t row_stride,
-                                       int64_t col_stride, int32_t* dst) {
-  const int64_t n = rows * cols;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    dst[i] = src.i32(i / cols * row_stride + i % cols * col_stride);
-  }
-}
-
-// Device int32 copies of the call's int64 metadata, in one stream-ordered scratch allocation
-// that is freed on the stream when the object goes (after the launch that reads it is queued).
-class NarrowedMetadata {
- public:
-  NarrowedMetadata(int device, cudaStream_t stream) : device_(device), stream_(stream) {}
-
-  // Reserves a contiguous int32 [rows, cols] copy of `src` (strides in elements); returns
-  // its element offset, filled in by finish().
-  int64_t add(const MetaPtr& src, int64_t rows, int64_t cols, int64_t row_stride,
-              int64_t col_stride) {
-    const int64_t offset = total_;
-    parts_.push_back({src, rows, cols, row_stride, col_stride, offset});
-    total_ += rows * cols;
-    return offset;
-  }
-
-  // Allocates the scratch and queues the copies; returns its base (null when nothing to copy).
-  int32_t* finish() {
-    if (total_ == 0) return nullptr;
-    scratch_.emplace(static_cast<size_t>(total_) * sizeof(int32_t), device_, stream_);
-    int32_t* base = static_cast<int32_t*>(scratch_->get());
-    for (const Part& part : parts_) {
-      const int64_t n = part.rows * part.cols;
-      if (n == 0) continue;
-      const int threads = 256;
-      const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 1024);
-      narrow_metadata_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream_>>>(
-          part.src, part.rows, part.cols, part.row_stride, part.col_stride, base + part.offset);
-      SPARSE_ATTN_CUDA_CHECK_LAUNCH();
-    }
-    return base;
-  }
-
- private:
-  struct Part {
-    MetaPtr src;
-    int64_t rows, cols, row_stride, col_stride, offset;
-  };
-  int device_;
-  cudaStream_t stream_;
-  std::vector<Part> parts_;
-  int64_t total_ = 0;
-  std::optional<StreamScratch> scratch_;
-};
 
 // Keys per K/V tile of the instantiation for a head dim (validated: 64, 128 or 256).
 int block_n(int64_t head_dim) {
@@ -219,31 +158,20 @@ void native_block_sparse_attention(const BlockSparseAttnParams& a) {
   p.seqlens_k_stride = a.seqlens_k_stride;
   p.block_table_stride[0] = a.block_table_stride[0];
   p.block_table_stride[1] = a.block_table_stride[1];
-  // int32 metadata is read in place; int64 metadata through contiguous int32 copies in the
-  // call's scratch, whose pointers are set once it exists.
+  // int32 metadata is read in place, int64 metadata through int32 copies (NarrowedMetadata).
   auto stream = static_cast<cudaStream_t>(a.stream);
   cuda::NarrowedMetadata narrowed(a.device_index, stream);
-  std::vector<std::pair<const int32_t**, int64_t>> copies;  // (field, offset in the scratch)
-  const auto meta = [&](const MetaPtr& m, int64_t rows, int64_t cols, int64_t* row_stride,
-                        int64_t* col_stride, const int32_t** field) {
-    if (!m) return;
-    if (!m.wide()) {
-      *field = static_cast<const int32_t*>(m.data());
-      return;
-    }
-    copies.emplace_back(field,
-                        narrowed.add(m, rows, cols, *row_stride, col_stride ? *col_stride : 0));
-    *row_stride = cols;
-    if (col_stride) *col_stride = 1;
-  };
-  meta(a.cu_seqlens_q, a.batch + 1, 1, &p.cu_seqlens_q_stride, nullptr, &p.cu_seqlens_q);
-  meta(a.cu_seqlens_k, a.batch + 1, 1, &p.cu_seqlens_k_stride, nullptr, &p.cu_seqlens_k);
-  meta(a.seqlens_k, a.batch, 1, &p.seqlens_k_stride, nullptr, &p.seqlens_k);
-  meta(a.block_table, a.batch, a.max_pages, &p.block_table_stride[0], &p.block_table_stride[1],
-       &p.block_table);
-  if (int32_t* base = narrowed.finish()) {
-    for (const auto& [field, offset] : copies) *field = base + offset;
-  }
+  MetaPtr cu_q = a.cu_seqlens_q, cu_k = a.cu_seqlens_k, lens_k = a.seqlens_k,
+          table = a.block_table;
+  narrowed.narrow(cu_q, a.batch + 1, 1, p.cu_seqlens_q_stride);
+  narrowed.narrow(cu_k, a.batch + 1, 1, p.cu_seqlens_k_stride);
+  narrowed.narrow(lens_k, a.batch, 1, p.seqlens_k_stride);
+  narrowed.narrow(table, a.batch, a.max_pages, p.block_table_stride[0], &p.block_table_stride[1]);
+  narrowed.finish();
+  p.cu_seqlens_q = static_cast<const int32_t*>(cu_q.data());
+  p.cu_seqlens_k = static_cast<const int32_t*>(cu_k.data());
+  p.seqlens_k = static_cast<const int32_t*>(lens_k.data());
+  p.block_table = static_cast<const int32_t*>(table.data());
   p.page_size = static_cast<int32_t>(a.page_size);
   p.max_pages = static_cast<int32_t>(a.max_pages);
   p.block_mask = a.block_mask;
