@@ -19,6 +19,9 @@
 //   bool row_in_range(row)             CTA row `row` is a real query row (written)
 //   void store_o(row, col, uint4)      8 output elements of a real row
 //   void store_lse(row, float)
+//   bool split_output()                the CTA is one key split of its rows (CTA-uniform):
+//                                      the epilogue writes FP32 partials instead, through
+//   void store_o_partial(row, col, float) / store_lse_partial(row, float)
 #pragma once
 
 #include <cutlass/arch/barrier.h>
