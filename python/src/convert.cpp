@@ -34,6 +34,8 @@ std::string dlpack_dtype_name(dl::dtype dt) {
       break;
     case dl::dtype_code::Bool:
       return "bool";
+    case dl::dtype_code::Float8_E4M3FN:
+      return "float8_e4m3fn";
     default:
       return fmt::format("DLPack dtype code {} ({} bits)", dt.code, dt.bits);
   }
@@ -60,13 +62,16 @@ DType dtype_of(dl::dtype dt, const char* name) {
         break;
       case C::Bool:
         return DType::kBool;
+      case C::Float8_E4M3FN:
+        if (dt.bits == 8) return DType::kF8E4M3;
+        break;
       default:
         break;
     }
   }
   throw TypeError(fmt::format(
       "{}: tensors of dtype {} are not supported (sparse_attn takes bfloat16, float16, float32, "
-      "int32, int64, bool and uint8 tensors)",
+      "float8_e4m3fn, int32, int64, bool and uint8 tensors)",
       name, dlpack_dtype_name(dt)));
 }
 
