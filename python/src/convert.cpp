@@ -467,6 +467,29 @@ DType dtype_of_object(nb::handle obj, const char* name) {
 
 }  // namespace
 
+std::optional<DType> to_kv_cache_dtype(nb::handle obj, const char* name) {
+  if (obj.is_none()) return std::nullopt;
+  std::string s;
+  if (PyUnicode_Check(obj.ptr())) {
+    s = nb::borrow<nb::str>(obj).c_str();
+  } else if (std::string_view(py_type_name(obj)) == "torch.dtype") {
+    s = nb::str(obj).c_str();
+    s.erase(0, 6);  // "torch."
+  } else {
+    return to_dtype(obj, name);
+  }
+  // vLLM's kv_cache_dtype names ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", ...) and torch's.
+  if (s == "auto") return std::nullopt;
+  if (s == "fp8" || s == "fp8_e4m3" || s == "float8_e4m3fn") return DType::kF8E4M3;
+  if (s.rfind("fp8", 0) == 0 || s.find("float8") != std::string::npos) {
+    throw NotSupportedError(fmt::format(
+        "{}: {} caches are not supported; FP8 caches are read as e4m3 only ('fp8', 'fp8_e4m3' or "
+        "torch.float8_e4m3fn)",
+        name, s));
+  }
+  return to_dtype(obj, name);
+}
+
 DType to_dtype(nb::handle obj, const char* name) {
   // torch dtypes are singletons: those converted before are recognised by identity, which
   // skips building and parsing their repr (compute_dtype comes with every attention call).
