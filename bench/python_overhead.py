@@ -131,10 +131,10 @@ def main():
         backend=be, out=scores_out))
     measure("qsa_mqa_decode: binding", lambda: _C.qsa_mqa_decode(
         i["q"], i["k_cache"], i["page_table"], i["context_lens"], i["max_model_len"],
-        scores_out, None, None, be, stream))
+        scores_out, None, None, None, be, stream))
     measure("qsa_mqa_decode: torch.ops", lambda: torch.ops.sparse_attn.qsa_mqa_decode(
         i["q"], i["k_cache"], i["page_table"], i["context_lens"], i["max_model_len"],
-        scores_out, None, None, be))
+        scores_out, None, None, None, be))
 
     a = attn
     measure("qsa_sparse_attention: full", lambda: sparse_attn.qsa_sparse_attention(
@@ -147,13 +147,13 @@ def main():
         a["query"], a["key"], a["value"], a["token_indices"], attn_out, None, None,
         a["cu_seqlens_q"], None, None, None, None, a["seq_lens_k"], None, a["block_table"],
         None, None, None, None, be, False, False, None, None, 1.0, 1.0, torch.bfloat16, None,
-        stream))
+        None, stream))
     measure("qsa_sparse_attention: torch.ops",
             lambda: torch.ops.sparse_attn.qsa_sparse_attention(
                 a["query"], a["key"], a["value"], a["token_indices"], attn_out, None, None,
                 a["cu_seqlens_q"], None, None, None, None, a["seq_lens_k"], None,
                 a["block_table"], None, None, None, None, be, False, False, None, None, 1.0,
-                1.0, torch.bfloat16, None))
+                1.0, torch.bfloat16, None, None))
 
     measure("torch.empty (the attention output)",
             lambda: torch.empty(a["query"].shape, dtype=a["query"].dtype, device=device))

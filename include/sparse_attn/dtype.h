@@ -1,5 +1,6 @@
-// Host-side conversions between float and the 16-bit storage formats (raw bits in uint16_t).
-// Round-to-nearest-even, NaN kept NaN, as torch and the CUDA intrinsics do.
+// Host-side conversions between float and the 16-bit storage formats (raw bits in uint16_t)
+// and FP8 e4m3fn (raw bits in uint8_t). Round-to-nearest-even, NaN kept NaN, as torch and the
+// CUDA intrinsics do.
 #pragma once
 
 #include <cstdint>
@@ -73,6 +74,54 @@ inline uint16_t float_to_fp16(float f) {
   return static_cast<uint16_t>(sign | (r >> 13));
 }
 
+// FP8 e4m3fn (torch.float8_e4m3fn): 1 sign, 4 exponent (bias 7), 3 mantissa bits. No
+// infinities: S.1111.111 (0x7f, 0xff) is NaN and S.1111.110 is +-448, the largest finite value;
+// exponent 0 holds the subnormals m * 2^-9. Every code decodes exactly to float.
+inline float fp8_e4m3_to_float(uint8_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x80u) << 24;
+  const uint32_t exp = (bits >> 3) & 0xfu;
+  const uint32_t mant = bits & 0x7u;
+  uint32_t u;
+  if (exp == 0xfu && mant == 0x7u) {
+    u = sign | 0x7fc00000u;  // NaN
+  } else if (exp == 0) {
+    const float sub = static_cast<float>(mant) * 0x1p-9f;  // exact: 3 significant bits
+    std::memcpy(&u, &sub, sizeof u);
+    u |= sign;
+  } else {
+    u = sign | ((exp + 127 - 7) << 23) | (mant << 20);
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Float to FP8 e4m3fn as torch converts (c10's fp8e4m3fn_from_fp32_value): round to nearest
+// even; magnitudes from 480 up (those that would round past 448), infinities and NaN become
+// NaN, since the format has no infinity and torch does not saturate.
+inline uint8_t float_to_fp8_e4m3(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs >= 0x43f00000u) return static_cast<uint8_t>(sign | 0x7fu);  // >= 480, inf, NaN
+  if (abs < 0x3c800000u) {
+    // Below the smallest normal 2^-6: adding 2^14 makes the float's unit in the last place
+    // 2^-9, the subnormal step, so the FP32 addition does the rounding to nearest even.
+    constexpr uint32_t kDenormBias = 0x46800000u;  // 2^14
+    float a, bias;
+    std::memcpy(&a, &abs, sizeof a);
+    std::memcpy(&bias, &kDenormBias, sizeof bias);
+    const float sum = a + bias;
+    uint32_t s;
+    std::memcpy(&s, &sum, sizeof s);
+    return static_cast<uint8_t>(sign | (s - kDenormBias));
+  }
+  uint32_t r = abs - ((127u - 7u) << 23);  // rebias exponent 127 -> 7
+  r += 0x7ffffu + ((r >> 20) & 1u);
+  return static_cast<uint8_t>(sign | (r >> 20));
+}
+
 // Reads element `i` (a flat element offset from `p`) of a floating dtype as float.
 inline float load_as_float(const void* p, DType dtype, int64_t i) {
   switch (dtype) {
@@ -80,6 +129,8 @@ inline float load_as_float(const void* p, DType dtype, int64_t i) {
       return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
     case DType::kF16:
       return fp16_to_float(static_cast<const uint16_t*>(p)[i]);
+    case DType::kF8E4M3:
+      return fp8_e4m3_to_float(static_cast<const uint8_t*>(p)[i]);
     default:
       return static_cast<const float*>(p)[i];
   }
@@ -94,6 +145,9 @@ inline void store_from_float(void* p, DType dtype, int64_t i, float v) {
     case DType::kF16:
       static_cast<uint16_t*>(p)[i] = float_to_fp16(v);
       break;
+    case DType::kF8E4M3:
+      static_cast<uint8_t*>(p)[i] = float_to_fp8_e4m3(v);
+      break;
     default:
       static_cast<float*>(p)[i] = v;
   }
@@ -106,6 +160,8 @@ inline float round_to(DType dtype, float v) {
       return bf16_to_float(float_to_bf16(v));
     case DType::kF16:
       return fp16_to_float(float_to_fp16(v));
+    case DType::kF8E4M3:
+      return fp8_e4m3_to_float(float_to_fp8_e4m3(v));
     default:
       return v;
   }

@@ -13,6 +13,10 @@
 //
 // "int" below is integer metadata: int32 or int64, read as stored (docs/qsa.md, "Metadata":
 // dtypes, padding rows of graph-padded batches, and where positions come from).
+//
+// FP8 caches (docs/qsa.md, "FP8 caches"): K/V and the indexer's compressed keys may be FP8 e4m3
+// (DType::kF8E4M3), or uint8 storage read as FP8 e4m3 when kv_cache_dtype names the format, as
+// serving engines keep them. Values are decoded exactly and used in FP32.
 #pragma once
 
 #include <cstddef>
@@ -51,6 +55,10 @@ struct IndexerScoreOptions {
   int64_t block_size = 4;             // tokens per compressed key; QSA fixes it at 4
   std::optional<double> scale;        // multiplier, default 1/sqrt(D)
   std::optional<double> score_scale;  // denominator; exclusive with scale
+  // How block_keys' bytes are read: nullopt as their dtype (q_idx's, or kF8E4M3); kF8E4M3 also
+  // reads uint8 storage as FP8 e4m3; kBF16 / kF16 only confirm the dtype. No scale: engines
+  // store these keys unscaled.
+  std::optional<DType> kv_cache_dtype;
   Backend backend = Backend::kNative;
   StreamHandle stream = nullptr;
 };
@@ -61,22 +69,28 @@ Shape qsa_indexer_mqa_score_shape(const TensorView& q_idx, const TensorView& blo
 // out: FP32 with the shape above, positive strides, not overlapping any input. Block b is
 // visible to a row at position p iff 4b + 3 <= p (and, paged, its page id is in
 // [0, block_keys.shape[0])); invisible blocks and rows past seq_lens_q are -inf.
-// Native: CUDA tensors, H == 4, D == 128, q_idx/block_keys in the vector-load layout.
+// Native: CUDA tensors, H == 4, D == 128, q_idx/block_keys in the vector-load layout, 16-bit
+// keys (FP8 keys: the reference and CPU backends).
 void qsa_indexer_mqa_score(const TensorView& q_idx, const TensorView& block_keys,
                            const TensorView& out, const IndexerScoreOptions& options = {});
 
 struct MqaScoreOptions {
   std::optional<double> score_scale;  // denominator; exclusive with scale
   std::optional<double> scale;        // multiplier, default 1/sqrt(D)
+  // How k / k_cache bytes are read, as IndexerScoreOptions::kv_cache_dtype.
+  std::optional<DType> kv_cache_dtype;
   Backend backend = Backend::kNative;
   StreamHandle stream = nullptr;
 };
 
+// k / k_cache below are q's dtype or FP8 e4m3 (see kv_cache_dtype); native: q's dtype only.
+//
 // Packed prefill: q [rows, H, D], k [keys, D] or [keys, 1, D], row_starts/row_ends int32
 // [rows] (visible keys [start, end), clamped to [0, keys); start >= end is an empty row).
 // out: FP32 [rows, keys], -inf outside the interval.
 // Native: CUDA tensors, H == 4, D == 128, q/k in the vector-load layout.
-Shape qsa_mqa_prefill_shape(const TensorView& q, const TensorView& k);
+Shape qsa_mqa_prefill_shape(const TensorView& q, const TensorView& k,
+                            const MqaScoreOptions& options = {});
 void qsa_mqa_prefill(const TensorView& q, const TensorView& k, const TensorView& row_starts,
                      const TensorView& row_ends, const TensorView& out,
                      const MqaScoreOptions& options = {});
@@ -134,11 +148,17 @@ struct SparseAttentionOptions {
   Backend backend = Backend::kNative;
   bool warp_specialized = false;       // opt-in prefill variant; canonical 24/2/256 only
   bool assume_compact_blocks = false;  // producer contract, see docs/qsa.md
-  // int [rows, W]: physical token ids into flattened K/V [total_kv, Hkv, D] (BF16), used
+  // int [rows, W]: physical token ids into flattened K/V [total_kv, Hkv, D] (BF16 or FP8), used
   // instead of token_indices; no causal filtering, duplicates kept, ids < 0 or >= total_kv
   // masked. Excludes every logical metadata argument and the gate.
   std::optional<TensorView> selected_kv_indices;
-  double k_scale = 1.0;  // must be 1: FP8 KV is not supported
+  // How key/value bytes are read: nullopt as their dtype (the query's, or kF8E4M3); kF8E4M3
+  // also reads uint8 storage as FP8 e4m3 (vLLM's kv_cache_dtype "fp8" / "fp8_e4m3"); kBF16 /
+  // kF16 only confirm the dtype.
+  std::optional<DType> kv_cache_dtype;
+  // Per-tensor dequantisation scales of FP8 K/V: the value used is stored value x scale, in
+  // FP32; positive finite float32 values. 16-bit K/V need 1.
+  double k_scale = 1.0;
   double v_scale = 1.0;
   DType compute_dtype = DType::kBF16;  // BF16 (or the query's dtype); FP8 is not enabled
   StreamHandle stream = nullptr;
@@ -175,7 +195,9 @@ size_t qsa_sparse_attention_workspace_size(const TensorView& query, const Tensor
                                            const std::optional<TensorView>& token_indices,
                                            const SparseAttentionOptions& options = {});
 
-// token_indices: int [B, Q, W] (padded query) or [total_q, W], request-local ids, -1 pads;
+// key/value: the query's dtype, or both FP8 e4m3 with k_scale / v_scale (native: the query's
+// dtype only, for now). token_indices: int [B, Q, W] (padded query) or [total_q, W],
+// request-local ids, -1 pads;
 // nullopt only with options.selected_kv_indices. out: the query's shape and dtype, any
 // non-overlapping positive-stride view. lse: optional FP32 query.shape[:-1]; written when
 // given (natural log; -inf for rows with no valid token).

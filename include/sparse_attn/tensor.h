@@ -19,12 +19,15 @@
 
 namespace sparse_attn {
 
-// kU8: raw bytes (workspace buffers).
-enum class DType : uint8_t { kBF16, kF16, kF32, kI32, kI64, kBool, kU8 };
+// kU8: raw bytes (workspace buffers, and FP8 caches stored as uint8 until their format is
+// named). kF8E4M3: FP8 e4m3 in the "fn" variant (OCP / torch.float8_e4m3fn: no infinities,
+// S.1111.111 is NaN, largest finite 448), the format of FP8 K/V and indexer caches.
+enum class DType : uint8_t { kBF16, kF16, kF32, kI32, kI64, kBool, kU8, kF8E4M3 };
 
 // Bytes per element.
 size_t dtype_size(DType dtype);
-// "bfloat16", "float16", "float32", "int32", "int64", "bool", "uint8" (torch's names).
+// "bfloat16", "float16", "float32", "int32", "int64", "bool", "uint8", "float8_e4m3fn"
+// (torch's names).
 const char* dtype_name(DType dtype);
 
 enum class DeviceType : uint8_t { kCPU, kCUDA };

@@ -32,27 +32,29 @@ def _register():
         page_size: Optional[int], cu_seqlens_q: Optional[Tensor],
         token_to_req: Optional[Tensor], num_requests: Optional[int],
         query_positions: Optional[Tensor], seq_lens_q: Optional[Tensor], block_size: int,
-        scale: Optional[float], score_scale: Optional[float], backend: str,
+        scale: Optional[float], score_scale: Optional[float], kv_cache_dtype: Optional[str],
+        backend: str,
     ) -> None:
         _C.qsa_indexer_mqa_score(
             q_idx, block_keys, out, block_table, page_size, cu_seqlens_q, token_to_req,
-            num_requests, query_positions, seq_lens_q, block_size, scale, score_scale, backend,
-            rt.torch_stream(q_idx))
+            num_requests, query_positions, seq_lens_q, block_size, scale, score_scale,
+            kv_cache_dtype, backend, rt.torch_stream(q_idx))
 
     def qsa_mqa_prefill(
         q: Tensor, k: Tensor, row_starts: Tensor, row_ends: Tensor, out: Tensor,
-        score_scale: Optional[float], scale: Optional[float], backend: str,
+        score_scale: Optional[float], scale: Optional[float], kv_cache_dtype: Optional[str],
+        backend: str,
     ) -> None:
-        _C.qsa_mqa_prefill(q, k, row_starts, row_ends, out, score_scale, scale, backend,
-                           rt.torch_stream(q))
+        _C.qsa_mqa_prefill(q, k, row_starts, row_ends, out, score_scale, scale, kv_cache_dtype,
+                           backend, rt.torch_stream(q))
 
     def qsa_mqa_decode(
         q: Tensor, k_cache: Tensor, page_table: Tensor, context_lens: Tensor,
         max_model_len: int, out: Tensor, score_scale: Optional[float], scale: Optional[float],
-        backend: str,
+        kv_cache_dtype: Optional[str], backend: str,
     ) -> None:
         _C.qsa_mqa_decode(q, k_cache, page_table, context_lens, max_model_len, out, score_scale,
-                          scale, backend, rt.torch_stream(q))
+                          scale, kv_cache_dtype, backend, rt.torch_stream(q))
 
     def qsa_sparse_attention(
         query: Tensor, key: Tensor, value: Tensor, token_indices: Optional[Tensor],
@@ -65,7 +67,7 @@ def _register():
         num_splits: Optional[int], backend: str, warp_specialized: bool,
         assume_compact_blocks: bool, selected_kv_indices: Optional[Tensor],
         softmax_scale: Optional[float], k_scale: float, v_scale: float,
-        compute_dtype: torch.dtype, workspace: Optional[Tensor],
+        compute_dtype: torch.dtype, kv_cache_dtype: Optional[str], workspace: Optional[Tensor],
     ) -> None:
         # Without a workspace the scratch comes from torch's allocator here, when the op runs
         # (under CUDA graph capture: from the graph's private pool).
@@ -74,7 +76,7 @@ def _register():
             token_to_req, num_requests, cu_seqlens_k, seq_lens_q, seq_lens_k, query_positions,
             block_table, page_size, scale, gate, num_splits, backend, warp_specialized,
             assume_compact_blocks, selected_kv_indices, softmax_scale, k_scale, v_scale,
-            compute_dtype,
+            compute_dtype, kv_cache_dtype,
             rt.workspace_allocator(query) if workspace is None else workspace,
             rt.torch_stream(query))
 

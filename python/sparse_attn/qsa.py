@@ -26,6 +26,14 @@ def _rank(x):
     return -1 if shape is None else len(shape)
 
 
+def _cache_dtype(x):
+    # kv_cache_dtype as the custom ops' schema carries it (a str or None): torch dtypes by name.
+    if x is None or isinstance(x, str):
+        return x
+    name = str(x)
+    return name[len("torch."):] if name.startswith("torch.") else x
+
+
 def _is_int(x):
     # int, numpy integers and torch.SymInt (under torch.compile); not bool, float or str.
     return hasattr(x, "__index__") and not isinstance(x, bool) and not hasattr(x, "__dlpack__")
@@ -63,13 +71,17 @@ def qsa_indexer_mqa_score(
     score_scale=None,
     backend="tilelang",
     out=None,
+    kv_cache_dtype=None,
 ):
     """QSA MQA block scores: FP32 [B, Q, N_B] (padded q_idx [B, Q, 4, 128]) or [total_q, N_B]
     (varlen), -inf for blocks whose last token is not visible. With block_table, block_keys
     is a paged cache [pages, page_size, (1,) 128]. scale multiplies (default 1/sqrt(D)),
-    score_scale divides; not both. Does not select top-k (see select_topk_blocks)."""
+    score_scale divides; not both. Does not select top-k (see select_topk_blocks).
+    block_keys may be FP8 e4m3 (torch.float8_e4m3fn, or uint8 with kv_cache_dtype="fp8"),
+    used unscaled; native CUDA kernels read 16-bit keys only, for now."""
     options = (block_table, page_size, cu_seqlens_q, token_to_req, num_requests,
-               query_positions, seq_lens_q, block_size, scale, score_scale, backend)
+               query_positions, seq_lens_q, block_size, scale, score_scale,
+               _cache_dtype(kv_cache_dtype), backend)
     if out is None:
         shape = _indexer_score_shape(q_idx, block_keys, block_table)
         if shape is None:
@@ -85,36 +97,41 @@ def qsa_indexer_mqa_score(
 
 
 def qsa_mqa_prefill(q, k, row_starts, row_ends, score_scale=None, *, scale=None,
-                    backend="tilelang", out=None):
+                    backend="tilelang", out=None, kv_cache_dtype=None):
     """Packed-prefill MQA logits: FP32 [rows, keys], -inf outside [row_starts, row_ends) of
-    each row. q [rows, heads, dim]; k [keys, dim] or [keys, 1, dim]."""
+    each row. q [rows, heads, dim]; k [keys, dim] or [keys, 1, dim], q's dtype or FP8 e4m3
+    (as in qsa_indexer_mqa_score)."""
+    kv_cache_dtype = _cache_dtype(kv_cache_dtype)
     if out is None:
         if _rank(q) == 3 and _rank(k) in (2, 3):
             shape = (q.shape[0], k.shape[0])
         else:
-            shape = _C.qsa_mqa_prefill_shape(q, k)
+            shape = _C.qsa_mqa_prefill_shape(q, k, kv_cache_dtype)
         try:
             out = rt.empty(shape, q, "q", "float32")
         except rt.ALLOCATION_ERRORS as e:
             rt.explain_allocation_failure(e, ("out",), lambda p: _C.qsa_mqa_prefill(
-                q, k, row_starts, row_ends, p, score_scale, scale, backend, None))
+                q, k, row_starts, row_ends, p, score_scale, scale, kv_cache_dtype, backend,
+                None))
     rt.run(_C.qsa_mqa_prefill, "qsa_mqa_prefill", q,
-           (q, k, row_starts, row_ends, out, score_scale, scale, backend))
+           (q, k, row_starts, row_ends, out, score_scale, scale, kv_cache_dtype, backend))
     return out
 
 
 def qsa_mqa(q, k, row_starts, row_ends, score_scale=None, *, scale=None, backend="tilelang",
-            out=None):
+            out=None, kv_cache_dtype=None):
     """The seed's other name of qsa_mqa_prefill."""
     return qsa_mqa_prefill(q, k, row_starts, row_ends, score_scale, scale=scale,
-                           backend=backend, out=out)
+                           backend=backend, out=out, kv_cache_dtype=kv_cache_dtype)
 
 
 def qsa_mqa_decode(q, k_cache, page_table, context_lens, max_model_len, score_scale=None, *,
-                   scale=None, backend="tilelang", out=None):
+                   scale=None, backend="tilelang", out=None, kv_cache_dtype=None):
     """Paged-decode MQA logits: FP32 [B, max_model_len]; columns at or past a request's
     context_len and those behind a missing page (-1 or out of range) are -inf.
-    q [B, heads, dim] or [B, 1, heads, dim]; k_cache [pages, page_size, (1,) dim]."""
+    q [B, heads, dim] or [B, 1, heads, dim]; k_cache [pages, page_size, (1,) dim], q's dtype
+    or FP8 e4m3 (as in qsa_indexer_mqa_score)."""
+    kv_cache_dtype = _cache_dtype(kv_cache_dtype)
     if out is None:
         fast = (type(q) is rt._Tensor and type(max_model_len) is int and max_model_len >= 0
                 and q.dim() in (3, 4))
@@ -133,10 +150,10 @@ def qsa_mqa_decode(q, k_cache, page_table, context_lens, max_model_len, score_sc
         except rt.ALLOCATION_ERRORS as e:
             rt.explain_allocation_failure(e, ("out",), lambda p: _C.qsa_mqa_decode(
                 q, k_cache, page_table, context_lens, max_model_len, p, score_scale, scale,
-                backend, None))
+                kv_cache_dtype, backend, None))
     rt.run(_C.qsa_mqa_decode, "qsa_mqa_decode", q,
            (q, k_cache, page_table, context_lens, max_model_len, out, score_scale, scale,
-            backend))
+            kv_cache_dtype, backend))
     return out
 
 
@@ -171,6 +188,7 @@ def qsa_sparse_attention(
     compute_dtype=_BF16,
     lse=None,
     workspace=None,
+    kv_cache_dtype=None,
 ):
     """QSA core attention over each query row's selected tokens (request-local
     token_indices, -1 pads, shared by all query heads; or physical selected_kv_indices).
@@ -183,7 +201,13 @@ def qsa_sparse_attention(
     that returns one given the byte count (called only when the call needs scratch), for
     callers that own every allocation. Omitted, the call allocates what it needs (SplitKV
     partials, the row-rank pass; often nothing) with the query's framework: torch's caching
-    allocator."""
+    allocator.
+
+    FP8 K/V (an extension): key and value both torch.float8_e4m3fn, or uint8 storage with
+    kv_cache_dtype="fp8" (or "fp8_e4m3", vLLM's names); the value used is stored value x
+    k_scale (v_scale), in FP32. 16-bit K/V need k_scale == v_scale == 1. The reference and
+    CPU backends read FP8; the native CUDA kernels do not yet (NotSupportedError)."""
+    kv_cache_dtype = _cache_dtype(kv_cache_dtype)
     if return_lse is not True and return_lse is not False:
         rt.require_bool(return_lse, "return_lse")
     if type(query) is rt._Tensor and not (rt.ops_registered and rt._is_compiling()):
@@ -202,7 +226,7 @@ def qsa_sparse_attention(
                     num_requests, cu_seqlens_k, seq_lens_q, seq_lens_k, query_positions,
                     block_table, page_size, scale, gate, num_splits, backend, warp_specialized,
                     assume_compact_blocks, selected_kv_indices, softmax_scale, k_scale, v_scale,
-                    compute_dtype))
+                    compute_dtype, kv_cache_dtype))
             if query.is_cuda:
                 stream = rt.torch_stream(query)
                 if workspace is None:
@@ -214,7 +238,7 @@ def qsa_sparse_attention(
                 token_to_req, num_requests, cu_seqlens_k, seq_lens_q, seq_lens_k,
                 query_positions, block_table, page_size, scale, gate, num_splits, backend,
                 warp_specialized, assume_compact_blocks, selected_kv_indices, softmax_scale,
-                k_scale, v_scale, compute_dtype, workspace, stream)
+                k_scale, v_scale, compute_dtype, kv_cache_dtype, workspace, stream)
             return (out, lse) if return_lse else out
     out_shape = lse_shape = None
     if out is None:
@@ -234,12 +258,12 @@ def qsa_sparse_attention(
             num_requests, cu_seqlens_k, seq_lens_q, seq_lens_k, query_positions, block_table,
             page_size, scale, gate, num_splits, backend, warp_specialized,
             assume_compact_blocks, selected_kv_indices, softmax_scale, k_scale, v_scale,
-            compute_dtype))
+            compute_dtype, kv_cache_dtype))
     args = (query, key, value, token_indices, out, lse, block_indices, cu_seqlens_q,
             token_to_req, num_requests, cu_seqlens_k, seq_lens_q, seq_lens_k, query_positions,
             block_table, page_size, scale, gate, num_splits, backend, warp_specialized,
             assume_compact_blocks, selected_kv_indices, softmax_scale, k_scale, v_scale,
-            compute_dtype)
+            compute_dtype, kv_cache_dtype)
     if isinstance(query, rt._Tensor) and rt.ops_registered and rt._is_compiling():
         # The custom op takes tensors only; it allocates a missing workspace when it runs.
         torch.ops.sparse_attn.qsa_sparse_attention(*args, workspace)
@@ -294,6 +318,7 @@ def qsa_sparse_attention_workspace_size(
     out=None,
     lse=None,
     workspace=None,
+    kv_cache_dtype=None,
 ):
     """Bytes of the `workspace=` a qsa_sparse_attention call with these arguments needs (0
     when none: the reference backend, CPU tensors, no query rows, one KV split without the
@@ -306,4 +331,5 @@ def qsa_sparse_attention_workspace_size(
         query, key, value, token_indices, block_indices, cu_seqlens_q, token_to_req,
         num_requests, cu_seqlens_k, seq_lens_q, seq_lens_k, query_positions, block_table,
         page_size, scale, gate, num_splits, backend, warp_specialized, assume_compact_blocks,
-        selected_kv_indices, softmax_scale, k_scale, v_scale, compute_dtype)
+        selected_kv_indices, softmax_scale, k_scale, v_scale, compute_dtype,
+        _cache_dtype(kv_cache_dtype))

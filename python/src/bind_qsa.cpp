@@ -16,8 +16,8 @@ using nb::handle;
 IndexerScoreOptions indexer_options(Borrowed& b, handle block_table, handle page_size,
                                     handle cu_seqlens_q, handle token_to_req, handle num_requests,
                                     handle query_positions, handle seq_lens_q, handle block_size,
-                                    handle scale, handle score_scale, handle backend,
-                                    handle stream) {
+                                    handle scale, handle score_scale, handle kv_cache_dtype,
+                                    handle backend, handle stream) {
   IndexerScoreOptions o;
   o.block_table = b.optional_tensor(block_table, "block_table");
   o.page_size = optional_int(page_size, "page_size");
@@ -29,15 +29,18 @@ IndexerScoreOptions indexer_options(Borrowed& b, handle block_table, handle page
   o.block_size = to_int(block_size, "block_size");
   o.scale = optional_float(scale, "scale");
   o.score_scale = optional_float(score_scale, "score_scale");
+  o.kv_cache_dtype = to_kv_cache_dtype(kv_cache_dtype, "kv_cache_dtype");
   o.backend = to_backend(backend);
   o.stream = to_stream(stream);
   return o;
 }
 
-MqaScoreOptions mqa_options(handle score_scale, handle scale, handle backend, handle stream) {
+MqaScoreOptions mqa_options(handle score_scale, handle scale, handle kv_cache_dtype, handle backend,
+                            handle stream) {
   MqaScoreOptions o;
   o.score_scale = optional_float(score_scale, "score_scale");
   o.scale = optional_float(scale, "scale");
+  o.kv_cache_dtype = to_kv_cache_dtype(kv_cache_dtype, "kv_cache_dtype");
   o.backend = to_backend(backend);
   o.stream = to_stream(stream);
   return o;
@@ -46,14 +49,14 @@ MqaScoreOptions mqa_options(handle score_scale, handle scale, handle backend, ha
 void indexer_score(handle q_idx, handle block_keys, handle out, handle block_table,
                    handle page_size, handle cu_seqlens_q, handle token_to_req, handle num_requests,
                    handle query_positions, handle seq_lens_q, handle block_size, handle scale,
-                   handle score_scale, handle backend, handle stream) {
+                   handle score_scale, handle kv_cache_dtype, handle backend, handle stream) {
   Borrowed b;
   const TensorView q = b.tensor(q_idx, "q_idx");
   const TensorView k = b.tensor(block_keys, "block_keys");
   const TensorView o = b.tensor(out, "out", true);
-  const IndexerScoreOptions opts =
-      indexer_options(b, block_table, page_size, cu_seqlens_q, token_to_req, num_requests,
-                      query_positions, seq_lens_q, block_size, scale, score_scale, backend, stream);
+  const IndexerScoreOptions opts = indexer_options(
+      b, block_table, page_size, cu_seqlens_q, token_to_req, num_requests, query_positions,
+      seq_lens_q, block_size, scale, score_scale, kv_cache_dtype, backend, stream);
   nb::gil_scoped_release release;
   qsa_indexer_mqa_score(q, k, o, opts);
 }
@@ -61,37 +64,40 @@ void indexer_score(handle q_idx, handle block_keys, handle out, handle block_tab
 Shape indexer_score_shape(handle q_idx, handle block_keys, handle block_table, handle page_size,
                           handle cu_seqlens_q, handle token_to_req, handle num_requests,
                           handle query_positions, handle seq_lens_q, handle block_size,
-                          handle scale, handle score_scale, handle backend) {
+                          handle scale, handle score_scale, handle kv_cache_dtype, handle backend) {
   Borrowed b;
   const TensorView q = b.tensor(q_idx, "q_idx");
   const TensorView k = b.tensor(block_keys, "block_keys");
   const IndexerScoreOptions opts = indexer_options(
       b, block_table, page_size, cu_seqlens_q, token_to_req, num_requests, query_positions,
-      seq_lens_q, block_size, scale, score_scale, backend, nb::none());
+      seq_lens_q, block_size, scale, score_scale, kv_cache_dtype, backend, nb::none());
   return qsa_indexer_mqa_score_shape(q, k, opts);
 }
 
 void mqa_prefill(handle q, handle k, handle row_starts, handle row_ends, handle out,
-                 handle score_scale, handle scale, handle backend, handle stream) {
+                 handle score_scale, handle scale, handle kv_cache_dtype, handle backend,
+                 handle stream) {
   Borrowed b;
   const TensorView qv = b.tensor(q, "q");
   const TensorView kv = b.tensor(k, "k");
   const TensorView starts = b.tensor(row_starts, "row_starts");
   const TensorView ends = b.tensor(row_ends, "row_ends");
   const TensorView o = b.tensor(out, "out", true);
-  const MqaScoreOptions opts = mqa_options(score_scale, scale, backend, stream);
+  const MqaScoreOptions opts = mqa_options(score_scale, scale, kv_cache_dtype, backend, stream);
   nb::gil_scoped_release release;
   qsa_mqa_prefill(qv, kv, starts, ends, o, opts);
 }
 
-Shape mqa_prefill_shape(handle q, handle k) {
+Shape mqa_prefill_shape(handle q, handle k, handle kv_cache_dtype) {
   Borrowed b;
-  return qsa_mqa_prefill_shape(b.tensor(q, "q"), b.tensor(k, "k"));
+  MqaScoreOptions opts;
+  opts.kv_cache_dtype = to_kv_cache_dtype(kv_cache_dtype, "kv_cache_dtype");
+  return qsa_mqa_prefill_shape(b.tensor(q, "q"), b.tensor(k, "k"), opts);
 }
 
 void mqa_decode(handle q, handle k_cache, handle page_table, handle context_lens,
-                handle max_model_len, handle out, handle score_scale, handle scale, handle backend,
-                handle stream) {
+                handle max_model_len, handle out, handle score_scale, handle scale,
+                handle kv_cache_dtype, handle backend, handle stream) {
   Borrowed b;
   const TensorView qv = b.tensor(q, "q");
   const TensorView kv = b.tensor(k_cache, "k_cache");
@@ -99,7 +105,7 @@ void mqa_decode(handle q, handle k_cache, handle page_table, handle context_lens
   const TensorView lens = b.tensor(context_lens, "context_lens");
   const int64_t width = to_int(max_model_len, "max_model_len");
   const TensorView o = b.tensor(out, "out", true);
-  const MqaScoreOptions opts = mqa_options(score_scale, scale, backend, stream);
+  const MqaScoreOptions opts = mqa_options(score_scale, scale, kv_cache_dtype, backend, stream);
   nb::gil_scoped_release release;
   qsa_mqa_decode(qv, kv, pages, lens, width, o, opts);
 }
@@ -110,15 +116,13 @@ Shape mqa_decode_shape(handle q, handle max_model_len) {
 }
 
 // The options of qsa_sparse_attention from its Python arguments (tensors imported into `b`).
-SparseAttentionOptions attention_options(Borrowed& b, handle block_indices, handle cu_seqlens_q,
-                                         handle token_to_req, handle num_requests,
-                                         handle cu_seqlens_k, handle seq_lens_q, handle seq_lens_k,
-                                         handle query_positions, handle block_table,
-                                         handle page_size, handle scale, handle gate,
-                                         handle num_splits, handle backend, handle warp_specialized,
-                                         handle assume_compact_blocks, handle selected_kv_indices,
-                                         handle softmax_scale, handle k_scale, handle v_scale,
-                                         handle compute_dtype, handle stream) {
+SparseAttentionOptions attention_options(
+    Borrowed& b, handle block_indices, handle cu_seqlens_q, handle token_to_req,
+    handle num_requests, handle cu_seqlens_k, handle seq_lens_q, handle seq_lens_k,
+    handle query_positions, handle block_table, handle page_size, handle scale, handle gate,
+    handle num_splits, handle backend, handle warp_specialized, handle assume_compact_blocks,
+    handle selected_kv_indices, handle softmax_scale, handle k_scale, handle v_scale,
+    handle compute_dtype, handle kv_cache_dtype, handle stream) {
   SparseAttentionOptions opts;
   opts.block_indices = b.optional_tensor(block_indices, "block_indices");
   opts.cu_seqlens_q = b.optional_tensor(cu_seqlens_q, "cu_seqlens_q");
@@ -141,6 +145,7 @@ SparseAttentionOptions attention_options(Borrowed& b, handle block_indices, hand
   opts.k_scale = to_float(k_scale, "k_scale");
   opts.v_scale = to_float(v_scale, "v_scale");
   opts.compute_dtype = to_dtype(compute_dtype, "compute_dtype");
+  opts.kv_cache_dtype = to_kv_cache_dtype(kv_cache_dtype, "kv_cache_dtype");
   opts.stream = to_stream(stream);
   return opts;
 }
@@ -161,7 +166,8 @@ void sparse_attention(handle query, handle key, handle value, handle token_indic
                       handle page_size, handle scale, handle gate, handle num_splits,
                       handle backend, handle warp_specialized, handle assume_compact_blocks,
                       handle selected_kv_indices, handle softmax_scale, handle k_scale,
-                      handle v_scale, handle compute_dtype, handle workspace, handle stream) {
+                      handle v_scale, handle compute_dtype, handle kv_cache_dtype, handle workspace,
+                      handle stream) {
   Borrowed b;
   const TensorView q = b.tensor(query, "query");
   const TensorView k = b.tensor(key, "key");
@@ -173,7 +179,7 @@ void sparse_attention(handle query, handle key, handle value, handle token_indic
       b, block_indices, cu_seqlens_q, token_to_req, num_requests, cu_seqlens_k, seq_lens_q,
       seq_lens_k, query_positions, block_table, page_size, scale, gate, num_splits, backend,
       warp_specialized, assume_compact_blocks, selected_kv_indices, softmax_scale, k_scale, v_scale,
-      compute_dtype, stream);
+      compute_dtype, kv_cache_dtype, stream);
   nb::object allocated;  // keeps a workspace from the callable alive through the call
   if (PyCallable_Check(workspace.ptr())) {
     // Runs inside the call, which has released the GIL.
@@ -206,7 +212,8 @@ size_t sparse_attention_workspace_size(handle query, handle key, handle value, h
                                        handle scale, handle gate, handle num_splits, handle backend,
                                        handle warp_specialized, handle assume_compact_blocks,
                                        handle selected_kv_indices, handle softmax_scale,
-                                       handle k_scale, handle v_scale, handle compute_dtype) {
+                                       handle k_scale, handle v_scale, handle compute_dtype,
+                                       handle kv_cache_dtype) {
   Borrowed b;
   const TensorView q = b.tensor(query, "query");
   const TensorView k = b.tensor(key, "key");
@@ -216,7 +223,7 @@ size_t sparse_attention_workspace_size(handle query, handle key, handle value, h
       b, block_indices, cu_seqlens_q, token_to_req, num_requests, cu_seqlens_k, seq_lens_q,
       seq_lens_k, query_positions, block_table, page_size, scale, gate, num_splits, backend,
       warp_specialized, assume_compact_blocks, selected_kv_indices, softmax_scale, k_scale, v_scale,
-      compute_dtype, nb::none());
+      compute_dtype, kv_cache_dtype, nb::none());
   return qsa_sparse_attention_workspace_size(q, k, v, ids, opts);
 }
 
@@ -235,26 +242,28 @@ Shape sparse_attention_lse_shape(handle query) {
 void bind_qsa(nb::module_& m) {
   def(m, "qsa_indexer_mqa_score", &indexer_score, "q_idx", "block_keys", "out", "block_table",
       "page_size", "cu_seqlens_q", "token_to_req", "num_requests", "query_positions", "seq_lens_q",
-      "block_size", "scale", "score_scale", "backend", "stream");
+      "block_size", "scale", "score_scale", "kv_cache_dtype", "backend", "stream");
   def(m, "qsa_indexer_mqa_score_shape", &indexer_score_shape, "q_idx", "block_keys", "block_table",
       "page_size", "cu_seqlens_q", "token_to_req", "num_requests", "query_positions", "seq_lens_q",
-      "block_size", "scale", "score_scale", "backend");
+      "block_size", "scale", "score_scale", "kv_cache_dtype", "backend");
   def(m, "qsa_mqa_prefill", &mqa_prefill, "q", "k", "row_starts", "row_ends", "out", "score_scale",
-      "scale", "backend", "stream");
-  def(m, "qsa_mqa_prefill_shape", &mqa_prefill_shape, "q", "k");
+      "scale", "kv_cache_dtype", "backend", "stream");
+  def(m, "qsa_mqa_prefill_shape", &mqa_prefill_shape, "q", "k", "kv_cache_dtype");
   def(m, "qsa_mqa_decode", &mqa_decode, "q", "k_cache", "page_table", "context_lens",
-      "max_model_len", "out", "score_scale", "scale", "backend", "stream");
+      "max_model_len", "out", "score_scale", "scale", "kv_cache_dtype", "backend", "stream");
   def(m, "qsa_mqa_decode_shape", &mqa_decode_shape, "q", "max_model_len");
   def(m, "qsa_sparse_attention", &sparse_attention, "query", "key", "value", "token_indices", "out",
       "lse", "block_indices", "cu_seqlens_q", "token_to_req", "num_requests", "cu_seqlens_k",
       "seq_lens_q", "seq_lens_k", "query_positions", "block_table", "page_size", "scale", "gate",
       "num_splits", "backend", "warp_specialized", "assume_compact_blocks", "selected_kv_indices",
-      "softmax_scale", "k_scale", "v_scale", "compute_dtype", "workspace", "stream");
+      "softmax_scale", "k_scale", "v_scale", "compute_dtype", "kv_cache_dtype", "workspace",
+      "stream");
   def(m, "qsa_sparse_attention_workspace_size", &sparse_attention_workspace_size, "query", "key",
       "value", "token_indices", "block_indices", "cu_seqlens_q", "token_to_req", "num_requests",
       "cu_seqlens_k", "seq_lens_q", "seq_lens_k", "query_positions", "block_table", "page_size",
       "scale", "gate", "num_splits", "backend", "warp_specialized", "assume_compact_blocks",
-      "selected_kv_indices", "softmax_scale", "k_scale", "v_scale", "compute_dtype");
+      "selected_kv_indices", "softmax_scale", "k_scale", "v_scale", "compute_dtype",
+      "kv_cache_dtype");
   def(m, "qsa_sparse_attention_out_shape", &sparse_attention_out_shape, "query");
   def(m, "qsa_sparse_attention_lse_shape", &sparse_attention_lse_shape, "query");
 }

@@ -34,6 +34,8 @@ std::string dlpack_dtype_name(dl::dtype dt) {
       break;
     case dl::dtype_code::Bool:
       return "bool";
+    case dl::dtype_code::Float8_E4M3FN:
+      return "float8_e4m3fn";
     default:
       return fmt::format("DLPack dtype code {} ({} bits)", dt.code, dt.bits);
   }
@@ -60,13 +62,16 @@ DType dtype_of(dl::dtype dt, const char* name) {
         break;
       case C::Bool:
         return DType::kBool;
+      case C::Float8_E4M3FN:
+        if (dt.bits == 8) return DType::kF8E4M3;
+        break;
       default:
         break;
     }
   }
   throw TypeError(fmt::format(
       "{}: tensors of dtype {} are not supported (sparse_attn takes bfloat16, float16, float32, "
-      "int32, int64, bool and uint8 tensors)",
+      "float8_e4m3fn, int32, int64, bool and uint8 tensors)",
       name, dlpack_dtype_name(dt)));
 }
 
@@ -461,6 +466,29 @@ DType dtype_of_object(nb::handle obj, const char* name) {
 }
 
 }  // namespace
+
+std::optional<DType> to_kv_cache_dtype(nb::handle obj, const char* name) {
+  if (obj.is_none()) return std::nullopt;
+  std::string s;
+  if (PyUnicode_Check(obj.ptr())) {
+    s = nb::borrow<nb::str>(obj).c_str();
+  } else if (std::string_view(py_type_name(obj)) == "torch.dtype") {
+    s = nb::str(obj).c_str();
+    s.erase(0, 6);  // "torch."
+  } else {
+    return to_dtype(obj, name);
+  }
+  // vLLM's kv_cache_dtype names ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", ...) and torch's.
+  if (s == "auto") return std::nullopt;
+  if (s == "fp8" || s == "fp8_e4m3" || s == "float8_e4m3fn") return DType::kF8E4M3;
+  if (s.rfind("fp8", 0) == 0 || s.find("float8") != std::string::npos) {
+    throw NotSupportedError(fmt::format(
+        "{}: {} caches are not supported; FP8 caches are read as e4m3 only ('fp8', 'fp8_e4m3' or "
+        "torch.float8_e4m3fn)",
+        name, s));
+  }
+  return to_dtype(obj, name);
+}
 
 DType to_dtype(nb::handle obj, const char* name) {
   // torch dtypes are singletons: those converted before are recognised by identity, which

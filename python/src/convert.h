@@ -65,6 +65,10 @@ std::string to_str(nb::handle obj, const char* name);
 Backend to_backend(nb::handle obj);
 // A dtype: a torch.dtype, a numpy dtype or type, or a name ("bfloat16").
 DType to_dtype(nb::handle obj, const char* name);
+// kv_cache_dtype (how cache bytes are read): None or "auto" -> nullopt (the tensor's dtype);
+// "fp8", "fp8_e4m3", "float8_e4m3fn" or torch.float8_e4m3fn -> kF8E4M3; other FP8 formats raise
+// NotSupportedError; anything else is a dtype as to_dtype reads it.
+std::optional<DType> to_kv_cache_dtype(nb::handle obj, const char* name);
 // The caller's stream as an integer (torch's cuda_stream); 0 is the legacy default stream.
 StreamHandle to_stream(nb::handle obj);
 

@@ -30,6 +30,39 @@ void check_metadata_dtype(const TensorView& t, std::string_view name) {
   check_dtype(t, name, {DType::kI32, DType::kI64});
 }
 
+TensorView resolve_cache_dtype(const TensorView& t, std::string_view name,
+                               const std::optional<DType>& format) {
+  if (!format) {
+    if (t.dtype() == DType::kU8) {
+      throw_type_error(
+          "{}: uint8 storage is read as FP8 e4m3 only when the format is named: pass "
+          "kv_cache_dtype='fp8_e4m3' (DType::kF8E4M3), or a float8_e4m3fn view of it",
+          name);
+    }
+    return t;
+  }
+  if (*format == DType::kBF16 || *format == DType::kF16) {
+    if (t.dtype() != *format) {
+      throw_type_error("{}: expected dtype {} (kv_cache_dtype), got {}", name, dtype_name(*format),
+                       dtype_name(t.dtype()));
+    }
+    return t;
+  }
+  if (*format != DType::kF8E4M3) {
+    throw_value_error(
+        "kv_cache_dtype: expected float8_e4m3fn (FP8 e4m3), bfloat16, float16 or none (read {} "
+        "as its dtype), got {}",
+        name, dtype_name(*format));
+  }
+  if (t.dtype() != DType::kU8 && t.dtype() != DType::kF8E4M3) {
+    throw_type_error(
+        "{}: kv_cache_dtype float8_e4m3fn reads uint8 or float8_e4m3fn storage, got {}; leave "
+        "kv_cache_dtype unset for {} caches",
+        name, dtype_name(t.dtype()), dtype_name(t.dtype()));
+  }
+  return TensorView(t.data(), DType::kF8E4M3, t.device(), t.dim(), t.sizes(), t.strides());
+}
+
 void check_rank(const TensorView& t, std::string_view name, std::initializer_list<int> ranks) {
   std::string expected;
   size_t i = 0;

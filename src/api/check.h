@@ -51,6 +51,14 @@ void check_dtype(const TensorView& t, std::string_view name, std::initializer_li
 // TypeError unless t is integer metadata: int32 or int64, read as stored (api/meta_ptr.h).
 void check_metadata_dtype(const TensorView& t, std::string_view name);
 
+// A cache tensor whose bytes may be FP8 e4m3 (K/V, the indexer's compressed keys), with the
+// caller's kv_cache_dtype `format`: returns t, retyped to kF8E4M3 when that format is named
+// (uint8 storage then reads as FP8). TypeError for uint8 without the format named (its bytes
+// could be any 8-bit format), for FP8 named over storage that is neither uint8 nor FP8 e4m3, and
+// for BF16/FP16 named over another dtype; ValueError naming kv_cache_dtype for other formats.
+TensorView resolve_cache_dtype(const TensorView& t, std::string_view name,
+                               const std::optional<DType>& format);
+
 // ValueError unless t has one of the given ranks.
 void check_rank(const TensorView& t, std::string_view name, std::initializer_list<int> ranks);
 

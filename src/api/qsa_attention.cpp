@@ -92,6 +92,18 @@ void check_token_to_req_rule(const Views& v) {
   }
 }
 
+// k_scale / v_scale (`name`) for K/V `kv` (docs/qsa.md, "FP8 caches"): a positive finite float32
+// for FP8 K/V, exactly 1 for 16-bit K/V, whose values are used as stored.
+float check_kv_scale(double scale, const char* name, const TensorView& kv) {
+  if (kv.dtype() != DType::kF8E4M3 && scale != 1.0) {
+    throw_value_error(
+        "{}: expected 1.0 for {} K/V (a dequantisation scale applies to FP8 e4m3 K/V only), got "
+        "{}",
+        name, dtype_name(kv.dtype()), scale);
+  }
+  return detail::check_float32_scale(scale, name);
+}
+
 // Checks everything and returns the params with sizes, layouts and scalars decided (pointers
 // and strides are filled later, from whichever views the backend reads).
 SparseAttentionParams validate(const Views& v, bool physical, const SparseAttentionOptions& o) {
@@ -131,14 +143,6 @@ SparseAttentionParams validate(const Views& v, bool physical, const SparseAttent
   // The native kernels' softmax runs on exp2, with the scale in log2 units.
   p.scale_log2 = detail::check_float32_scale(static_cast<double>(p.scale) * std::numbers::log2e,
                                              scale_name, "scale * log2(e)", p.scale);
-  if (o.k_scale != 1.0) {
-    throw_value_error("k_scale: expected 1.0 (FP8 KV is not supported, K is {}), got {}",
-                      dtype_name(q.dtype()), o.k_scale);
-  }
-  if (o.v_scale != 1.0) {
-    throw_value_error("v_scale: expected 1.0 (FP8 KV is not supported, V is {}), got {}",
-                      dtype_name(q.dtype()), o.v_scale);
-  }
   if (o.compute_dtype != DType::kBF16 && o.compute_dtype != q.dtype()) {
     throw_value_error(
         "compute_dtype: expected bfloat16 or the query dtype ({}), got {}; FP8 compute is not "
@@ -160,7 +164,10 @@ SparseAttentionParams validate(const Views& v, bool physical, const SparseAttent
   // ----- key / value ----------------------------------------------------------------------
   const TensorView& k = v.key;
   check_rank(k, "key", {3, 4});
-  check_dtype(k, "key", {q.dtype()});
+  if (k.dtype() != q.dtype() && k.dtype() != DType::kF8E4M3) {
+    throw_type_error("key: expected dtype {} (the query's) or float8_e4m3fn (FP8 K/V), got {}",
+                     dtype_name(q.dtype()), dtype_name(k.dtype()));
+  }
   check_device(k, "key", dev, "query");
   check_data(k, "key");
   check_dtype(v.value, "value", {k.dtype()});
@@ -178,6 +185,9 @@ SparseAttentionParams validate(const Views& v, bool physical, const SparseAttent
         p.num_q_heads, k.shape_str());
   }
   p.group = p.num_q_heads / p.num_kv_heads;
+  p.kv_dtype = k.dtype();
+  p.k_scale = check_kv_scale(o.k_scale, "k_scale", k);
+  p.v_scale = check_kv_scale(o.v_scale, "v_scale", v.value);
 
   // ----- physical mode: flattened BF16 Q/K/V and row ids, nothing logical -----------------
   if (physical) {
@@ -222,8 +232,7 @@ SparseAttentionParams validate(const Views& v, bool physical, const SparseAttent
           k.shape_str());
     }
     check_dtype(q, "query", {DType::kBF16});
-    check_dtype(k, "key", {DType::kBF16});
-    check_dtype(v.value, "value", {DType::kBF16});
+    check_dtype(k, "key", {DType::kBF16, DType::kF8E4M3});
     const TensorView& s = v.indices;
     detail::check_metadata_dtype(s, "selected_kv_indices");
     check_rank(s, "selected_kv_indices", {2});
@@ -484,6 +493,11 @@ void check_native(const Views& v, const SparseAttentionParams& p) {
         "backend='reference' for the CPU reference",
         v.query.device().str());
   }
+  if (p.kv_dtype == DType::kF8E4M3) {
+    throw_not_supported(
+        "key: backend 'native' does not read FP8 K/V (float8_e4m3fn) on CUDA yet; pass "
+        "backend='reference', or CPU tensors for the CPU backend");
+  }
   if (p.head_dim != kNativeHeadDim) {
     throw_not_supported(
         "query: backend 'native' supports head_dim {}, got {} (shape {}); use "
@@ -658,8 +672,8 @@ Views views_of(const TensorView& query, const TensorView& key, const TensorView&
   }
   Views v;
   v.query = query;
-  v.key = key;
-  v.value = value;
+  v.key = detail::resolve_cache_dtype(key, "key", o.kv_cache_dtype);
+  v.value = detail::resolve_cache_dtype(value, "value", o.kv_cache_dtype);
   v.indices = physical ? *o.selected_kv_indices : *token_indices;
   v.block_indices = o.block_indices;
   v.gate = o.gate;

@@ -11,7 +11,8 @@
 //   collapse into a zero-copy row view).
 // - Strides are int64, in elements of the tensor's own dtype. A stride of an axis of size 1
 //   may be anything (it is never multiplied by a nonzero index).
-// - Q, K, V, out and an element-wise or per-head gate share one dtype (`dtype`, BF16 or FP16).
+// - Q, out and an element-wise or per-head gate share one dtype (`dtype`, BF16 or FP16). K and V
+//   share `kv_dtype`: `dtype`, or FP8 e4m3, whose values are used times k_scale / v_scale.
 //   Indices and metadata are int32 or int64, read through MetaPtr (api/meta_ptr.h). lse is
 //   FP32.
 // - A pointer is null exactly when its argument was not given; the comment says which
@@ -77,7 +78,11 @@ struct SparseAttentionParams {
   int64_t num_pages = 0;    // kPaged only: key.shape[0]
   int64_t max_pages = 0;    // kPaged only: block_table.shape[1]
 
-  DType dtype = DType::kBF16;  // Q, K, V, out and gate (BF16 or FP16)
+  DType dtype = DType::kBF16;     // Q, out and gate (BF16 or FP16)
+  DType kv_dtype = DType::kBF16;  // K and V: `dtype`, or kF8E4M3 (reference and CPU only)
+  // The value of a K (V) element is its stored value x k_scale (v_scale), in FP32; both are 1
+  // unless kv_dtype is kF8E4M3.
+  float k_scale = 1.f, v_scale = 1.f;
 
   // ----- tensors ------------------------------------------------------------------------
   // Query [rows, Hq, D].

@@ -45,13 +45,14 @@ float resolve_scale(const std::optional<double>& scale, const std::optional<doub
   return static_cast<float>(1.0 / std::sqrt(static_cast<double>(dim)));
 }
 
-// q: bfloat16/float16 with at least one head and one feature; k: q's dtype, device and dim.
+// q: bfloat16/float16 with at least one head and one feature; k: q's device and dim, q's dtype
+// or FP8 e4m3 (already resolved from uint8 storage by resolve_cache_dtype).
 void check_query_and_keys(const TensorView& q, const char* q_name, const TensorView& k,
                           const char* k_name) {
   detail::check_dtype(q, q_name, {DType::kBF16, DType::kF16});
-  if (k.dtype() != q.dtype()) {
-    detail::throw_type_error("{}: expected dtype {} (the dtype of {}), got {}", k_name,
-                             dtype_name(q.dtype()), q_name, dtype_name(k.dtype()));
+  if (k.dtype() != q.dtype() && k.dtype() != DType::kF8E4M3) {
+    detail::throw_type_error("{}: expected dtype {} (the dtype of {}) or float8_e4m3fn, got {}",
+                             k_name, dtype_name(q.dtype()), q_name, dtype_name(k.dtype()));
   }
   detail::check_device(k, k_name, q.device(), q_name);
   if (q.size(-2) < 1 || q.size(-1) < 1) {
@@ -91,12 +92,19 @@ void check_out(const TensorView& out, const Shape& shape, std::string_view what,
 }
 
 // What every native indexer kernel on CUDA requires of a call.
-void check_native(const char* op, const TensorView& q, const char* q_name) {
+void check_native(const char* op, const TensorView& q, const char* q_name, const TensorView& k,
+                  const char* k_name) {
   if (q.size(-2) != kNativeHeads || q.size(-1) != kNativeDim) {
     throw_not_supported(
         "{}: backend 'native' supports heads == {} and dim == {}, got {} of shape "
         "{}; pass backend='reference'",
         op, kNativeHeads, kNativeDim, q_name, q.shape_str());
+  }
+  if (k.dtype() == DType::kF8E4M3) {
+    throw_not_supported(
+        "{}: backend 'native' does not read FP8 keys (float8_e4m3fn) on CUDA yet; pass "
+        "backend='reference', or CPU tensors for the CPU backend",
+        k_name);
   }
 }
 
@@ -254,6 +262,7 @@ detail::MqaScoreParams score_params(const ScoreLayout& l, const TensorView& q, c
                                     float scale) {
   detail::MqaScoreParams p{};
   p.dtype = q.dtype();
+  p.k_dtype = k.dtype();
   p.varlen = l.varlen;
   p.batch = l.batch;
   p.q_len = l.q_len;
@@ -308,11 +317,15 @@ detail::MqaScoreParams score_params(const ScoreLayout& l, const TensorView& q, c
 // qsa_mqa_prefill
 // ---------------------------------------------------------------------------------------
 
-void check_prefill(const TensorView& q, const TensorView& k) {
+// Returns k as its bytes are read (resolve_cache_dtype).
+TensorView check_prefill(const TensorView& q, const TensorView& k_stored,
+                         const std::optional<DType>& kv_cache_dtype) {
   detail::check_rank(q, "q", {3});
-  detail::check_rank(k, "k", {2, 3});
+  detail::check_rank(k_stored, "k", {2, 3});
+  const TensorView k = detail::resolve_cache_dtype(k_stored, "k", kv_cache_dtype);
   if (k.dim() == 3) detail::check_size(k, "k", 1, 1, "the shared key head");
   check_query_and_keys(q, "q", k, "k");
+  return k;
 }
 
 detail::MqaPrefillParams prefill_params(const TensorView& q, const TensorView& k,
@@ -321,6 +334,7 @@ detail::MqaPrefillParams prefill_params(const TensorView& q, const TensorView& k
   const TensorView keys = k.dim() == 3 ? drop_axis(k, 1) : k;
   detail::MqaPrefillParams p{};
   p.dtype = q.dtype();
+  p.k_dtype = keys.dtype();
   p.rows = q.size(0);
   p.heads = q.size(1);
   p.dim = q.size(2);
@@ -364,10 +378,13 @@ void check_max_model_len(int64_t max_model_len) {
   }
 }
 
-void check_decode_inputs(const TensorView& q, const TensorView& k_cache, int64_t max_model_len) {
+// Returns k_cache as its bytes are read (resolve_cache_dtype).
+TensorView check_decode_inputs(const TensorView& q, const TensorView& k_stored,
+                               int64_t max_model_len, const std::optional<DType>& kv_cache_dtype) {
   detail::check_rank(q, "q", {3, 4});
   if (q.dim() == 4) detail::check_size(q, "q", 1, 1, "one decode row per request");
-  detail::check_rank(k_cache, "k_cache", {3, 4});
+  detail::check_rank(k_stored, "k_cache", {3, 4});
+  const TensorView k_cache = detail::resolve_cache_dtype(k_stored, "k_cache", kv_cache_dtype);
   if (k_cache.dim() == 4) detail::check_size(k_cache, "k_cache", 2, 1, "the shared key head");
   check_query_and_keys(q, "q", k_cache, "k_cache");
   if (k_cache.size(1) < 1) {
@@ -375,6 +392,7 @@ void check_decode_inputs(const TensorView& q, const TensorView& k_cache, int64_t
                       k_cache.shape_str());
   }
   check_max_model_len(max_model_len);
+  return k_cache;
 }
 
 detail::MqaDecodeParams decode_params(const TensorView& q4, const TensorView& k4,
@@ -385,6 +403,7 @@ detail::MqaDecodeParams decode_params(const TensorView& q4, const TensorView& k4
   const TensorView k = k4.dim() == 4 ? drop_axis(k4, 2) : k4;
   detail::MqaDecodeParams p{};
   p.dtype = q.dtype();
+  p.k_dtype = k.dtype();
   p.batch = q.size(0);
   p.heads = q.size(1);
   p.dim = q.size(2);
@@ -417,11 +436,16 @@ detail::MqaDecodeParams decode_params(const TensorView& q4, const TensorView& k4
 
 Shape qsa_indexer_mqa_score_shape(const TensorView& q_idx, const TensorView& block_keys,
                                   const IndexerScoreOptions& options) {
-  return check_score(q_idx, block_keys, options).out_shape;
+  return check_score(q_idx,
+                     detail::resolve_cache_dtype(block_keys, "block_keys", options.kv_cache_dtype),
+                     options)
+      .out_shape;
 }
 
-void qsa_indexer_mqa_score(const TensorView& q_idx, const TensorView& block_keys,
+void qsa_indexer_mqa_score(const TensorView& q_idx, const TensorView& block_keys_stored,
                            const TensorView& out, const IndexerScoreOptions& o) {
+  const TensorView block_keys =
+      detail::resolve_cache_dtype(block_keys_stored, "block_keys", o.kv_cache_dtype);
   const ScoreLayout l = check_score(q_idx, block_keys, o);
   const float scale = resolve_scale(o.scale, o.score_scale, q_idx.size(-1));
   check_out(out, l.out_shape, "qsa_indexer_mqa_score_shape", q_idx.device(), "q_idx",
@@ -437,7 +461,7 @@ void qsa_indexer_mqa_score(const TensorView& q_idx, const TensorView& block_keys
     return;
   }
   if (o.backend == Backend::kNative) {
-    check_native("qsa_indexer_mqa_score", q_idx, "q_idx");
+    check_native("qsa_indexer_mqa_score", q_idx, "q_idx", block_keys, "block_keys");
     detail::check_vector_load_layout(q_idx, "q_idx");
     detail::check_vector_load_layout(block_keys, "block_keys");
     detail::native_mqa_score(score_params(l, q_idx, block_keys, out, o, scale));
@@ -457,14 +481,15 @@ void qsa_indexer_mqa_score(const TensorView& q_idx, const TensorView& block_keys
   host.commit();
 }
 
-Shape qsa_mqa_prefill_shape(const TensorView& q, const TensorView& k) {
-  check_prefill(q, k);
+Shape qsa_mqa_prefill_shape(const TensorView& q, const TensorView& k,
+                            const MqaScoreOptions& options) {
+  check_prefill(q, k, options.kv_cache_dtype);
   return {q.size(0), k.size(0)};
 }
 
-void qsa_mqa_prefill(const TensorView& q, const TensorView& k, const TensorView& row_starts,
+void qsa_mqa_prefill(const TensorView& q, const TensorView& k_stored, const TensorView& row_starts,
                      const TensorView& row_ends, const TensorView& out, const MqaScoreOptions& o) {
-  check_prefill(q, k);
+  const TensorView k = check_prefill(q, k_stored, o.kv_cache_dtype);
   const Device dev = q.device();
   check_metadata(row_starts, "row_starts", {q.size(0)}, "q.shape[0]", dev, "q");
   check_metadata(row_ends, "row_ends", {q.size(0)}, "q.shape[0]", dev, "q");
@@ -476,7 +501,7 @@ void qsa_mqa_prefill(const TensorView& q, const TensorView& k, const TensorView&
     return;
   }
   if (o.backend == Backend::kNative) {
-    check_native("qsa_mqa_prefill", q, "q");
+    check_native("qsa_mqa_prefill", q, "q", k, "k");
     detail::check_vector_load_layout(q, "q");
     detail::check_vector_load_layout(k, "k");
     detail::native_mqa_prefill(prefill_params(q, k, row_starts, row_ends, out, scale, o.stream));
@@ -498,10 +523,10 @@ Shape qsa_mqa_decode_shape(const TensorView& q, int64_t max_model_len) {
   return {q.size(0), max_model_len};
 }
 
-void qsa_mqa_decode(const TensorView& q, const TensorView& k_cache, const TensorView& page_table,
+void qsa_mqa_decode(const TensorView& q, const TensorView& k_stored, const TensorView& page_table,
                     const TensorView& context_lens, int64_t max_model_len, const TensorView& out,
                     const MqaScoreOptions& o) {
-  check_decode_inputs(q, k_cache, max_model_len);
+  const TensorView k_cache = check_decode_inputs(q, k_stored, max_model_len, o.kv_cache_dtype);
   const Device dev = q.device();
   const int64_t batch = q.size(0);
   detail::check_metadata_dtype(page_table, "page_table");
@@ -522,7 +547,7 @@ void qsa_mqa_decode(const TensorView& q, const TensorView& k_cache, const Tensor
     return;
   }
   if (o.backend == Backend::kNative) {
-    check_native("qsa_mqa_decode", q, "q");
+    check_native("qsa_mqa_decode", q, "q", k_cache, "k_cache");
     if (!native_decode_page_size(k_cache.size(1))) {
       throw_not_supported(
           "k_cache: backend 'native' supports page sizes 8, 16, 32 and 64, got "

@@ -27,7 +27,8 @@ namespace sparse_attn::detail {
 //   keys  logical [key_batch, num_blocks, dim] or paged cache [num_pages, page_size, dim]
 //         addressed through block_table (num_blocks = max_pages * page_size).
 struct MqaScoreParams {
-  DType dtype;  // of q and k: kBF16 or kF16
+  DType dtype;    // of q: kBF16 or kF16
+  DType k_dtype;  // of k: `dtype`, or kF8E4M3 (reference and CPU only; used unscaled)
 
   // --- queries ---
   bool varlen;    // false: padded q [batch, q_len, heads, dim]; true: q [q_len, heads, dim]
@@ -91,7 +92,8 @@ struct MqaScoreParams {
 //   out[r, j] = scale * sum_h ReLU(q[r, h, :] . k[j, :]) for j in
 //   [max(row_starts[r], 0), min(row_ends[r], keys)), -inf elsewhere (empty when start >= end).
 struct MqaPrefillParams {
-  DType dtype;  // of q and k: kBF16 or kF16
+  DType dtype;    // of q: kBF16 or kF16
+  DType k_dtype;  // of k: `dtype`, or kF8E4M3 (reference and CPU only; used unscaled)
   int64_t rows;
   int64_t heads;
   int64_t dim;
@@ -124,7 +126,8 @@ struct MqaPrefillParams {
 //   page = page_table[b, c / page_size], for every c in [0, max_model_len); -inf when
 //   c >= context_lens[b], c / page_size >= max_pages, or page < 0 or >= num_pages.
 struct MqaDecodeParams {
-  DType dtype;  // of q and k_cache: kBF16 or kF16
+  DType dtype;    // of q: kBF16 or kF16
+  DType k_dtype;  // of k_cache: `dtype`, or kF8E4M3 (reference and CPU only; used unscaled)
   int64_t batch;
   int64_t heads;
   int64_t dim;
@@ -163,7 +166,8 @@ struct MqaDecodeParams {
 // Native (CUDA) entry points. A CUDA build defines them in src/cuda; a CPU-only build defines
 // them to raise NotSupportedError (src/api/qsa_indexer_native_cpu_only.cpp). The API has already
 // checked everything the native path requires of the *call* (CUDA tensors, heads == 4,
-// dim == 128, the vector-load layout of score/prefill inputs, decode page size); the launchers
+// dim == 128, keys of q's dtype, the vector-load layout of score/prefill inputs, decode page
+// size); the launchers
 // must accept every params value those checks let through, including each form of
 // MqaScoreParams (padded/varlen queries, logical/paged keys) and zero-sized dimensions.
 void native_mqa_score(const MqaScoreParams& params);

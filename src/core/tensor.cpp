@@ -21,6 +21,7 @@ size_t dtype_size(DType dtype) {
       return 8;
     case DType::kBool:
     case DType::kU8:
+    case DType::kF8E4M3:
       return 1;
   }
   return 0;
@@ -42,6 +43,8 @@ const char* dtype_name(DType dtype) {
       return "bool";
     case DType::kU8:
       return "uint8";
+    case DType::kF8E4M3:
+      return "float8_e4m3fn";
   }
   return "?";
 }

@@ -141,7 +141,7 @@ void MqaScore(const MqaScoreParams& p) {
     };
     KeyTiles kt;
     kt.dp = dp;
-    kt.fill(p.k, p.dtype, p.k_dim_stride, p.dim, keys, [&](int64_t b) -> int64_t {
+    kt.fill(p.k, p.k_dtype, p.k_dim_stride, p.dim, keys, [&](int64_t b) -> int64_t {
       if (!exists(b)) return -1;
       if (!p.block_table) return r * p.k_batch_stride + b * p.k_row_stride;
       return page_of(b) * p.k_batch_stride + (b % p.page_size) * p.k_row_stride;
@@ -177,7 +177,7 @@ void MqaPrefill(const MqaPrefillParams& p) {
   const float inf = std::numeric_limits<float>::infinity();
   KeyTiles kt;
   kt.dp = padded_dim(p.dim);
-  kt.fill(p.k, p.dtype, p.k_dim_stride, p.dim, p.keys,
+  kt.fill(p.k, p.k_dtype, p.k_dim_stride, p.dim, p.keys,
           [&](int64_t j) -> int64_t { return j * p.k_row_stride; });
   const int64_t chunks = (p.rows + kRowChunk - 1) / kRowChunk;
 #pragma omp parallel
@@ -231,7 +231,7 @@ void MqaDecode(const MqaDecodeParams& p) {
       };
       KeyTiles kt;
       kt.dp = dp;
-      kt.fill(p.k_cache, p.dtype, p.k_dim_stride, p.dim, keys, [&](int64_t c) -> int64_t {
+      kt.fill(p.k_cache, p.k_dtype, p.k_dim_stride, p.dim, keys, [&](int64_t c) -> int64_t {
         const int64_t page = page_of(c);
         if (page < 0 || page >= p.num_pages) return -1;
         return page * p.k_page_stride + (c % p.page_size) * p.k_slot_stride;

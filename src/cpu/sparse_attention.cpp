@@ -2,9 +2,9 @@
 //
 // A query row's work, per KV head: the G query heads of the group attend to the row's valid
 // tokens (the reference's metadata reading and masking, shared), whose K and V rows are widened
-// to FP32 a chunk of tokens at a time, once per (row, KV head). The vectors run across the
-// group's heads for the scores and the softmax, and across the head dim for P V, so neither K
-// nor V is ever transposed:
+// to FP32 (FP8 K/V: and scaled) a chunk of tokens at a time, once per (row, KV head). The vectors
+// run across the group's heads for the scores and the softmax, and across the head dim for P V, so
+// neither K nor V is ever transposed:
 //   S[t][h] = sum_d K[t][d] * Qt[d][h]          broadcast K[t][d], vector of heads
 //   softmax over t, per head                    vector max, exp and sum across heads
 //   O[h][:] += P[t][h] * V[t][:]                broadcast P[t][h], vectors of the head dim
@@ -42,7 +42,8 @@ constexpr int kTokens = HWY_MAX_BYTES >= 64 ? 16 : 8;
 constexpr int kHeads = 4;  // heads of a P V register block
 constexpr int kCols = 4;   // vectors of the head dim in a P V register block
 
-// n floats of a row of K or V (element stride `stride`) into dst.
+// n floats of a row of K or V (element stride `stride`) into dst. FP8 takes the scalar loop:
+// Highway has no e4m3 promotion, and the CPU backend's FP8 path is for correctness, not speed.
 void widen(const void* src, DType dt, int64_t off, int64_t stride, int64_t n, float* dst) {
   const DF df;
   const int64_t lanes = hn::Lanes(df);
@@ -123,19 +124,24 @@ void SparseAttention(const SparseAttentionParams& p) {
               qt[d * gp + h] = load_as_float(p.q, dt, qb + d * p.q_dim_stride) * p.scale;
             }
           }
-          // Tokens [c0, c0 + cn) of K or V (KV head g) widened into kv, rows of dp floats.
+          // Tokens [c0, c0 + cn) of K or V (KV head g) widened into kv, rows of dp floats, times
+          // the dequantisation scale of FP8 K/V (1 for 16-bit K/V, skipped).
           auto widen_chunk = [&](const void* src, const std::vector<int64_t>& offs,
-                                 int64_t head_stride, int64_t dim_stride, int64_t c0, int64_t cn) {
+                                 int64_t head_stride, int64_t dim_stride, float scale, int64_t c0,
+                                 int64_t cn) {
             for (int64_t j = 0; j < cn; ++j) {
               float* dst = kv + j * dp;
-              widen(src, dt, offs[c0 + j] + g * head_stride, dim_stride, D, dst);
+              widen(src, p.kv_dtype, offs[c0 + j] + g * head_stride, dim_stride, D, dst);
+              if (scale != 1.f) {
+                for (int64_t d = 0; d < D; ++d) dst[d] *= scale;
+              }
               std::fill(dst + D, dst + dp, 0.f);
             }
           };
           // S[t][:] for every token, a chunk of widened K rows at a time.
           for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
             const int64_t cn = std::min(kChunk, n - c0);
-            widen_chunk(p.k, sc.k_offs, p.k_head_stride, p.k_dim_stride, c0, cn);
+            widen_chunk(p.k, sc.k_offs, p.k_head_stride, p.k_dim_stride, p.k_scale, c0, cn);
             for (int64_t hb = 0; hb < hv; ++hb) {
               for (int64_t j0 = 0; j0 < cn; j0 += kTokens) {
                 const int64_t jn = std::min<int64_t>(kTokens, cn - j0);
@@ -180,7 +186,7 @@ void SparseAttention(const SparseAttentionParams& p) {
           // O += P V, a chunk of widened V rows at a time.
           for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
             const int64_t cn = std::min(kChunk, n - c0);
-            widen_chunk(p.v, sc.v_offs, p.v_head_stride, p.v_dim_stride, c0, cn);
+            widen_chunk(p.v, sc.v_offs, p.v_head_stride, p.v_dim_stride, p.v_scale, c0, cn);
             for (int64_t hq = 0; hq < G; hq += kHeads) {
               const int64_t heads = std::min<int64_t>(kHeads, G - hq);
               for (int64_t col = 0; col < dp; col += kCols * lanes) {

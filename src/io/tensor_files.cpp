@@ -97,6 +97,7 @@ std::optional<FileDType> safetensors_dtype(std::string_view s) {
   if (s == "I64") return FileDType{DType::kI64, 8};
   if (s == "BOOL") return FileDType{DType::kBool, 1};
   if (s == "U8") return FileDType{DType::kU8, 1};
+  if (s == "F8_E4M3") return FileDType{DType::kF8E4M3, 1};  // safetensors' torch.float8_e4m3fn
   return std::nullopt;
 }
 
@@ -116,6 +117,8 @@ const char* safetensors_name(DType d) {
       return "BOOL";
     case DType::kU8:
       return "U8";
+    case DType::kF8E4M3:
+      return "F8_E4M3";
   }
   return "?";
 }
@@ -167,7 +170,7 @@ std::vector<SafetensorsEntry> read_safetensors_header(InputFile& file, const std
     if (!fd)
       throw TypeError(
           fmt::format("{}: tensor \"{}\" has dtype {}; supported: BF16, F16, F32, "
-                      "F64, I32, I64, BOOL",
+                      "F64, I32, I64, BOOL, U8, F8_E4M3",
                       path, name, e["dtype"].get<std::string>()));
     Shape shape;
     if (!e["shape"].is_array()) bad("has a shape that is not a list");
@@ -371,6 +374,8 @@ void save_npy(const std::string& path, const TensorView& tensor) {
       break;
     case DType::kBF16:
       throw TypeError(fmt::format("{}: numpy has no bfloat16; save it as safetensors", path));
+    case DType::kF8E4M3:
+      throw TypeError(fmt::format("{}: numpy has no float8_e4m3fn; save it as safetensors", path));
   }
   const Tensor host = copy_contiguous_host(tensor, path);
   std::string shape = "(";

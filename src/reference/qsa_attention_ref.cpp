@@ -212,12 +212,14 @@ void reference_sparse_attention(const SparseAttentionParams& p) {
   const std::vector<QsaRow> rows = read_qsa_rows(p, req);
   const int64_t D = p.head_dim;
   const DType dt = p.dtype;
+  const DType kv_dt = p.kv_dtype;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 #pragma omp parallel
   {
-    // Per thread: the row's valid tokens, and their K/V rows of one KV head as float, gathered
-    // once per KV head and reused by the group's query heads. K is stored transposed
+    // Per thread: the row's valid tokens, and their K/V rows of one KV head as float (the stored
+    // value times k_scale / v_scale, which are 1 for 16-bit K/V), gathered once per KV head and
+    // reused by the group's query heads. K is stored transposed
     // (kt[d * n + j]) so the score loop runs over tokens; each score is still the plain
     // sequential sum over d.
     std::vector<int64_t> k_offs, v_offs;
@@ -252,14 +254,16 @@ void reference_sparse_attention(const SparseAttentionParams& p) {
           for (int64_t d = 0; d < D; ++d) {
             for (int64_t j = j0; j < j1; ++j) {
               kt[d * n + j] =
-                  load_as_float(p.k, dt, k_offs[j] + g * p.k_head_stride + d * p.k_dim_stride);
+                  load_as_float(p.k, kv_dt, k_offs[j] + g * p.k_head_stride + d * p.k_dim_stride) *
+                  p.k_scale;
             }
           }
         }
         for (int64_t j = 0; j < n; ++j) {
           for (int64_t d = 0; d < D; ++d) {
             vf[j * D + d] =
-                load_as_float(p.v, dt, v_offs[j] + g * p.v_head_stride + d * p.v_dim_stride);
+                load_as_float(p.v, kv_dt, v_offs[j] + g * p.v_head_stride + d * p.v_dim_stride) *
+                p.v_scale;
           }
         }
         for (int64_t h = g * p.group; h < (g + 1) * p.group; ++h) {

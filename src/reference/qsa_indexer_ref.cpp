@@ -14,16 +14,17 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Tokens per compressed key: key b covers tokens 4b .. 4b + 3.
 constexpr int64_t kBlockTokens = 4;
 
-// sum_h ReLU(q[h, :] . k[:]) in FP32; q_row/k_row point at element [0, 0] / [0].
+// sum_h ReLU(q[h, :] . k[:]) in FP32; q_row/k_row point at element [0, 0] / [0] of a q of
+// `q_dtype` and a key of `k_dtype` (FP8 keys are used as stored: they carry no scale).
 float relu_head_sum(const void* q_row, int64_t q_head_stride, int64_t q_dim_stride,
                     const void* k_row, int64_t k_dim_stride, int64_t heads, int64_t dim,
-                    DType dtype) {
+                    DType q_dtype, DType k_dtype) {
   float total = 0.f;
   for (int64_t h = 0; h < heads; ++h) {
     float dot = 0.f;
     for (int64_t d = 0; d < dim; ++d) {
-      dot += load_as_float(q_row, dtype, h * q_head_stride + d * q_dim_stride) *
-             load_as_float(k_row, dtype, d * k_dim_stride);
+      dot += load_as_float(q_row, q_dtype, h * q_head_stride + d * q_dim_stride) *
+             load_as_float(k_row, k_dtype, d * k_dim_stride);
     }
     total += std::max(dot, 0.f);
   }
@@ -147,8 +148,8 @@ void reference_mqa_score(const MqaScoreParams& p) {
         k_off = row.req * p.k_batch_stride + b * p.k_row_stride;
       }
       dst = p.scale * relu_head_sum(q_row, p.q_head_stride, p.q_dim_stride,
-                                    offset(p.k, p.dtype, k_off), p.k_dim_stride, p.heads, p.dim,
-                                    p.dtype);
+                                    offset(p.k, p.k_dtype, k_off), p.k_dim_stride, p.heads, p.dim,
+                                    p.dtype, p.k_dtype);
     }
   }
 }
@@ -164,8 +165,8 @@ void reference_mqa_prefill(const MqaPrefillParams& p) {
       dst = kNegInf;
       if (j < start || j >= end) continue;
       dst = p.scale * relu_head_sum(q_row, p.q_head_stride, p.q_dim_stride,
-                                    offset(p.k, p.dtype, j * p.k_row_stride), p.k_dim_stride,
-                                    p.heads, p.dim, p.dtype);
+                                    offset(p.k, p.k_dtype, j * p.k_row_stride), p.k_dim_stride,
+                                    p.heads, p.dim, p.dtype, p.k_dtype);
     }
   }
 }
@@ -184,8 +185,8 @@ void reference_mqa_decode(const MqaDecodeParams& p) {
       if (page < 0 || page >= p.num_pages) continue;
       const int64_t k_off = page * p.k_page_stride + (c % p.page_size) * p.k_slot_stride;
       dst = p.scale * relu_head_sum(q_row, p.q_head_stride, p.q_dim_stride,
-                                    offset(p.k_cache, p.dtype, k_off), p.k_dim_stride, p.heads,
-                                    p.dim, p.dtype);
+                                    offset(p.k_cache, p.k_dtype, k_off), p.k_dim_stride, p.heads,
+                                    p.dim, p.dtype, p.k_dtype);
     }
   }
 }

@@ -140,16 +140,16 @@ def test_python_output_shapes_agree_with_the_cpp_shape_functions():
     q_idx, keys = torch.zeros((2, 5, 4, 128), dtype=bf), torch.zeros((2, 3, 128), dtype=bf)
     assert sparse_attn.qsa_indexer_mqa_score(q_idx, keys, backend="reference").shape == \
         tuple(_C.qsa_indexer_mqa_score_shape(q_idx, keys, None, None, None, None, None, None,
-                                             None, 4, None, None, "reference"))
+                                             None, 4, None, None, None, "reference"))
     cache, table = torch.zeros((4, 8, 1, 128), dtype=bf), torch.zeros((2, 3), dtype=torch.int32)
     assert sparse_attn.qsa_indexer_mqa_score(q_idx, cache, block_table=table,
                                              backend="reference").shape == \
         tuple(_C.qsa_indexer_mqa_score_shape(q_idx, cache, table, None, None, None, None, None,
-                                             None, 4, None, None, "reference"))
+                                             None, 4, None, None, None, "reference"))
     q, k = torch.zeros((6, 4, 128), dtype=bf), torch.zeros((9, 1, 128), dtype=bf)
     rows = torch.zeros(6, dtype=torch.int32)
     assert sparse_attn.qsa_mqa_prefill(q, k, rows, rows, backend="reference").shape == \
-        tuple(_C.qsa_mqa_prefill_shape(q, k))
+        tuple(_C.qsa_mqa_prefill_shape(q, k, None))
     assert sparse_attn.qsa_mqa_decode(q, cache, table[:, :1].repeat(3, 1), rows, 17,
                                       backend="reference").shape == \
         tuple(_C.qsa_mqa_decode_shape(q, 17))

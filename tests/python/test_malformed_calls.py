@@ -416,7 +416,7 @@ def test_block_count_products_that_overflow_int64_are_value_errors():
     cache = zeros(1, 1, 1, 128).expand(1, 2**30, 1, 128)
     with pytest.raises(ValueError, match="^block_table: max_pages \\* page_size"):
         _C.qsa_indexer_mqa_score_shape(rand(1, 5, 4, 128), cache, table, None, None, None, None,
-                                       None, None, 4, None, None, "reference")
+                                       None, None, 4, None, None, None, "reference")
     with pytest.raises(ValueError, match="^block_size: "):
         sparse_attn.find_blocks_chunked(torch.rand(1, 2, 2, 2), 0, 0.9, None, False,
                                         block_size=2**62, backend="reference")

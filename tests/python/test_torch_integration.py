@@ -41,7 +41,7 @@ def test_opcheck_decode_and_attention():
     q, cache, table, lens, width = decode_inputs("cpu", "reference")
     out = torch.empty((3, width), dtype=torch.float32)
     torch.library.opcheck(torch.ops.sparse_attn.qsa_mqa_decode.default,
-                          (q, cache, table, lens, width, out, None, None, "reference"))
+                          (q, cache, table, lens, width, out, None, None, None, "reference"))
     query, key, value, ids = attention_inputs("cpu")
     out = torch.empty_like(query)
     lse = torch.empty(query.shape[:-1], dtype=torch.float32)
@@ -49,7 +49,19 @@ def test_opcheck_decode_and_attention():
         torch.ops.sparse_attn.qsa_sparse_attention.default,
         (query, key, value, ids, out, lse, None, None, None, None, None, None, None, None, None,
          None, None, None, None, "reference", False, False, None, None, 1.0, 1.0,
-         torch.bfloat16, None))
+         torch.bfloat16, None, None))
+    # FP8 caches as uint8 storage with the format named (the custom ops carry it as a str;
+    # opcheck's schema check cannot multiply float8 tensors on the CPU, so uint8 it is).
+    fp8_key, fp8_value = key.to(torch.float8_e4m3fn), value.to(torch.float8_e4m3fn)
+    torch.library.opcheck(
+        torch.ops.sparse_attn.qsa_sparse_attention.default,
+        (query, fp8_key.view(torch.uint8), fp8_value.view(torch.uint8), ids, out, lse, None,
+         None, None, None, None, None, None, None, None, None, None, None, None, "reference",
+         False, False, None, None, 0.5, 2.0, torch.bfloat16, "fp8", None))
+    torch.library.opcheck(torch.ops.sparse_attn.qsa_mqa_decode.default,
+                          (q, cache.to(torch.float8_e4m3fn).view(torch.uint8), table, lens,
+                           width, torch.empty((3, width), dtype=torch.float32), None, None,
+                           "fp8", "reference"))
 
 
 def test_opcheck_scores():
@@ -58,12 +70,12 @@ def test_opcheck_scores():
     out = torch.empty((1, 9, 3), dtype=torch.float32)
     torch.library.opcheck(torch.ops.sparse_attn.qsa_indexer_mqa_score.default,
                           (q, k, out, None, None, None, None, None, None, None, 4, None, None,
-                           "reference"))
+                           None, "reference"))
     starts = torch.zeros(9, dtype=torch.int32)
     ends = torch.arange(9, dtype=torch.int32)
     out = torch.empty((9, 3), dtype=torch.float32)
     torch.library.opcheck(torch.ops.sparse_attn.qsa_mqa_prefill.default,
-                          (q[0], k[0], starts, ends, out, None, 0.5, "reference"))
+                          (q[0], k[0], starts, ends, out, None, 0.5, None, "reference"))
 
 
 def test_opcheck_selection_and_xattn():
