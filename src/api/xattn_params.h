@@ -111,9 +111,9 @@ struct BlockSparseAttnParams {
   // sequence b at q + (cu_seqlens_q[b] + r) * q_stride[1].
   const void* q = nullptr;
   int64_t q_stride[4] = {};
-  MetaPtr cu_seqlens_q;                   // [batch + 1], or null (padded)
-  int64_t cu_seqlens_q_stride = 0;        // entry b at cu_seqlens_q[b * stride]
-  int64_t total_q = 0;                    // varlen: q.shape[0]; padded: batch * max_seqlen_q
+  MetaPtr cu_seqlens_q;             // [batch + 1], or null (padded)
+  int64_t cu_seqlens_q_stride = 0;  // entry b at cu_seqlens_q[b * stride]
+  int64_t total_q = 0;              // varlen: q.shape[0]; padded: batch * max_seqlen_q
 
   // Keys and values, same layout (see XAttnKVLayout); strides in the order
   // (batch or page, token or slot, head, dim). Varlen: stride[0] == 0. Padded: every sequence
@@ -123,10 +123,10 @@ struct BlockSparseAttnParams {
   int64_t k_stride[4] = {};
   const void* v = nullptr;
   int64_t v_stride[4] = {};
-  MetaPtr cu_seqlens_k;                   // kVarlen: [batch + 1]; otherwise null
-  int64_t cu_seqlens_k_stride = 0;        // entry b at cu_seqlens_k[b * stride]
-  int64_t total_k = 0;                    // kVarlen: k.shape[0]
-  MetaPtr block_table;                    // kPaged: [batch, max_pages]; otherwise null
+  MetaPtr cu_seqlens_k;             // kVarlen: [batch + 1]; otherwise null
+  int64_t cu_seqlens_k_stride = 0;  // entry b at cu_seqlens_k[b * stride]
+  int64_t total_k = 0;              // kVarlen: k.shape[0]
+  MetaPtr block_table;              // kPaged: [batch, max_pages]; otherwise null
   int64_t block_table_stride[2] = {};
   MetaPtr seqlens_k;  // kPaged: [batch]; otherwise null
   int64_t seqlens_k_stride = 0;

@@ -80,9 +80,8 @@ __global__ void __launch_bounds__(FwdShape::kThreads, 1)
   const int64_t split_end = min(n_entries, col_begin + x.split_cols);
   int32_t ids[kPerThread];
   auto load_ids = [&](int64_t c0, int64_t c1) {
-    const int32_t* row =
-        x.block_hint ? p.block_indices.narrowed() + r * p.block_indices_row_stride
-                     : p.token_indices.narrowed() + r * p.token_indices_row_stride;
+    const int32_t* row = x.block_hint ? p.block_indices.narrowed() + r * p.block_indices_row_stride
+                                      : p.token_indices.narrowed() + r * p.token_indices_row_stride;
     const int64_t col_stride =
         x.block_hint ? p.block_indices_col_stride : p.token_indices_col_stride;
     const int64_t stored = x.block_hint ? min(c1, p.num_blocks) : c1;  // the tail is not stored

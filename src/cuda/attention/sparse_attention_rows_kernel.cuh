@@ -274,11 +274,13 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
         batch[b] = -1;
         if (i0 + b < C::kPerThread && sm.rows[j].active && e < e1) {
           if (!x.block_hint) {
-            batch[b] = p.token_indices.narrowed()[r * p.token_indices_row_stride +
-                                                  e * p.token_indices_col_stride];
+            batch[b] =
+                p.token_indices
+                    .narrowed()[r * p.token_indices_row_stride + e * p.token_indices_col_stride];
           } else if (e < p.num_blocks) {
-            batch[b] = p.block_indices.narrowed()[r * p.block_indices_row_stride +
-                                                  e * p.block_indices_col_stride];
+            batch[b] =
+                p.block_indices
+                    .narrowed()[r * p.block_indices_row_stride + e * p.block_indices_col_stride];
           }
         }
       }

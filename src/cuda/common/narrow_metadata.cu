@@ -1,8 +1,7 @@
-#include "cuda/common/narrow_metadata.h"
-
 #include <algorithm>
 
 #include "cuda/common/check.h"
+#include "cuda/common/narrow_metadata.h"
 
 namespace sparse_attn::cuda {
 namespace {

@@ -109,8 +109,8 @@ int64_t num_splits(const BlockSparseAttnParams& a, int64_t tiles) {
   const int64_t sms = sm_count(a.device_index);
   if (2 * tiles > sms) return 1;
   const int64_t k_blocks = (a.max_seqlen_k + 127) / 128;
-  return std::max<int64_t>(1, std::min({sms / tiles, k_blocks / 4,
-                                        static_cast<int64_t>(kMaxSplits)}));
+  return std::max<int64_t>(1,
+                           std::min({sms / tiles, k_blocks / 4, static_cast<int64_t>(kMaxSplits)}));
 }
 
 }  // namespace
@@ -161,8 +161,7 @@ void native_block_sparse_attention(const BlockSparseAttnParams& a) {
   // int32 metadata is read in place, int64 metadata through int32 copies (NarrowedMetadata).
   auto stream = static_cast<cudaStream_t>(a.stream);
   cuda::NarrowedMetadata narrowed(a.device_index, stream);
-  MetaPtr cu_q = a.cu_seqlens_q, cu_k = a.cu_seqlens_k, lens_k = a.seqlens_k,
-          table = a.block_table;
+  MetaPtr cu_q = a.cu_seqlens_q, cu_k = a.cu_seqlens_k, lens_k = a.seqlens_k, table = a.block_table;
   narrowed.narrow(cu_q, a.batch + 1, 1, p.cu_seqlens_q_stride);
   narrowed.narrow(cu_k, a.batch + 1, 1, p.cu_seqlens_k_stride);
   narrowed.narrow(lens_k, a.batch, 1, p.seqlens_k_stride);

@@ -28,8 +28,8 @@ struct BlockSparseProblem {
   int b = 0, h = 0, kvh = 0, m = 0;  // sequence, query head, KV head, query block
   int q_row0 = 0, q_outer = 0, lq = 0;
   int k_row0 = 0, k_outer = 0, lk = 0;
-  int offset = 0;   // causal position of the sequence's query row 0: lk - lq
-  int key_end = 0;  // keys [0, key_end) are visible to some row of the CTA (and its split)
+  int offset = 0;    // causal position of the sequence's query row 0: lk - lq
+  int key_end = 0;   // keys [0, key_end) are visible to some row of the CTA (and its split)
   int block_lo = 0;  // the CTA's split reads key blocks >= block_lo only
   int split = 0;
   int kind = 1, sink = 0, local = 0, diagonal = 0;
