@@ -88,19 +88,23 @@ def rows_for(name, base_name, flops, gemm, n, ours_fn, base_fn):
     return [row, (name, base_name, base, flops / base / 1e9, gemm, ratio, spread)]
 
 
+def cudnn_fn(q, k, v, hq, hkv, causal):
+    """cuDNN SDPA on the same tensors: [1, H, L, D] views, K/V repeated to Hq heads."""
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    kt = kt.repeat_interleave(hq // hkv, dim=1)
+    vt = vt.repeat_interleave(hq // hkv, dim=1)
+
+    def fn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+    return fn
+
+
 def dense_rows(n, hq, hkv, d, gemm, baselines=True):
     q, k, v = inputs(n, hq, hkv, d, n + d)
     flops = 4.0 * hq * d * n * (n + 1) / 2
     name = f"dense_{n // 1024}k_{hq}_{hkv}_{d}"
-    base_fn = None
-    if baselines:
-        qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        kt = kt.repeat_interleave(hq // hkv, dim=1)
-        vt = vt.repeat_interleave(hq // hkv, dim=1)
-
-        def base_fn():
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+    base_fn = cudnn_fn(q, k, v, hq, hkv, True) if baselines else None
     return rows_for(name, "cudnn", flops, gemm, n, ours(q, k, v, n, [0] * hq, None), base_fn)
 
 
@@ -112,19 +116,11 @@ def chunk_rows(nq, nk, hq, hkv, d, gemm, baselines=True):
     cu_q = torch.tensor([0, nq], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0, nk], dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
-    fn = lambda: sparse_attn.block_sparse_attn_func(
+    fn = lambda: sparse_attn.block_sparse_attn_func(  # noqa: E731
         q, k, v, cu_q, cu_k, [0] * hq, None, None, nq, nk, 0.0, is_causal=False, out=out)
     flops = 4.0 * hq * d * nq * nk
     name = f"chunk{nq}_{nk // 1024}k_{hq}_{hkv}_{d}"
-    base_fn = None
-    if baselines:
-        qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        kt = kt.repeat_interleave(hq // hkv, dim=1)
-        vt = vt.repeat_interleave(hq // hkv, dim=1)
-
-        def base_fn():
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                return F.scaled_dot_product_attention(qt, kt, vt)
+    base_fn = cudnn_fn(q, k, v, hq, hkv, False) if baselines else None
     return rows_for(name, "cudnn", flops, gemm, nq, fn, base_fn)
 
 

@@ -125,6 +125,34 @@ TEST(GpuBlockSparseDeterminism, RerunsAreBitwiseEqual) {
   }
 }
 
+// A graph captured from one native run of `pb` on its own stream (after a warm-up run there),
+// replayed by replay(); destroyed with the object.
+struct CapturedRun {
+  cudaStream_t stream = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  bool ok = false;
+
+  explicit CapturedRun(Problem& pb) {
+    if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) return;
+    run(pb, true, stream);
+    if (cudaStreamSynchronize(stream) != cudaSuccess) return;
+    if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) != cudaSuccess) return;
+    run(pb, true, stream);
+    if (cudaStreamEndCapture(stream, &graph) != cudaSuccess) return;
+    ok = cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
+  }
+  cudaError_t replay() const {
+    const cudaError_t e = cudaGraphLaunch(exec, stream);
+    return e != cudaSuccess ? e : cudaStreamSynchronize(stream);
+  }
+  ~CapturedRun() {
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+    if (stream) cudaStreamDestroy(stream);
+  }
+};
+
 // A captured graph reads the mask and lengths current at replay.
 TEST(GpuBlockSparseGraph, ReplayReadsCurrentMask) {
   SPARSE_ATTN_REQUIRE_GPU();
@@ -134,16 +162,8 @@ TEST(GpuBlockSparseGraph, ReplayReadsCurrentMask) {
   c.lk = {900, 400};
   c.page_size = 64;
   Problem pb = make_device_problem(c, rng);
-  cudaStream_t stream;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  run(pb, true, stream);
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  cudaGraph_t graph;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-  run(pb, true, stream);
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  CapturedRun captured(pb);
+  ASSERT_TRUE(captured.ok);
   for (int step = 0; step < 2; ++step) {
     std::uniform_real_distribution<double> u01(0, 1);
     for (int64_t i = 0; i < pb.mask.numel(); ++i)
@@ -151,14 +171,10 @@ TEST(GpuBlockSparseGraph, ReplayReadsCurrentMask) {
     copy_into(pb.nmask.view(), pb.mask.view());
     testing::poison(pb.out.view());
     copy_into(pb.nout.view(), pb.out.view());
-    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    ASSERT_EQ(captured.replay(), cudaSuccess);
     run(pb, false);
     expect_matches_reference(pb);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 // With int64 metadata the capture holds the narrowing (a stream-ordered allocation, the copy
@@ -172,16 +188,8 @@ TEST(GpuBlockSparseGraph, ReplayNarrowsCurrentInt64Metadata) {
   c.page_size = 64;
   Problem pb = make_device_problem(c, rng);
   widen_metadata(pb);
-  cudaStream_t stream;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  run(pb, true, stream);
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  cudaGraph_t graph;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-  run(pb, true, stream);
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  CapturedRun captured(pb);
+  ASSERT_TRUE(captured.ok);
   for (int64_t shorter : {0, 1}) {
     // Shorter sequences (fewer keys, a table whose last pages now go unused) at replay.
     std::vector<int32_t> lens(pb.seqlens.numel());
@@ -192,14 +200,10 @@ TEST(GpuBlockSparseGraph, ReplayNarrowsCurrentInt64Metadata) {
     copy_into(pb.nseqlens.view(), testing::widened(pb.seqlens.view()).view());
     testing::poison(pb.out.view());
     copy_into(pb.nout.view(), pb.out.view());
-    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    ASSERT_EQ(captured.replay(), cudaSuccess);
     run(pb, false);
     expect_matches_reference(pb);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 // Padded [B, H, L, D] problems given to the backend entries directly (BlockSparseAttnParams):
