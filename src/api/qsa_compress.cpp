@@ -227,6 +227,12 @@ detail::CompressBlockKeysParams make_params(const TensorView& keys, const Tensor
 
 }  // namespace
 
+void detail::reference_compress_padded_keys(const TensorView& keys, const TensorView& weight,
+                                            const TensorView& out,
+                                            const CompressBlockKeysOptions& o) {
+  reference_compress_block_keys(make_params(keys, weight, out, {keys.size(0), false, false}, o));
+}
+
 RopeStyle parse_rope_style(std::string_view name) {
   if (name == "rotate_half") return RopeStyle::kRotateHalf;
   if (name == "interleaved") return RopeStyle::kInterleaved;

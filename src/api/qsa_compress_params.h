@@ -62,6 +62,12 @@ struct CompressBlockKeysParams {
   StreamHandle stream;  // native only
 };
 
+// The reference definition on host views whose checks are the caller's, in any floating dtype
+// (fp32 included): padded keys [B, L, D] -> out [B, L / 4, D], every block written. For the
+// workload generator and the workload files, whose raw keys may be fp32.
+void reference_compress_padded_keys(const TensorView& keys, const TensorView& weight,
+                                    const TensorView& out, const CompressBlockKeysOptions& options);
+
 // The native entry point, for CUDA tensors with dim == 128 and rope_dim == 64 (checked by the
 // API). A CUDA build defines it in src/cuda/select/compress_block_keys.cu; a CPU-only build
 // raises NotSupportedError (src/api/qsa_compress_native_cpu_only.cpp).
