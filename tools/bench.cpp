@@ -67,7 +67,7 @@ Tensor select_tokens(const Workload& w, int64_t k, const std::vector<int64_t>& p
   Tensor tokens = Tensor::empty({B, Lq, width}, DType::kI32);
   Tensor blocks = Tensor::empty({B, Lq, k}, DType::kI32);
   for (int64_t b = 0; b < B; ++b) {
-    const Tensor ki = to_device(Tensor::to_host(request(w.index_key, b)), dev);
+    const Tensor ki = compressed_index_keys(w, b, dev, policy);
     for (int64_t r0 = 0; r0 < Lq; r0 += chunk) {
       const int64_t n = std::min(chunk, Lq - r0);
       std::vector<int64_t> pos(positions_per_req.begin() + r0, positions_per_req.begin() + r0 + n);
@@ -127,14 +127,14 @@ Prepared prepare(const BenchCase& c, Device dev, BackendPolicy& policy) {
         for (int64_t i = 0; i < ppr; ++i)
           table.data_as<int32_t>()[b * ppr + i] = int32_t((b + 1) * ppr - 1 - i);
         lens.data_as<int32_t>()[b] = int32_t(nb);
-        for (int64_t t = 0; t < nb; ++t) {
-          const int64_t page = (b + 1) * ppr - 1 - t / ps;
-          copy_into(cache.view().select(0, page).select(0, t % ps).select(0, 0),
-                    w.index_key.view().select(0, b).select(0, t));
-        }
       }
       const Tensor q = dv(Tensor::to_host(w.index_query.view().select(1, 0)));
       const Tensor kc = dv(cache), pt = dv(table), cl = dv(lens);
+      // The cache filled the way an engine fills it: each request's raw keys compressed
+      // straight into its pages (the fused path, native on a GPU).
+      for (int64_t b = 0; b < B; ++b) {
+        compress_index_keys_into(w, b, kc, pt.view().narrow(0, b, 1), policy);
+      }
       const Tensor out = dv(Tensor::empty({B, ppr * ps}, DType::kF32));
       const int64_t max_len = ppr * ps;
       p.call = [=](Backend be) {

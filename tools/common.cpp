@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "sparse_attn/errors.h"
+#include "sparse_attn/qsa_compress.h"
 
 namespace sparse_attn::cli {
 
@@ -163,6 +164,46 @@ std::vector<int64_t> sample_rows(const Workload& w, int64_t count) {
   std::sort(rows.begin(), rows.end());
   rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
   return rows;
+}
+
+namespace {
+
+bool has_raw_index_keys(const Workload& w) {
+  return w.index_key_raw.numel() > 0 &&
+         (w.index_key_raw.dtype() == DType::kBF16 || w.index_key_raw.dtype() == DType::kF16);
+}
+
+void run_compress(const Workload& w, int64_t b, const TensorView& out,
+                  const std::optional<TensorView>& block_table, Device device,
+                  BackendPolicy& policy) {
+  const Tensor raw = to_device(Tensor::to_host(request(w.index_key_raw, b)), device);
+  const Tensor weight = to_device(Tensor::to_host(w.index_norm_weight), device);
+  policy.run("qsa_compress_block_keys", [&](Backend be) {
+    CompressBlockKeysOptions co;
+    co.eps = w.index_norm_eps;
+    co.rope_theta = w.options.rope_theta;
+    co.rope_dim = w.index_rotary_dims;
+    co.block_table = block_table;
+    co.backend = be;
+    qsa_compress_block_keys(raw, weight, out, co);
+  });
+}
+
+}  // namespace
+
+Tensor compressed_index_keys(const Workload& w, int64_t b, Device device, BackendPolicy& policy) {
+  if (!has_raw_index_keys(w)) return to_device(Tensor::to_host(request(w.index_key, b)), device);
+  Tensor out = Tensor::empty(request(w.index_key, b).shape(), w.index_key.dtype(), device);
+  run_compress(w, b, out, std::nullopt, device, policy);
+  return out;
+}
+
+void compress_index_keys_into(const Workload& w, int64_t b, const TensorView& out,
+                              const TensorView& block_table, BackendPolicy& policy) {
+  if (!has_raw_index_keys(w)) {
+    throw ValueError("compress_index_keys_into: the workload has no bf16/fp16 raw index keys");
+  }
+  run_compress(w, b, out, block_table, out.device(), policy);
 }
 
 TensorView request(const TensorView& t, int64_t b) {

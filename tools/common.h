@@ -102,6 +102,17 @@ Tensor to_device(const Tensor& t, Device device);
 // int32 [1, n] tensor on the host.
 Tensor int32_row(const std::vector<int64_t>& values);
 
+// The compressed indexer keys [1, N_B, Di] of request b on `device`, made the way an engine
+// makes them: qsa_compress_block_keys from the workload's raw keys (native on a GPU, through
+// `policy`), with the workload's norm weight and RoPE. A workload without raw keys (files that
+// hold compressed ones) or in fp32 (the op takes bf16/fp16) gives its own index_key instead.
+Tensor compressed_index_keys(const Workload& w, int64_t b, Device device, BackendPolicy& policy);
+// The same keys written through `block_table` [1, max_pages] into the paged cache `out`
+// [pages, page_size, 1, Di] (both on the cache's device); the workload must have bf16/fp16 raw
+// keys.
+void compress_index_keys_into(const Workload& w, int64_t b, const TensorView& out,
+                              const TensorView& block_table, BackendPolicy& policy);
+
 // "12.3 ms", "4.56 s".
 std::string format_seconds(double s);
 

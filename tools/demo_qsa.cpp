@@ -37,7 +37,7 @@ bool native_pipeline(const Workload& w, Device dev, int64_t k, BackendPolicy& po
   const std::vector<int64_t> row = {o.query_len - 1};
   const Tensor pos = to_device(int32_row({o.seq_len - 1}), dev);
   const Tensor qi = to_device(gather_rows(w.index_query, 0, row), dev);
-  const Tensor bkeys = to_device(Tensor::to_host(request(w.index_key, 0)), dev);
+  const Tensor bkeys = compressed_index_keys(w, 0, dev, policy);
   const Tensor scores = Tensor::empty({1, 1, bkeys.shape()[1]}, DType::kF32, dev);
   const bool indexer = policy.native_supported("qsa_indexer_mqa_score", [&](Backend be) {
     IndexerScoreOptions io;
@@ -102,7 +102,8 @@ MethodResult run_qsa_demo(const DemoOptions& opt, const Workload& w, const RunDe
   for (int64_t b = 0; b < o.batch; ++b) {
     const Tensor key = to_device(Tensor::to_host(request(w.key, b)), dev);
     const Tensor value = to_device(Tensor::to_host(request(w.value, b)), dev);
-    const Tensor bkeys = to_device(Tensor::to_host(request(w.index_key, b)), dev);
+    // The request's compressed keys from its raw ones, as an engine's prefill makes them.
+    const Tensor bkeys = compressed_index_keys(w, b, dev, policy);
     std::vector<int64_t> eval_pos(eval.size());
     for (size_t i = 0; i < eval.size(); ++i) eval_pos[i] = qoff + eval[i];
     const DenseRows dense(gather_rows(w.query, b, eval), request(w.key, b), request(w.value, b),

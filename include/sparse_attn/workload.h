@@ -22,9 +22,12 @@
 // The plain random mode draws every element i.i.d. N(0, 1) instead, for contrast.
 //
 // The QSA indexer inputs come from the same latent structure (same segments, sinks and
-// needles) through their own projections: raw indexer keys per token, compressed key b = mean
-// of raw keys 4b..4b+3, then RMS-normalised, as the model does; indexer queries per indexer
-// head. So the indexer's top-k finds the sinks, the needles and the local blocks.
+// needles) through their own projections: raw (unrotated) indexer keys per token, compressed as
+// the model does it, by qsa_compress_block_keys' definition (the mean of raw keys 4b..4b+3,
+// RMS-normed with weight (1 + w) for a small drawn w, eps 1e-6, then RoPE at position 4b on the
+// first indexer_dim / 2 dims, rotate_half, with rope_theta); indexer queries per indexer head,
+// rotated at their own positions. So the indexer's top-k finds the sinks, the needles and the
+// local blocks.
 //
 // Generation is deterministic for a given seed (a counter-based generator: the result does not
 // depend on the thread count) and runs on the host; CUDA outputs are copied to the device.
@@ -57,7 +60,7 @@ struct WorkloadOptions {
   // QSA indexer inputs; indexer_heads = 0 skips them (XAttention workloads).
   int64_t indexer_heads = 4;
   int64_t indexer_dim = 128;
-  int64_t indexer_block = 4;  // raw tokens per compressed key
+  int64_t indexer_block = 4;  // raw tokens per compressed key: QSA's 4 (the only valid value)
   DType dtype = DType::kBF16;
   Device device = Device::cpu();
 
@@ -88,13 +91,21 @@ struct Needle {
 };
 
 struct Workload {
-  WorkloadOptions options;      // as given, with defaults resolved (query_len, rotary_dims)
-  Tensor query;                 // [B, Lq, Hq, D]
-  Tensor key;                   // [B, Lk, Hkv, D]
-  Tensor value;                 // [B, Lk, Hkv, D]
-  Tensor index_query;           // [B, Lq, Hi, Di]; empty when indexer_heads == 0
-  Tensor index_key;             // [B, Lk / indexer_block, Di] compressed keys; likewise
-  std::vector<Needle> needles;  // empty in random mode
+  WorkloadOptions options;  // as given, with defaults resolved (query_len, rotary_dims)
+  Tensor query;             // [B, Lq, Hq, D]
+  Tensor key;               // [B, Lk, Hkv, D]
+  Tensor value;             // [B, Lk, Hkv, D]
+  Tensor index_query;       // [B, Lq, Hi, Di]; empty when indexer_heads == 0
+  Tensor index_key;         // [B, Lk / indexer_block, Di] compressed keys; likewise
+  // What index_key is compressed from, for callers that compress themselves (the demo and the
+  // bench run qsa_compress_block_keys natively): the raw keys [B, Lk, Di] (dtype), the norm's
+  // w [Di] (FP32), its eps, and RoPE on the first index_rotary_dims dims from
+  // options.rope_theta, rotate_half. Empty / 0 when indexer_heads == 0.
+  Tensor index_key_raw;
+  Tensor index_norm_weight;
+  double index_norm_eps = 1e-6;
+  int64_t index_rotary_dims = 0;
+  std::vector<Needle> needles;                      // empty in random mode
   std::vector<std::vector<int64_t>> heavy_hitters;  // [batch]: key positions; empty if random
 
   // Request-local position of query row i.
@@ -104,10 +115,12 @@ struct Workload {
 // ValueError naming the option when a size, count or strength is out of range.
 Workload make_workload(const WorkloadOptions& options);
 
-// Compressed indexer keys from raw per-token keys (host): compressed key c of request b is
-// the mean of raw[b, c * block .. c * block + block - 1, :], divided by its RMS. raw: floating
-// [B, L, Di], any strides; out: floating [B, L / block, Di] (a trailing partial block is
-// dropped: only complete blocks are compressed).
-void compress_index_keys(const TensorView& raw, const TensorView& out, int64_t block = 4);
+// Compressed indexer keys from raw per-token keys (host), by qsa_compress_block_keys'
+// definition with a zero norm weight (w = 0: a plain RMSNorm), eps 1e-6 and RoPE on the first
+// rotary_dims dims (even; rotate_half) from rope_theta: the workload files' raw keys, whose
+// model weights are unknown. raw: floating [B, L, Di], any strides; out: floating
+// [B, L / 4, Di] (a trailing partial block is dropped: only complete blocks are compressed).
+void compress_index_keys(const TensorView& raw, const TensorView& out, double rope_theta,
+                         int64_t rotary_dims);
 
 }  // namespace sparse_attn

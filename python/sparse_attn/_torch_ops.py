@@ -80,6 +80,16 @@ def _register():
             rt.workspace_allocator(query) if workspace is None else workspace,
             rt.torch_stream(query))
 
+    def qsa_compress_block_keys(
+        keys: Tensor, weight: Tensor, out: Tensor, eps: float, cos: Optional[Tensor],
+        sin: Optional[Tensor], rope_theta: Optional[float], rope_dim: int, rope_style: str,
+        cu_seqlens: Optional[Tensor], start_positions: Optional[Tensor],
+        block_table: Optional[Tensor], page_size: Optional[int], backend: str,
+    ) -> None:
+        _C.qsa_compress_block_keys(keys, weight, out, eps, cos, sin, rope_theta, rope_dim,
+                                   rope_style, cu_seqlens, start_positions, block_table,
+                                   page_size, backend, rt.torch_stream(keys))
+
     def qsa_topk_blocks(scores: Tensor, k: int, out: Tensor) -> None:
         _C.qsa_topk_blocks(scores, k, out, rt.torch_stream(scores))
 
@@ -149,6 +159,7 @@ def _register():
     define("qsa_mqa_prefill", ("out",), qsa_mqa_prefill)
     define("qsa_mqa_decode", ("out",), qsa_mqa_decode)
     define("qsa_sparse_attention", ("out", "lse", "workspace"), qsa_sparse_attention)
+    define("qsa_compress_block_keys", ("out",), qsa_compress_block_keys)
     define("qsa_topk_blocks", ("out",), qsa_topk_blocks)
     define("qsa_expand_blocks", ("token_indices", "block_indices"), qsa_expand_blocks)
     define("xattn_estimate", ("attn_sums", "block_mask"), xattn_estimate)

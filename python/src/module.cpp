@@ -63,5 +63,6 @@ NB_MODULE(_C, m) {
   m.attr("built_with_cuda") = nb::bool_(SPARSE_ATTN_PY_WITH_CUDA != 0);
   bind_qsa(m);
   bind_select(m);
+  bind_compress(m);
   bind_xattn(m);
 }

@@ -95,8 +95,10 @@ Workload load_workload(const WorkloadFiles& files, Device device) {
     o.indexer_heads = iq[2];
     o.indexer_dim = iq[3];
     if (ks[1] == k[1] && k[1] / o.indexer_block != k[1]) {
+      // The model's compression with what a file does not hold: w = 0, the default
+      // rope_theta, RoPE on the first half of the dims (as the generator's).
       w.index_key = Tensor::empty({ks[0], k[1] / o.indexer_block, ks[2]}, ik.dtype());
-      compress_index_keys(ik.view(), w.index_key.view(), o.indexer_block);
+      compress_index_keys(ik.view(), w.index_key.view(), o.rope_theta, (ks[2] / 2) & ~int64_t{1});
     } else if (ks[1] == k[1] / o.indexer_block) {
       w.index_key = ik;
     } else {

@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "api/check.h"
+#include "api/qsa_compress_params.h"
 #include "sparse_attn/dtype.h"
 
 namespace sparse_attn {
@@ -42,6 +43,7 @@ enum Stream : uint64_t {
   kHeadMix,
   kNeedlePlacement,
   kHeavyHitters,
+  kIndexNormWeight,
 };
 
 uint64_t mix64(uint64_t x) {
@@ -291,7 +293,8 @@ void validate(const WorkloadOptions& o) {
                double(o.indexer_heads));
   if (o.indexer_heads > 0) {
     check_option(o.indexer_dim >= 2, "indexer_dim", ">= 2", double(o.indexer_dim));
-    check_option(o.indexer_block >= 1, "indexer_block", ">= 1", double(o.indexer_block));
+    check_option(o.indexer_block == detail::kCompressBlockTokens, "indexer_block",
+                 "4 (QSA compresses 4 tokens per key)", double(o.indexer_block));
   }
   if (o.dtype != DType::kBF16 && o.dtype != DType::kF16 && o.dtype != DType::kF32)
     throw TypeError(
@@ -356,39 +359,42 @@ Tensor to_device(Tensor host, Device device) {
 
 }  // namespace
 
-void compress_index_keys(const TensorView& raw, const TensorView& out, int64_t block) {
+namespace {
+
+// qsa_compress_block_keys' definition on host views (fp32 included): raw [B, L, Di] -> out.
+void compress_with(const TensorView& raw, const TensorView& weight, const TensorView& out,
+                   double eps, double rope_theta, int64_t rotary_dims) {
+  CompressBlockKeysOptions co;
+  co.eps = eps;
+  co.rope_theta = rope_theta;
+  co.rope_dim = rotary_dims;
+  detail::reference_compress_padded_keys(raw, weight, out, co);
+}
+
+}  // namespace
+
+void compress_index_keys(const TensorView& raw, const TensorView& out, double rope_theta,
+                         int64_t rotary_dims) {
   detail::check_rank(raw, "raw", {3});
   detail::check_rank(out, "out", {3});
   detail::check_dtype(raw, "raw", {DType::kBF16, DType::kF16, DType::kF32});
   detail::check_dtype(out, "out", {DType::kBF16, DType::kF16, DType::kF32});
-  if (block < 1) detail::throw_value_error("block: expected >= 1, got {}", block);
-  const int64_t B = raw.size(0), L = raw.size(1), Di = raw.size(2), nb = L / block;
-  detail::check_shape(out, "out", {B, nb, Di},
-                      "[raw.shape[0], raw.shape[1] / block, raw.shape[2]]");
+  const int64_t B = raw.size(0), L = raw.size(1), Di = raw.size(2);
+  detail::check_shape(out, "out", {B, L / detail::kCompressBlockTokens, Di},
+                      "[raw.shape[0], raw.shape[1] / 4, raw.shape[2]]");
+  if (rotary_dims < 0 || rotary_dims > Di || rotary_dims % 2 != 0) {
+    detail::throw_value_error("rotary_dims: expected an even number from 0 to {}, got {}", Di,
+                              rotary_dims);
+  }
+  if (!(rope_theta > 0) || !std::isfinite(rope_theta)) {
+    detail::throw_value_error("rope_theta: expected a finite number > 0, got {}", rope_theta);
+  }
   if (raw.device().is_cuda() || out.device().is_cuda())
     detail::throw_not_supported("compress_index_keys: host tensors only, got {} and {}",
                                 raw.device().str(), out.device().str());
-#pragma omp parallel
-  {
-    std::vector<double> mean(static_cast<size_t>(Di));
-#pragma omp for collapse(2) schedule(static)
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t c = 0; c < nb; ++c) {
-        std::fill(mean.begin(), mean.end(), 0.0);
-        for (int64_t t = c * block; t < (c + 1) * block; ++t)
-          for (int64_t d = 0; d < Di; ++d)
-            mean[d] += load_as_float(raw.data(), raw.dtype(),
-                                     b * raw.stride(0) + t * raw.stride(1) + d * raw.stride(2)) /
-                       double(block);
-        double ms = 0;
-        for (double x : mean) ms += x * x;
-        const double inv = 1.0 / std::sqrt(ms / double(Di) + 1e-12);
-        for (int64_t d = 0; d < Di; ++d)
-          store_from_float(out.data(), out.dtype(),
-                           b * out.stride(0) + c * out.stride(1) + d * out.stride(2),
-                           float(mean[d] * inv));
-      }
-  }
+  Tensor zero = Tensor::empty({Di}, DType::kF32);
+  std::fill_n(zero.data_as<float>(), Di, 0.f);
+  compress_with(raw, zero, out, 1e-6, rope_theta, rotary_dims);
 }
 
 Workload make_workload(const WorkloadOptions& options) {
@@ -523,27 +529,35 @@ Workload make_workload(const WorkloadOptions& options) {
     }
   }
 
-  // Raw indexer keys of every token, then compressed.
+  // Raw indexer keys of every token (in the workload's dtype, as the model's projection gives
+  // them), then compressed by the model's definition: the rotation comes after the group mean,
+  // at the block's position 4b, so the raw keys are built unrotated (position 0).
   if (indexer) {
-    Tensor raw = Tensor::empty({B, Lk, Di}, DType::kF32);
-    float* const rk = raw.data_as<float>();
+    w.index_key_raw = Tensor::empty({B, Lk, Di}, dt);
+    void* const rk = w.index_key_raw.data();
 #pragma omp parallel
     {
-      std::vector<float> scratch;
+      std::vector<float> vec(static_cast<size_t>(Di)), scratch;
 #pragma omp for collapse(2) schedule(static)
       for (int64_t b = 0; b < B; ++b)
         for (int64_t t = 0; t < Lk; ++t) {
-          float* out = rk + (b * Lk + t) * Di;
           if (structured)
-            index->build(out, latent->at(b, t), t, -1, 0, t < o.num_sinks, is_heavy(b, t),
+            index->build(vec.data(), latent->at(b, t), 0, -1, 0, t < o.num_sinks, is_heavy(b, t),
                          key_needles(b, t), scratch);
           for (int64_t d = 0; d < Di; ++d)
-            out[d] = (structured
-                          ? out[d] + index->noise_std() * float(rng.normal(kIndexKeyNoise, b, t, d))
-                          : float(rng.normal(kIndexKeyNoise, b, t, d)));
+            store_from_float(rk, dt, (b * Lk + t) * Di + d,
+                             structured ? vec[d] + index->noise_std() *
+                                                       float(rng.normal(kIndexKeyNoise, b, t, d))
+                                        : float(rng.normal(kIndexKeyNoise, b, t, d)));
         }
     }
-    compress_index_keys(raw.view(), w.index_key.view(), blk);
+    // A trained norm weight is near 0 (it starts there); 0.1 keeps the (1 + w) factor visible.
+    w.index_norm_weight = Tensor::empty({Di}, DType::kF32);
+    for (int64_t d = 0; d < Di; ++d)
+      w.index_norm_weight.data_as<float>()[d] = float(0.1 * rng.normal(kIndexNormWeight, d));
+    w.index_rotary_dims = rot_i;
+    compress_with(w.index_key_raw, w.index_norm_weight, w.index_key, w.index_norm_eps, o.rope_theta,
+                  rot_i);
   }
 
   w.query = to_device(w.query, o.device);
@@ -552,6 +566,8 @@ Workload make_workload(const WorkloadOptions& options) {
   if (indexer) {
     w.index_query = to_device(w.index_query, o.device);
     w.index_key = to_device(w.index_key, o.device);
+    w.index_key_raw = to_device(w.index_key_raw, o.device);
+    w.index_norm_weight = to_device(w.index_norm_weight, o.device);
   }
   w.options = o;
   return w;

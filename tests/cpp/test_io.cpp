@@ -301,7 +301,9 @@ TEST_F(WorkloadFilesTest, LoadsAndCompressesRawIndexerKeys) {
   EXPECT_EQ(w.options.num_kv_heads, 2);
   EXPECT_EQ(w.options.indexer_heads, 2);
   ASSERT_EQ(w.index_key.shape(), (Shape{1, 4, 6}));
-  // Block 1 = mean of raw keys 4..7, divided by its RMS (computed here in double).
+  // Block 1 = mean of raw keys 4..7, divided by its RMS (computed here in double), then
+  // rotated at position 4 on dims 0 and 1 (the first half, rounded down to even: a rotation
+  // keeps the pair's norm); dims 2..5 are not rotated.
   const auto raw = to_vector(raw_index_key_);
   std::vector<double> mean(6, 0.0);
   for (int t = 4; t < 8; ++t)
@@ -309,9 +311,12 @@ TEST_F(WorkloadFilesTest, LoadsAndCompressesRawIndexerKeys) {
   double ms = 0;
   for (double m : mean) ms += m * m / 6;
   const auto got = to_vector(w.index_key);
-  for (int d = 0; d < 6; ++d)
+  for (int d = 2; d < 6; ++d)
     EXPECT_NEAR(got[6 + d], mean[d] / std::sqrt(ms),
                 1e-2 * std::abs(mean[d] / std::sqrt(ms)) + 1e-3);
+  const double pair = std::hypot(mean[0], mean[1]) / std::sqrt(ms);
+  EXPECT_NEAR(std::hypot(got[6], got[7]), pair, 1e-2 * pair + 1e-3);
+  EXPECT_GT(std::abs(got[6] - mean[0] / std::sqrt(ms)), 1e-3) << "dim 0 was not rotated";
 }
 
 TEST_F(WorkloadFilesTest, AcceptsCompressedKeysAndUnbatchedTensors) {

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import sparse_attn
 from qsa_testing import assert_close, expand_blocks, paged_kv_of, padded_kv_of, \
     ref_attention_rows, ref_mqa_decode, ref_mqa_prefill, ref_relu_scores, strided_copy
+from compress_testing import assert_keys_close, ref_compress
 from xattn_testing import cdiv, ref_block_sparse, ref_estimate_sums, ref_select
 
 BF16, F16, F32, I32, U8, BOOL = (torch.bfloat16, torch.float16, torch.float32, torch.int32,
@@ -1005,6 +1006,133 @@ def expand_case(draw):
 
 
 # --------------------------------------------------------------------------------------------
+# qsa_compress_block_keys
+# --------------------------------------------------------------------------------------------
+
+@st.composite
+def compress_case(draw):
+    rng = Rng(draw)
+    dt = draw(st.sampled_from([BF16, F16]))
+    D = draw(st.sampled_from([128, 128, 16]))
+    rope_dim = 64 if D == 128 else draw(st.sampled_from([0, 8, 16]))
+    layout = draw(st.sampled_from(["single", "padded", "varlen"]))
+    B = 1 if layout == "single" else draw(st.integers(0 if layout == "padded" else 1, 3))
+    if layout == "varlen":
+        lens = [draw(st.integers(0, 14)) for _ in range(B)]
+        cu = int32([0] + np.cumsum(lens).tolist())
+        keys = rng.randn((int(cu[-1]), D), dt)
+    else:
+        L = draw(st.integers(0, 14))
+        keys = rng.randn((L, D) if layout == "single" else (B, L, D), dt)
+    rows = keys.shape[-2]
+    starts = rng.randint(-5, 9, (B,)) if draw(st.booleans()) else None
+    paged = draw(st.booleans())
+    w = rng.randn((D,), draw(st.sampled_from([BF16, F16, F32])), 0.3)
+    kw = dict(keys=maybe_strided(draw, keys), weight=w)
+    if draw(st.booleans()):
+        kw["eps"] = draw(st.sampled_from([1e-5, 1e-6, 0.5]))
+    max_pos = rows + 9
+    if draw(st.booleans()):
+        cols = draw(st.sampled_from([rope_dim // 2, rope_dim]))
+        angle = rng.rand((max_pos, cols)).double() * 6.3
+        kw["cos"], kw["sin"] = angle.cos().float(), angle.sin().float()
+    else:
+        kw["rope_theta"] = draw(st.sampled_from([1e4, 1e7, 2.5]))
+    if D != 128 or draw(st.booleans()):
+        kw["rope_dim"] = rope_dim
+    style = draw(st.sampled_from(["rotate_half", "interleaved"]))
+    if style != "rotate_half" or draw(st.booleans()):
+        kw["rope_style"] = style
+    if layout == "varlen":
+        kw["cu_seqlens"] = maybe_strided(draw, cu)
+    if starts is not None:
+        kw["start_positions"] = maybe_strided(draw, starts)
+    max_blocks = max_pos // 4 + 1
+    page_size = None
+    if paged:
+        page_size = draw(st.sampled_from([1, 3, 5]))
+        max_pages = draw(st.integers(1, -(-max_blocks // page_size)))
+        pages = B * max_pages + draw(st.integers(0, 2))
+        ids = rng.perm(pages)[:B * max_pages]
+        table = int32(ids).reshape(B, max_pages) if B else torch.zeros((0, max_pages), dtype=I32)
+        if table.numel() and draw(st.booleans()):
+            table.view(-1)[0] = draw(st.sampled_from([-1, pages]))
+        kw["block_table"] = maybe_strided(draw, table)
+        if draw(st.booleans()):
+            kw["page_size"] = page_size
+        rank4 = draw(st.booleans())
+        out_shape = (pages, page_size, 1, D) if rank4 else (pages, page_size, D)
+    elif layout == "single":
+        out_shape = (max_blocks if starts is not None else rows // 4, D)
+    else:
+        out_shape = (B, max_blocks if layout == "varlen" or starts is not None else rows // 4, D)
+    needs_out = paged or layout == "varlen" or starts is not None
+    kw["out"] = poisoned_view(out_shape, dt, draw(st.booleans())) if needs_out else \
+        out_arg(draw, out_shape, dt)
+    kw["backend"] = "reference"
+    oracle_kw = {k: v for k, v in kw.items() if k not in ("keys", "weight", "out", "backend")}
+
+    def check(result, kw):
+        check_out_identity(result, kw.get("out"))
+        assert result.dtype == dt and tuple(result.shape) == out_shape
+        expected = ref_compress(keys, w, **oracle_kw, out_shape=out_shape)
+        assert_keys_close(to_torch(result), expected, dt)
+
+    given = kw["out"] is not None
+    # Keys of the other rank are a single request (rank 2) or a batch of one (rank 3): valid
+    # unless a contiguous out's rank or another argument's batch of B != 1 tells them apart.
+    if layout == "varlen":
+        keys_ranks = (2,)
+    elif given and not paged:
+        keys_ranks = (2,) if layout == "single" else (3,)
+    elif layout == "padded" and B != 1 and (paged or starts is not None):
+        keys_ranks = (3,)
+    else:
+        keys_ranks = (2, 3)
+    fixes_batch = given and not paged and layout != "single"
+    out_pinned = ((1 if kw.get("page_size") else None), (2 if out_shape[2:3] == (1,) else None),
+                  -1) if paged else ((0, 2) if len(out_shape) == 3 else (1,))
+    args = {
+        "keys": Arg((dt,) if given else (BF16, F16), keys_ranks,
+                    pinned=(-1,) + ((0,) if layout == "padded" and (fixes_batch or paged or
+                                                                    starts is not None) else ())),
+        "weight": Arg((BF16, F16, F32), (1,), pinned=(0,)),
+        "eps": Value(kind=FLOAT_KIND + [None], value=[-1.0, NAN, INF, 1e39]),
+        "rope_dim": Value(kind=INT_KIND + [None], value=[-2, rope_dim + 1, D + 2]),
+        "rope_style": Value(kind=[3, None], value=["neox", "", "ROTATE_HALF"]),
+        "backend": BACKEND,
+        "out": Arg((dt,), (3, 4) if paged else (len(out_shape),),
+                   pinned=tuple(a for a in out_pinned if a is not None) if paged else out_pinned,
+                   out=True, required=needs_out, make=lambda: poisoned_view(out_shape, dt, False)),
+    }
+    if "cos" in kw:
+        args["cos"] = Arg((F32,), (2,), pinned=(0, 1) if rope_dim else (1,))
+        args["sin"] = Arg((F32,), (2,), pinned=(0, 1))
+    else:
+        args["rope_theta"] = Value(kind=FLOAT_KIND, value=[0.0, -1.0, NAN, INF])
+    if layout == "varlen":
+        args["cu_seqlens"] = Arg(META, (1,), pinned=(0,))
+    if starts is not None:
+        args["start_positions"] = Arg(META, (1,), pinned=(0,), required=False)
+    if paged:
+        # Without it a rank-3 out can read as a contiguous [B, N_B, D]: not always an error.
+        args["block_table"] = Arg(META, (2,), pinned=(0,), required=False)
+        args["page_size"] = Value(kind=INT_KIND, value=[page_size + 1])
+    extras = [("cos and rope_theta", setting(rope_theta=1e4, cos=torch.ones(max_pos, rope_dim),
+                                             sin=torch.ones(max_pos, rope_dim))),
+              ("neither cos/sin nor rope_theta", without("cos", "sin", "rope_theta")),
+              ("cos without sin", lambda kw: {**without("sin", "rope_theta")(kw),
+                                              "cos": torch.ones(max_pos, rope_dim)})]
+    if not paged:
+        extras.append(("page_size without block_table", setting(page_size=1)))
+    if layout == "padded":
+        extras.append(("cu_seqlens with padded keys",
+                       setting(cu_seqlens=torch.zeros(B + 1, dtype=I32))))
+    return Case(sparse_attn.qsa_compress_block_keys, kw, args, check,
+                written=lambda r, kw: [r], extras=extras, native=D == 128)
+
+
+# --------------------------------------------------------------------------------------------
 # XAttention: xattn_estimate, find_blocks_chunked
 # --------------------------------------------------------------------------------------------
 
@@ -1398,6 +1526,7 @@ BUILDERS = {
     "qsa_mqa_decode": mqa_decode_case,
     "qsa_sparse_attention": sparse_attention_case,
     "qsa_sparse_attention_workspace_size": lambda: sparse_attention_case(workspace_size=True),
+    "qsa_compress_block_keys": compress_case,
     "qsa_topk_blocks": topk_case,
     "qsa_expand_blocks": expand_case,
     "xattn_estimate": estimate_case,
