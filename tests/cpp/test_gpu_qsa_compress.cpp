@@ -112,7 +112,9 @@ TEST_P(GpuCompress, NativeMatchesReference) {
   const Tensor got = Tensor::to_host(dout);
 
   const std::vector<double> r = testing::to_vector(ref), g = testing::to_vector(got);
-  const double ulp = c.dtype == DType::kBF16 ? 0x1p-8 : 0x1p-11;
+  // Both sides are FP32 results rounded to the output dtype: FP32 values a few ulps apart (the
+  // warp's sum of squares is reduced in another order) can round to neighbours, one output ulp.
+  const double ulp = c.dtype == DType::kBF16 ? 0x1p-7 : 0x1p-10;
   int64_t written = 0;
   for (size_t i = 0; i < r.size(); ++i) {
     ASSERT_EQ(std::isnan(r[i]), std::isnan(g[i])) << "element " << i << " written by one side";

@@ -856,6 +856,107 @@ INSTANTIATE_TEST_SUITE_P(
         EngineHintCase{"page6_hint_ignored_rows33_8", 6, std::nullopt, {33, 8}, {1203, 500}, 128}),
     [](const ::testing::TestParamInfo<EngineHintCase>& info) { return info.param.name; });
 
+// The union prefill kernel (qsa_union_problem.cuh) takes the row tiles whose rows' blocks fit
+// its union: the window selection (a row at p with vis = (p + 1) / 4 > nb blocks takes
+// its nb / 8 most recent blocks and the nb - nb / 8 blocks drawn, with replacement, for its
+// aligned 64-position window from the blocks visible at the window's start; a row with
+// vis <= nb takes blocks 0 .. vis - 1), with 2% of entries replaced by -1, a future or current
+// block, or a duplicate. Tiles across two requests, and every other tile the kernel leaves,
+// go to the row-tile kernel; the result must be the token-only one, and bitwise equal on a
+// rerun.
+struct UnionCase {
+  std::string name;
+  DType dtype;
+  int64_t page_size;
+  std::vector<int64_t> q_rows, k_lens;
+  int64_t nb;
+  Gate gate;
+  bool lse;
+};
+
+class GpuSparseAttentionUnion : public ::testing::TestWithParam<UnionCase> {};
+
+TEST_P(GpuSparseAttentionUnion, WindowSelectionGivesTheTokenResult) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  const UnionCase& uc = GetParam();
+  auto rng = testing::make_rng();
+  Case c;
+  c.dtype = uc.dtype;
+  c.q_rows = uc.q_rows;
+  c.k_lens = uc.k_lens;
+  c.page_size = uc.page_size;
+  c.num_splits = 1;
+  c.width = 4 * uc.nb + 3;
+  c.gate = uc.gate;
+  c.lse = uc.lse;
+  c.positions = true;
+  Problem pb = make_problem(c, rng);
+  std::vector<int32_t> pos32(pb.rows);
+  for (int64_t r = 0, first = 0, b = 0; r < pb.rows; ++r) {
+    while (r >= first + c.q_rows[b]) first += c.q_rows[b++];
+    pb.row_pos[r] = c.k_lens[b] - c.q_rows[b] + (r - first);
+    pos32[r] = static_cast<int32_t>(pb.row_pos[r]);
+  }
+  pb.positions = testing::int32_tensor({pb.rows}, pos32);
+  const int64_t recent = uc.nb / 8;
+  std::vector<int32_t> blocks(pb.rows * uc.nb), ids(pb.rows * c.width, -1);
+  std::uniform_real_distribution<double> u01(0, 1);
+  std::vector<int32_t> window;
+  int64_t window_of = -1;
+  for (int64_t r = 0; r < pb.rows; ++r) {
+    const int64_t p = pb.row_pos[r], vis = (p + 1) / 4;
+    int32_t* row = &blocks[r * uc.nb];
+    if (vis <= uc.nb) {
+      for (int64_t j = 0; j < uc.nb; ++j) row[j] = static_cast<int32_t>(j < vis ? j : -1);
+    } else {
+      if (p / 64 != window_of || r == 0 || pb.row_req[r] != pb.row_req[r - 1]) {
+        window_of = p / 64;
+        const int64_t from = std::max<int64_t>(1, (64 * window_of + 1) / 4);
+        window.assign(uc.nb - recent, 0);
+        for (int32_t& b : window) {
+          b = static_cast<int32_t>(std::uniform_int_distribution<int64_t>(0, from - 1)(rng));
+        }
+      }
+      for (int64_t j = 0; j < recent; ++j) row[j] = static_cast<int32_t>(vis - 1 - j);
+      std::copy(window.begin(), window.end(), row + recent);
+    }
+    for (int64_t j = 0; j < uc.nb; ++j) {
+      const double x = u01(rng);
+      if (x < 0.005) row[j] = -1;
+      else if (x < 0.01) row[j] = static_cast<int32_t>(vis + (x < 0.0075 ? 0 : 1));
+      else if (x < 0.02) row[j] = row[std::uniform_int_distribution<int64_t>(0, uc.nb - 1)(rng)];
+    }
+    expand_hint_row(row, uc.nb, p, &ids[r * c.width]);
+  }
+  pb.idx = testing::int32_tensor({pb.rows, c.width}, ids);
+  DeviceProblem dp = to_device_problem(pb, rng);
+  Tensor db = to_device(testing::int32_tensor({pb.rows, uc.nb}, blocks));
+  dp.opts.block_indices = db.view();
+  std::optional<TensorView> lse;
+  if (uc.lse) lse = dp.lse;
+  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, lse, dp.opts);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  expect_matches(pb, dp, oracle(pb));
+  const Tensor first = Tensor::to_host(dp.out);
+  poison_device(dp.out);
+  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, lse, dp.opts);
+  const Tensor again = Tensor::to_host(dp.out);
+  ASSERT_EQ(std::memcmp(first.data(), again.data(), first.numel() * 2), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Window, GpuSparseAttentionUnion,
+    ::testing::Values(
+        UnionCase{"page64_nb512_rows150", DType::kBF16, 64, {150}, {5200}, 512,
+                  Gate::kElementwise, true},
+        UnionCase{"page1600_two_requests_nb256", DType::kBF16, 1600, {97, 53}, {4100, 2000},
+                  256, Gate::kPerHead, true},
+        UnionCase{"page16_short_rows_nb64", DType::kBF16, 16, {40, 30}, {120, 60}, 64,
+                  Gate::kNone, false},
+        UnionCase{"fp16_page800_nb128", DType::kF16, 800, {64, 31}, {3000, 900}, 128,
+                  Gate::kElementwise, true}),
+    [](const ::testing::TestParamInfo<UnionCase>& info) { return info.param.name; });
+
 // More rows than a grid's y/z limit: rows run on gridDim.x.
 TEST(GpuSparseAttentionRows, MoreThan65535Rows) {
   SPARSE_ATTN_REQUIRE_GPU();

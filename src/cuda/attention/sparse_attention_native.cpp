@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <initializer_list>
 
 #include "api/qsa_attention_params.h"
+#include "cuda/attention/qsa_union_params.h"
 #include "cuda/attention/sparse_attention_config.h"
 #include "cuda/attention/sparse_attention_heuristics.h"
 #include "cuda/attention/sparse_attention_launch.h"
@@ -39,11 +41,32 @@ bool use_row_tiles(const SparseAttentionParams& p, int num_splits) {
   }
 }
 
+// Whether the union prefill kernel runs ahead of the row-tile kernel: the block hint, a group
+// that packs 4 or 5 rows into each warpgroup's 64 M rows, at most the seed's 512 hint columns,
+// same-dtype K/V, and 16-byte rows and strides for its copies. Host-side facts only.
+bool use_union(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
+  const auto aligned = [](const void* ptr, std::initializer_list<int64_t> strides) {
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
+    for (int64_t s : strides) {
+      if (s % 8 != 0) return false;  // 16 bytes of 2-byte elements
+    }
+    return true;
+  };
+  return x.block_hint && p.group >= 12 && p.group <= 16 &&
+         p.num_blocks <= QsaUnionConfig::kMaxEntries - 1 && p.kv_dtype == p.dtype &&
+         p.kv_layout != KVLayout::kPhysical && p.q_dim_stride == 1 && p.k_dim_stride == 1 &&
+         p.v_dim_stride == 1 && p.out_dim_stride == 1 &&
+         aligned(p.q, {p.q_row_stride, p.q_head_stride}) &&
+         aligned(p.k, {p.k_batch_stride, p.k_token_stride, p.k_head_stride}) &&
+         aligned(p.v, {p.v_batch_stride, p.v_token_stride, p.v_head_stride}) &&
+         aligned(p.out, {p.out_row_stride, p.out_head_stride});
+}
+
 // Where each scratch buffer of a call lives in its workspace (byte offsets, each kAlign-aligned)
 // and how many bytes the whole takes.
 struct WorkspaceLayout {
   static constexpr size_t kAlign = 256;
-  size_t o_partial = 0, lse_partial = 0, bytes = 0;
+  size_t o_partial = 0, lse_partial = 0, union_handled = 0, bytes = 0;
 };
 
 // The launch schedule of a call (pointers unset) and its workspace layout: the one place that
@@ -53,6 +76,8 @@ struct Schedule {
   SparseAttentionLaunch launch;
   size_t partial_slots = 0;  // num_splits * rows * Hq with SplitKV, else 0
   bool row_tiles = false;    // the row-tile kernel runs instead of the per-row one
+  int union_rows = 0;        // rows per CTA of the union kernel, 0 when it does not run
+  int union_row_tiles = 0;
   WorkspaceLayout workspace;
 };
 
@@ -78,6 +103,10 @@ Schedule schedule(const SparseAttentionParams& p) {
   x.num_splits = static_cast<int>((tiles + tiles_per_split - 1) / tiles_per_split);
 
   s.row_tiles = use_row_tiles(p, x.num_splits);
+  if (s.row_tiles && use_union(p, x)) {
+    s.union_rows = 2 * static_cast<int>(64 / p.group);
+    s.union_row_tiles = static_cast<int>((p.rows + s.union_rows - 1) / s.union_rows);
+  }
   s.partial_slots =
       x.num_splits > 1 ? static_cast<size_t>(x.num_splits) * p.rows * p.num_q_heads : 0;
   const auto align = [](size_t n) {
@@ -86,7 +115,8 @@ Schedule schedule(const SparseAttentionParams& p) {
   WorkspaceLayout& w = s.workspace;
   w.o_partial = 0;
   w.lse_partial = align(s.partial_slots * C::kHeadDim * sizeof(float));
-  w.bytes = w.lse_partial + align(s.partial_slots * sizeof(float));
+  w.union_handled = w.lse_partial + align(s.partial_slots * sizeof(float));
+  w.bytes = w.union_handled + align(static_cast<size_t>(s.union_row_tiles) * p.num_kv_heads);
   return s;
 }
 
@@ -127,8 +157,20 @@ void native_sparse_attention(const SparseAttentionParams& p) {
     x.o_partial = reinterpret_cast<float*>(workspace + s.workspace.o_partial);
     x.lse_partial = reinterpret_cast<float*>(workspace + s.workspace.lse_partial);
   }
+  cuda::QsaUnionParams u;
+  if (s.union_rows > 0) {
+    u.p = q;
+    u.x = x;
+    u.handled = reinterpret_cast<uint8_t*>(workspace + s.workspace.union_handled);
+    u.row_tiles = s.union_row_tiles;
+    u.rows_per_wg = s.union_rows / 2;
+    x.union_handled = u.handled;
+    x.union_rows = s.union_rows;
+    x.union_row_tiles = s.union_row_tiles;
+  }
   cuda::dispatch_dtype(p.dtype, "qsa_sparse_attention", [&](auto tag) {
     using T = typename decltype(tag)::type;
+    if (s.union_rows > 0) cuda::launch_qsa_union<T>(u, stream);
     if (s.row_tiles) {
       cuda::launch_sparse_attention_rows<T>(q, x, stream);
     } else {

@@ -190,6 +190,14 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * C::kRows;
   const int kvh = blockIdx.y;
   const int group = static_cast<int>(p.group);
+  // Rows the union prefill kernel wrote are not read nor written here.
+  auto union_wrote = [&](int64_t r) {
+    return x.union_handled != nullptr &&
+           x.union_handled[static_cast<int64_t>(kvh) * x.union_row_tiles + r / x.union_rows] != 0;
+  };
+  bool any_left = false;
+  for (int j = 0; j < C::kRows; ++j) any_left |= r0 + j < p.rows && !union_wrote(r0 + j);
+  if (!any_left) return;
 
   // ----- Q tiles of the kRows rows: the group's heads, zero rows past the group or the end --
   for (int c = tid; c < C::kRows * C::kHeadRows * C::kChunks; c += C::kThreads) {
@@ -215,6 +223,7 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
     RowInfo ri;
     if (r0 + j < p.rows) {
       ri = resolve_row(p, x, r0 + j);
+      if (union_wrote(r0 + j)) ri.active = false;
     } else {
       ri.active = false;
     }
@@ -552,7 +561,7 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
   }
   __syncthreads();
   const int64_t r = r0 + row_j;
-  if (half == 1 || r >= p.rows) return;
+  if (half == 1 || r >= p.rows || union_wrote(r)) return;
   const int g = lane / 4;
 #pragma unroll
   for (int hrow = 0; hrow < 2; ++hrow) {

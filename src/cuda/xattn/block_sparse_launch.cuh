@@ -22,16 +22,18 @@ using BlockSparseTraits = sm90::FwdTraits<Element, kHeadDim, BlockSparseTile<kHe
 template <class Element, int kHeadDim>
 void launch_block_sparse_fwd(const BlockSparseFwdParams& p, int64_t tiles, cudaStream_t stream) {
   using Traits = BlockSparseTraits<Element, kHeadDim>;
-  auto kernel = sm90::attention_fwd_kernel<Traits, BlockSparseProblem<Traits>>;
+  using Problem = BlockSparseProblem<Traits>;
+  auto kernel = sm90::attention_fwd_kernel<Traits, Problem>;
+  constexpr int kSmem = sm90::fwd_smem_bytes<Traits, Problem>();
   // The opt-in is per device and kernel; set it once for each device used.
   static std::once_flag set[64];
   int device = 0;
   SPARSE_ATTN_CUDA_CHECK(cudaGetDevice(&device));
   std::call_once(set[device % 64], [&] {
     SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                Traits::kSmemBytes));
+                                                kSmem));
   });
-  kernel<<<static_cast<unsigned>(tiles * p.splits), Traits::kThreads, Traits::kSmemBytes, stream>>>(
+  kernel<<<static_cast<unsigned>(tiles * p.splits), Traits::kThreads, kSmem, stream>>>(
       p);
   SPARSE_ATTN_CUDA_CHECK_LAUNCH();
   if (p.splits > 1) {

@@ -18,6 +18,8 @@ __device__ __forceinline__ int floor_div(int a, int b) {  // b > 0
 template <class Traits>
 struct BlockSparseProblem {
   using Params = BlockSparseFwdParams;
+  static constexpr int kSharedBytes = 0;
+  static constexpr bool kGatherProducer = false;
   static constexpr int kBlock = 128;  // the mask's block size
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kCols = Traits::kSwizzleCols;
@@ -38,7 +40,7 @@ struct BlockSparseProblem {
   // CTA = work tile * splits + split. Work tiles come in sections of p.section units, one
   // after the other; within a section the heaviest query blocks (the last ones, under a causal
   // mask) are dispatched first, and within one block index every unit of the section.
-  __device__ BlockSparseProblem(const Params& params, int cta) : p(params) {
+  __device__ BlockSparseProblem(const Params& params, int cta, char* = nullptr) : p(params) {
     split = cta % p.splits;
     const int tile = cta / p.splits;
     const int units = p.batch * p.num_q_heads;
@@ -231,6 +233,21 @@ struct BlockSparseProblem {
   // Keys past the sequence's, and under the causal mask those past the row's position.
   __device__ int key_limit(int row) const {
     return p.causal ? min(lk, offset + kBlock * m + row + 1) : lk;
+  }
+  // A tile is masked for a warpgroup's rows only where it reaches past the limit of its first
+  // row (the limits do not decrease with the row): one compare for most tiles, and a compare
+  // and select a score for the others.
+  template <class Scores, class Coords>
+  __device__ void mask_scores(int n, Scores& s, const Coords& coords, int first_row) const {
+    if ((n + 1) * kBlockN <= key_limit(first_row)) return;
+    CUTE_UNROLL
+    for (int i = 0; i < cute::size<0>(s); ++i) {
+      const int limit = key_limit(cute::get<0>(coords(i, 0))) - n * kBlockN;
+      CUTE_UNROLL
+      for (int j = 0; j < cute::size<1>(s); ++j) {
+        if (cute::get<1>(coords(i, j)) >= limit) s(i, j) = -INFINITY;
+      }
+    }
   }
 
   // ----- outputs --------------------------------------------------------------------------

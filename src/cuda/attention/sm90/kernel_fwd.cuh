@@ -5,16 +5,24 @@
 // What varies between attention ops is the Problem (a CTA's rows and keys, the tiles it visits
 // and how they are loaded, the score mask, where O and the LSE go); everything here is shared.
 // A Problem provides, for one CTA:
-//   Problem(params, cta)               decode the CTA's work
+//   kSharedBytes                       shared memory of its own, after the core's
+//   Problem(params, cta, shared)       decode the CTA's work (every thread of the CTA; may
+//                                      run CTA-wide collectives and use `shared`)
 //   bool has_rows()                    the CTA owns query rows (CTA-uniform)
+//   kGatherProducer                    false: warp 0 runs the TMA producer below with load_q,
+//                                      load_k and load_v; true: the whole producer warpgroup
+//                                      runs prob.produce<Traits>(ss, pipe_k, pipe_v) instead
 //   TileIterator tiles()               warp-collective iterator over K/V tile indices (descending)
 //   void load_q(smem, mbar)            issue the Q tile's copies (one thread)
 //   void load_k / load_v(n, smem, mbar, leader)
 //                                      tile n's copies (warp-collective: lanes look pages up,
 //                                      the leader issues)
 //   int keys()                         keys of the row's sequence: tile rows past it are masked
-//   int key_limit(row)                 keys >= key_limit(row) are masked for CTA row `row`
-//                                      (past the sequence, or causal); non-decreasing in row
+//   void mask_scores(n, s, coords, first_row)
+//                                      mask (or bias) tile n's scores s of the warpgroup whose
+//                                      first CTA row is first_row; s and coords are the
+//                                      accumulator seen as (rows, columns) and each score's
+//                                      (CTA row, key in tile)
 //   float scale_log2()                 softmax scale in log2 units
 //   bool row_in_range(row)             CTA row `row` is a real query row (written)
 //   void store_o(row, col, uint4)      8 output elements of a real row
@@ -83,6 +91,8 @@ __device__ void consume(Problem& prob, typename Traits::SharedStorage& ss,
                         typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v,
                         int ct) {
   using namespace cute;
+  using cute::Shape;  // not sparse_attn's (sparse_attn/tensor.h), where both are visible
+  using cute::Tensor;
   using Element = typename Traits::Element;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -110,22 +120,13 @@ __device__ void consume(Problem& prob, typename Traits::SharedStorage& ss,
   clear(tOrO);
   const int first_row = 64 * wg;
 
-  // A tile is masked for this warpgroup's rows only where it reaches past the limit of the
-  // first row (the limits do not decrease with the row): one compare for most tiles, and a
-  // compare and select a score for the others.
-  const int first_limit = prob.key_limit(first_row);
   Tensor tScS_rc = make_tensor(tScS.data(), accumulator_rows_cols(tScS.layout()));
   Tensor tSrS_rc = make_tensor(tSrS.data(), accumulator_rows_cols(tSrS.layout()));
-  auto mask_scores = [&](int n) {
-    if ((n + 1) * kBlockN <= first_limit) return;
-    CUTE_UNROLL
-    for (int i = 0; i < size<0>(tSrS_rc); ++i) {
-      const int limit = prob.key_limit(get<0>(tScS_rc(i, 0))) - n * kBlockN;
-      CUTE_UNROLL
-      for (int j = 0; j < size<1>(tSrS_rc); ++j) {
-        if (get<1>(tScS_rc(i, j)) >= limit) tSrS_rc(i, j) = -INFINITY;
-      }
-    }
+  auto mask_scores = [&](int n) { prob.mask_scores(n, tSrS_rc, tScS_rc, first_row); };
+  // A gathering producer's copies land through the generic proxy: after a stage's wait, and
+  // before GMMA reads it through the async proxy.
+  auto fence_loads = [] {
+    if constexpr (Traits::kGenericProxyLoads) cutlass::arch::fence_view_async_shared();
   };
 
   auto it = prob.tiles();
@@ -135,6 +136,7 @@ __device__ void consume(Problem& prob, typename Traits::SharedStorage& ss,
     ss.barrier_q.wait(0);
     // ----- tile 0: S = Q K^T, softmax -------------------------------------------------------
     pipe_k.consumer_wait(read_k);
+    fence_loads();
     warpgroup_gemm<true, 0>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
     pipe_k.consumer_release(read_k);
     ++read_k;
@@ -170,6 +172,7 @@ __device__ void consume(Problem& prob, typename Traits::SharedStorage& ss,
       n = n_next;
       // ----- S = Q K_n^T and O += P_{n-1} V_{n-1}, both in flight ---------------------------
       pipe_k.consumer_wait(read_k);
+      fence_loads();
       named_sync(FwdBarrier::kSchedulerWG1, wg, Traits::kConsumerThreads);
       warpgroup_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
       // The next tile index (a serial chain, and on a new chunk of blocks a load) while the
@@ -179,6 +182,7 @@ __device__ void consume(Problem& prob, typename Traits::SharedStorage& ss,
       // P V adds to it: in the shadow of the S GEMM just issued, not after the P V wait.
       if (OnlineSoftmax<2>::any_moved(rescale)) OnlineSoftmax<2>::scale_rows(tOrO, rescale);
       pipe_v.consumer_wait(read_v);
+      fence_loads();
       warpgroup_gemm<false, -1>(mma_pv, tOrP, tOrVt(_, _, _, read_v.index()), tOrO);
       if (wg == 0 || more) {
         cutlass::arch::NamedBarrier::arrive(
@@ -204,6 +208,7 @@ __device__ void consume(Problem& prob, typename Traits::SharedStorage& ss,
     // ----- the last P V --------------------------------------------------------------------
     if (OnlineSoftmax<2>::any_moved(rescale)) OnlineSoftmax<2>::scale_rows(tOrO, rescale);
     pipe_v.consumer_wait(read_v);
+    fence_loads();
     warpgroup_gemm<false, 0>(mma_pv, tOrP, tOrVt(_, _, _, read_v.index()), tOrO);
     pipe_v.consumer_release(read_v);
   }
@@ -251,19 +256,29 @@ __device__ void consume(Problem& prob, typename Traits::SharedStorage& ss,
   }
 }
 
+// Dynamic shared memory of a launch: the core's storage, then the Problem's.
+template <class Traits, class Problem>
+constexpr int fwd_smem_bytes() {
+  constexpr int kBytes = Traits::kSmemBytes + Problem::kSharedBytes;
+  static_assert(kBytes <= 227 * 1024, "exceeds the SM90 opt-in shared memory");
+  return kBytes;
+}
+
 template <class Traits, class Problem>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     attention_fwd_kernel(const __grid_constant__ typename Problem::Params params) {
   using Pipeline = typename Traits::Pipeline;
-  extern __shared__ char smem[];
+  // 1024-byte aligned: a gathering producer writes the 128-byte swizzle by offset, GMMA reads it
+  // by address.
+  extern __shared__ __align__(1024) char smem[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem);
-  Problem prob(params, blockIdx.x);
+  Problem prob(params, blockIdx.x, smem + Traits::kSmemBytes);
   if (!prob.has_rows()) return;
 
   const int warp = cutlass::canonical_warp_idx_sync();
   const int warpgroup = warp / 4;
   if (threadIdx.x == 0) {
-    ss.barrier_q.init(1);
+    ss.barrier_q.init(Traits::kProducerArrivals);
     Pipeline::init(ss.pipeline_k);
     Pipeline::init(ss.pipeline_v);
     cutlass::arch::fence_barrier_init();
@@ -273,7 +288,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-    if (warp == 0) produce<Traits>(prob, ss, pipe_k, pipe_v);
+    if constexpr (Problem::kGatherProducer) {
+      prob.template produce<Traits>(ss, pipe_k, pipe_v);
+    } else if (warp == 0) {
+      produce<Traits>(prob, ss, pipe_k, pipe_v);
+    }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegisters>();
     consume<Traits>(prob, ss, pipe_k, pipe_v, static_cast<int>(threadIdx.x) - 128);

@@ -47,6 +47,8 @@ __device__ __forceinline__ auto accumulator_rows_cols(Layout l) {
 template <class Layout>
 __device__ __forceinline__ auto accumulator_as_a_operand(Layout l) {
   using namespace cute;
+  using cute::Shape;  // not sparse_attn's (sparse_attn/tensor.h), where both are visible
+  using cute::Tensor;
   static_assert(decltype(size<0, 2>(l))::value % 2 == 0, "N a multiple of 16");
   auto groups = logical_divide(get<0, 2>(l), Shape<_2>{});  // ((2, N / 16))
   return make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<0, 0>(groups)), get<1>(l),

@@ -1,6 +1,8 @@
-// The K/V pipeline between the producer warp and the consumer warpgroups: per stage a "full"
-// mbarrier (one producer arrival plus the TMA transaction bytes) and an "empty" mbarrier (one
-// arrival per consumer warpgroup). Every arrival is CTA-local: CUTLASS's PipelineTmaAsync
+// The K/V pipeline between the producer and the consumer warpgroups: per stage a "full"
+// mbarrier and an "empty" mbarrier (one arrival per consumer warpgroup). A TMA producer makes
+// one arrival on "full" with the stage's transaction bytes (producer_acquire); a cp.async
+// producer of kProducerArrivals threads waits for the stage (producer_wait) and each thread's
+// copies arrive on "full" when they land (arrive_on_copies). Every arrival is CTA-local: CUTLASS's PipelineTmaAsync
 // releases through cluster addressing (mapa to CTA rank 0), which reaches another CTA's barriers
 // when the kernel is not launched as a cluster (measured: the releases never arrived and the
 // producer waited forever). Built on CUTLASS's barrier primitives and PipelineState.
@@ -12,7 +14,7 @@
 
 namespace sparse_attn::cuda::sm90 {
 
-template <int kStages, int kConsumerWarpgroups>
+template <int kStages, int kConsumerWarpgroups, int kProducerArrivals = 1>
 struct TmaPipeline {
   using State = cutlass::PipelineState<kStages>;
   using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
@@ -29,7 +31,7 @@ struct TmaPipeline {
   // One thread of the CTA, before the CTA-wide barrier that publishes the initialisation.
   __device__ static void init(SharedStorage& s) {
     for (int i = 0; i < kStages; ++i) {
-      FullBarrier::init(&s.full[i], 1);
+      FullBarrier::init(&s.full[i], kProducerArrivals);
       EmptyBarrier::init(&s.empty[i], kConsumerWarpgroups);
     }
   }
@@ -37,10 +39,18 @@ struct TmaPipeline {
   // The producer starts one phase ahead: every stage is free.
   __device__ static State producer_start() { return State{0, 1, 0}; }
 
-  // Producer thread: wait until the stage is free, then announce its bytes.
+  // TMA producer thread: wait until the stage is free, then announce its bytes.
   __device__ void producer_acquire(const State& st) const {
-    EmptyBarrier::wait(&s.empty[st.index()], st.phase());
+    producer_wait(st);
     FullBarrier::arrive_and_expect_tx(&s.full[st.index()], transaction_bytes);
+  }
+  __device__ void producer_wait(const State& st) const {
+    EmptyBarrier::wait(&s.empty[st.index()], st.phase());
+  }
+  // cp.async producer thread, after issuing its copies of the stage: its arrival on "full"
+  // fires when they have landed (noinc: the arrival is one of the kProducerArrivals).
+  __device__ void arrive_on_copies(const State& st) const {
+    cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[st.index()]);
   }
   __device__ uint64_t* full_barrier(const State& st) const { return &s.full[st.index()]; }
 

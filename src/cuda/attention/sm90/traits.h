@@ -12,7 +12,11 @@
 
 namespace sparse_attn::cuda::sm90 {
 
-template <class Element_, int kHeadDim_, int kBlockN_, int kStages_>
+// kProducerArrivals: 1 for a TMA producer (one arrival and the transaction bytes per stage), or
+// the producer threads of a cp.async producer (one arrival each). The register split is the
+// producer's and each consumer thread's setmaxnreg target.
+template <class Element_, int kHeadDim_, int kBlockN_, int kStages_, int kProducerArrivals_ = 1,
+          int kProducerRegisters_ = 24, int kConsumerRegisters_ = 240>
 struct FwdTraits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
   static constexpr int kHeadDim = kHeadDim_;
@@ -24,8 +28,13 @@ struct FwdTraits {
   static constexpr int kThreads = kConsumerThreads + 128;
   // setmaxnreg targets: the producer only computes addresses and issues copies; the consumers
   // hold O, S and P. 128 * 24 + 256 * 240 fits the 64K registers of an SM at one CTA per SM.
-  static constexpr int kProducerRegisters = 24;
-  static constexpr int kConsumerRegisters = 240;
+  static constexpr int kProducerRegisters = kProducerRegisters_;
+  static constexpr int kConsumerRegisters = kConsumerRegisters_;
+  static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <= 65536,
+                "the register split fits one CTA per SM");
+  static constexpr int kProducerArrivals = kProducerArrivals_;
+  // Copies through the generic proxy (cp.async) must be fenced before GMMA reads them.
+  static constexpr bool kGenericProxyLoads = kProducerArrivals > 1;
   // Elements per 128-byte swizzle row: TMA boxes and smem column blocks are this wide.
   static constexpr int kSwizzleCols = 128 / sizeof(Element);
 
@@ -67,7 +76,7 @@ struct FwdTraits {
   static constexpr uint32_t kTileBytes = kBlockN * kHeadDim * sizeof(Element);
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
 
-  using Pipeline = TmaPipeline<kStages, kConsumerWarpgroups>;
+  using Pipeline = TmaPipeline<kStages, kConsumerWarpgroups, kProducerArrivals>;
   using PipelineState = typename Pipeline::State;
 
   struct SharedStorage {
