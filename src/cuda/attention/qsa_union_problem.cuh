@@ -47,7 +47,13 @@ struct QsaUnionProblem {
       // Then per (row, union block) the multiplicity, two 16-bit counts a word.
       uint32_t counts[C::kMaxRows][C::kMaxUnion / 2];
     };
+    // Bit k of live[j][n]: row j attends union token 64 n + k (its block counted, the token
+    // not after the row's position nor past the sequence); dup[j]'s bit n: a count of row j
+    // in tile n exceeds 1 (the scores there take the log2(count) bias).
+    uint64_t live[C::kMaxRows][C::kMaxUnion / 16];
+    uint32_t dup[C::kMaxRows][(C::kMaxUnion / 16 + 31) / 32];
     int32_t blocks[C::kMaxUnion];  // the union, ascending
+    int32_t outer[C::kMaxUnion];   // each union block's K/V outer index: its page, or request
     int32_t pos[C::kMaxRows];      // causal positions; -1 for a padding row (no keys)
     int32_t warp_sum[C::kThreads / 32];
     int32_t request, seq_len_k, max_pos, n_union;
@@ -185,11 +191,23 @@ struct QsaUnionProblem {
       }
     }
     __syncthreads();  // the bitmap is dead: its storage becomes the counts
+    for (int i = tid; i < total; i += C::kThreads) {
+      sh.outer[i] = p.kv_layout == KVLayout::kPaged
+                        ? p.block_table.narrowed()[b * p.block_table_batch_stride +
+                                                   (4 * sh.blocks[i] / p.page_size) *
+                                                       p.block_table_page_stride]
+                        : b;
+    }
 
     // Counts of every row over the tiles' blocks (a partial last tile reads zeros).
     const int padded = (total + kBlockN / 4 - 1) / (kBlockN / 4) * (kBlockN / 4);
+    const int tiles = padded / (kBlockN / 4);
     for (int i = tid; i < rows * (padded / 2); i += C::kThreads) {
       sh.counts[i / (padded / 2)][i % (padded / 2)] = 0u;
+    }
+    for (int i = tid; i < rows * tiles; i += C::kThreads) sh.live[i / tiles][i % tiles] = 0u;
+    for (int i = tid; i < C::kMaxRows * ((C::kMaxUnion / 16 + 31) / 32); i += C::kThreads) {
+      (&sh.dup[0][0])[i] = 0u;
     }
     __syncthreads();
     CUTE_UNROLL
@@ -206,6 +224,23 @@ struct QsaUnionProblem {
       }
       const int j = (i * C::kThreads + tid) / (static_cast<int>(pr.p.num_blocks) + 1);
       atomicAdd(&sh.counts[j][lo / 2], 1u << (16 * (lo % 2)));
+    }
+    __syncthreads();
+    // Each (row, union block)'s four tokens into the row's live bits of the block's tile.
+    for (int i = tid; i < rows * total; i += C::kThreads) {
+      const int j = i / total, rank = i % total;
+      const int count = static_cast<int>((sh.counts[j][rank / 2] >> (16 * (rank % 2))) & 0xffffu);
+      if (count == 0) continue;
+      uint32_t nibble = 0u;
+      CUTE_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int t = 4 * sh.blocks[rank] + e;
+        if (t <= sh.pos[j] && t < seq_len_k) nibble |= 1u << e;
+      }
+      const int n = rank / (kBlockN / 4), within = rank % (kBlockN / 4);
+      auto* words = reinterpret_cast<uint32_t*>(&sh.live[j][n]);
+      atomicOr(&words[within / 8], nibble << (4 * (within % 8)));
+      if (count > 1) atomicOr(&sh.dup[j][n / 32], 1u << (n % 32));
     }
     if (tid == 0) sh.n_union = total;
     __syncthreads();
@@ -275,27 +310,27 @@ struct QsaUnionProblem {
       if (tok <= max_pos && tok < seq_len_k) {
         int64_t outer = b, slot = tok;
         if (p.kv_layout == KVLayout::kPaged) {
-          outer = p.block_table.narrowed()[b * p.block_table_batch_stride +
-                                           (tok / p.page_size) * p.block_table_page_stride];
+          outer = sh.outer[rank];
           slot = tok % p.page_size;
         }
         k_off = outer * p.k_batch_stride + slot * p.k_token_stride + kvh * p.k_head_stride;
         v_off = outer * p.v_batch_stride + slot * p.v_token_stride + kvh * p.v_head_stride;
       }
     };
-    // V stages hold the same [kBlockN, D] layout as K stages (LayoutVt views it transposed).
-    cute::Tensor sK = cute::make_tensor(cute::make_smem_ptr(ss.k.data()), typename T::LayoutK{});
-    cute::Tensor sV = cute::make_tensor(cute::make_smem_ptr(ss.v.data()), typename T::LayoutK{});
-    auto copy_tile = [&](Pipe& pipe, auto& state, const Element* base, int64_t off, auto& stages) {
+    // A K (and V) stage is LayoutK: the K-major 128-byte swizzle puts 16-byte chunk c of tile
+    // row `row` at column block c / 8, row `row`, slot (c % 8) ^ (row % 8) of that row (V
+    // stages hold the same bytes; LayoutVt views them transposed). Lane `lane` copies chunk
+    // `lane` of rows 16 warp .. 16 warp + 15, whose row % 8 is r % 8.
+    const int lane_offset = (lane / 8) * (kBlockN * 64) + 16 * warp * 64;
+    auto copy_tile = [&](Pipe& pipe, auto& state, const Element* base, int64_t off,
+                         Element* stages) {
       pipe.producer_wait(state);
-      // Not unrolled: the 16 rows' destinations would be hoisted out of the tile loop and
-      // spill at the producer's 40 registers.
-#pragma unroll 1
+      Element* dst = stages + state.index() * (kBlockN * C::kHeadDim) + lane_offset;
+      CUTE_UNROLL
       for (int r = 0; r < 16; ++r) {
         const int64_t o = __shfl_sync(0xffffffffu, off, r);
-        const int row = 16 * warp + r;
         Copy::copy(*reinterpret_cast<const cute::uint128_t*>(base + (o >= 0 ? o + lane * 8 : 0)),
-                   *reinterpret_cast<cute::uint128_t*>(&stages(row, lane * 8, state.index())),
+                   *reinterpret_cast<cute::uint128_t*>(dst + r * 64 + ((lane % 8) ^ (r % 8)) * 8),
                    o >= 0);
       }
       pipe.arrive_on_copies(state);
@@ -307,48 +342,46 @@ struct QsaUnionProblem {
     auto state_v = Pipe::producer_start();
     int64_t k_off, v_off, v_prev;
     source(n, k_off, v_off);
-    copy_tile(pipe_k, state_k, kp, k_off, sK);
+    copy_tile(pipe_k, state_k, kp, k_off, ss.k.data());
     v_prev = v_off;
     while (it.next(n)) {
       source(n, k_off, v_off);
-      copy_tile(pipe_k, state_k, kp, k_off, sK);
-      copy_tile(pipe_v, state_v, vp, v_prev, sV);
+      copy_tile(pipe_k, state_k, kp, k_off, ss.k.data());
+      copy_tile(pipe_v, state_v, vp, v_prev, ss.v.data());
       v_prev = v_off;
     }
-    copy_tile(pipe_v, state_v, vp, v_prev, sV);
+    copy_tile(pipe_v, state_v, vp, v_prev, ss.v.data());
   }
 
   // ----- scores -------------------------------------------------------------------------
   __device__ int keys() const { return INT_MAX; }  // union tiles past the end are zero-filled
   __device__ float scale_log2() const { return pr.p.scale_log2; }
 
+  // Scores where the row does not attend the token are -inf; where the row counts the token's
+  // block more than once (duplicate hint entries: rare) they take the bias log2(count), in raw
+  // score units (the softmax scales by scale_log2).
   template <class Scores, class Coords>
   __device__ void mask_scores(int n, Scores& s, const Coords& coords, int) const {
-    const float inv_scale = 1.f / pr.p.scale_log2;
-    const int seq_len_k = sh.seq_len_k;
     constexpr int kRowsHeld = decltype(cute::size<0>(s))::value;
-    int j[kRowsHeld], pos[kRowsHeld];
     CUTE_UNROLL
     for (int i = 0; i < kRowsHeld; ++i) {
-      j[i] = cta_row(cute::get<0>(coords(i, 0)));
-      pos[i] = j[i] >= 0 ? sh.pos[j[i]] : -1;
-    }
-    // A thread's columns come in pairs of one block: (2 q, 2 q + 1) + 8 k.
-    CUTE_UNROLL
-    for (int c = 0; c < cute::size<1>(s); c += 2) {
-      const int u = n * kBlockN + cute::get<1>(coords(0, c));
-      const int rank = u / 4;
-      const int tok = 4 * sh.blocks[rank] + u % 4;  // rank < the padded union: count 0 past it
+      const int j = cta_row(cute::get<0>(coords(i, 0)));
+      // Shifted once to this thread's first column: the others are compile-time offsets
+      // from it in the accumulator layout.
+      const int col0 = cute::get<1>(coords(i, 0));
+      const uint64_t live = j >= 0 ? sh.live[j][n] >> col0 : 0u;
       CUTE_UNROLL
-      for (int i = 0; i < kRowsHeld; ++i) {
-        const int count =
-            j[i] >= 0 ? static_cast<int>((sh.counts[j[i]][rank / 2] >> (16 * (rank % 2))) & 0xffffu)
-                      : 0;
-        const float bias = count > 1 ? log2f(static_cast<float>(count)) * inv_scale : 0.f;
+      for (int c = 0; c < cute::size<1>(s); ++c) {
+        const int offset = cute::get<1>(coords(i, c)) - col0;
+        if (((live >> offset) & 1u) == 0u) s(i, c) = -INFINITY;
+      }
+      if (j >= 0 && (sh.dup[j][n / 32] >> (n % 32) & 1u) != 0u) {
+        const float inv_scale = 1.f / pr.p.scale_log2;
         CUTE_UNROLL
-        for (int e = 0; e < 2; ++e) {
-          const bool live = count > 0 && tok + e <= pos[i] && tok + e < seq_len_k;
-          s(i, c + e) = live ? s(i, c + e) + bias : -INFINITY;
+        for (int c = 0; c < cute::size<1>(s); ++c) {
+          const int rank = (n * kBlockN + cute::get<1>(coords(i, c))) / 4;
+          const uint32_t count = (sh.counts[j][rank / 2] >> (16 * (rank % 2))) & 0xffffu;
+          if (count > 1u) s(i, c) += __log2f(static_cast<float>(count)) * inv_scale;
         }
       }
     }
