@@ -56,8 +56,8 @@ struct Case {
   bool pad_by_position = false;  // padding rows carry request 0's id at a negative position
                                  // (else request id -1)
   bool int64_metadata = false;   // every metadata tensor (ids, table, lengths, ...) as int64
-  bool views = false;         // sliced inputs with offsets, strided out with bytes around it
-  bool dense_v = false;       // with views: V stays dense, so K and V strides differ
+  bool views = false;            // sliced inputs with offsets, strided out with bytes around it
+  bool dense_v = false;          // with views: V stays dense, so K and V strides differ
   // Each row of a request repeats the previous row's ids with about 1 in 20 redrawn, as
   // neighbouring prefill rows do (the row-tile kernel then gathers mostly shared tokens).
   bool shared = false;
@@ -922,9 +922,12 @@ TEST_P(GpuSparseAttentionUnion, WindowSelectionGivesTheTokenResult) {
     }
     for (int64_t j = 0; j < uc.nb; ++j) {
       const double x = u01(rng);
-      if (x < 0.005) row[j] = -1;
-      else if (x < 0.01) row[j] = static_cast<int32_t>(vis + (x < 0.0075 ? 0 : 1));
-      else if (x < 0.02) row[j] = row[std::uniform_int_distribution<int64_t>(0, uc.nb - 1)(rng)];
+      if (x < 0.005)
+        row[j] = -1;
+      else if (x < 0.01)
+        row[j] = static_cast<int32_t>(vis + (x < 0.0075 ? 0 : 1));
+      else if (x < 0.02)
+        row[j] = row[std::uniform_int_distribution<int64_t>(0, uc.nb - 1)(rng)];
     }
     expand_hint_row(row, uc.nb, p, &ids[r * c.width]);
   }
@@ -947,14 +950,32 @@ TEST_P(GpuSparseAttentionUnion, WindowSelectionGivesTheTokenResult) {
 INSTANTIATE_TEST_SUITE_P(
     Window, GpuSparseAttentionUnion,
     ::testing::Values(
-        UnionCase{"page64_nb512_rows150", DType::kBF16, 64, {150}, {5200}, 512,
-                  Gate::kElementwise, true},
-        UnionCase{"page1600_two_requests_nb256", DType::kBF16, 1600, {97, 53}, {4100, 2000},
-                  256, Gate::kPerHead, true},
-        UnionCase{"page16_short_rows_nb64", DType::kBF16, 16, {40, 30}, {120, 60}, 64,
-                  Gate::kNone, false},
-        UnionCase{"fp16_page800_nb128", DType::kF16, 800, {64, 31}, {3000, 900}, 128,
-                  Gate::kElementwise, true}),
+        UnionCase{
+            "page64_nb512_rows150", DType::kBF16, 64, {150}, {5200}, 512, Gate::kElementwise, true},
+        UnionCase{"page1600_two_requests_nb256",
+                  DType::kBF16,
+                  1600,
+                  {97, 53},
+                  {4100, 2000},
+                  256,
+                  Gate::kPerHead,
+                  true},
+        UnionCase{"page16_short_rows_nb64",
+                  DType::kBF16,
+                  16,
+                  {40, 30},
+                  {120, 60},
+                  64,
+                  Gate::kNone,
+                  false},
+        UnionCase{"fp16_page800_nb128",
+                  DType::kF16,
+                  800,
+                  {64, 31},
+                  {3000, 900},
+                  128,
+                  Gate::kElementwise,
+                  true}),
     [](const ::testing::TestParamInfo<UnionCase>& info) { return info.param.name; });
 
 // More rows than a grid's y/z limit: rows run on gridDim.x.

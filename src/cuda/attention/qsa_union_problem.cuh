@@ -7,10 +7,11 @@
 // The union is built once per CTA, by every thread before the roles split, from the block hint
 // (docs/qsa.md's entry rules: a hinted block counts where it is complete at the row's position,
 // the tail entry is the row's current incomplete block): a bitmap over the visible blocks gives
-// the sorted, duplicate-free union, and a count per (row, union block) the multiplicities. A
-// score of row j at union token t is s + log2(count) / scale_log2 where row j counts t's block
-// and t is not after its position nor past the sequence, else -inf, which is the reference's
-// sum over the row's entries with each duplicate counted. The order of the sums is the union's,
+// the sorted, duplicate-free union, a count per (row, union block) the multiplicities, and from
+// them a 64-bit mask per (row, tile) of the tokens the row attends. A score of row j at union
+// token t is s + log2(count) / scale_log2 where row j counts t's block and t is not after its
+// position nor past the sequence, else -inf, which is the reference's sum over the row's
+// entries with each duplicate counted. The order of the sums is the union's,
 // not the caller's (FP32 sums; docs/qsa.md allows it); reruns are bitwise equal.
 //
 // A CTA whose rows span requests, reach past the bitmap, or whose union exceeds kMaxUnion
@@ -25,8 +26,8 @@
 #include <cute/tensor.hpp>
 
 #include "api/qsa_attention_params.h"
-#include "cuda/attention/sparse_attention_common.cuh"
 #include "cuda/attention/qsa_union_params.h"
+#include "cuda/attention/sparse_attention_common.cuh"
 #include "cuda/attention/sparse_attention_launch.h"
 
 namespace sparse_attn::cuda {
@@ -142,8 +143,8 @@ struct QsaUnionProblem {
       CUTE_UNROLL
       for (int i = 0; i < C::kEntriesPerThread; ++i) {
         const int idx = blk[i] >= 0 ? 4 * blk[i] / static_cast<int>(p.page_size) : 0;
-        page[i] = p.block_table.narrowed()[b * p.block_table_batch_stride +
-                                           idx * p.block_table_page_stride];
+        page[i] = p.block_table
+                      .narrowed()[b * p.block_table_batch_stride + idx * p.block_table_page_stride];
       }
       CUTE_UNROLL
       for (int i = 0; i < C::kEntriesPerThread; ++i) {
@@ -192,11 +193,12 @@ struct QsaUnionProblem {
     }
     __syncthreads();  // the bitmap is dead: its storage becomes the counts
     for (int i = tid; i < total; i += C::kThreads) {
-      sh.outer[i] = p.kv_layout == KVLayout::kPaged
-                        ? p.block_table.narrowed()[b * p.block_table_batch_stride +
-                                                   (4 * sh.blocks[i] / p.page_size) *
-                                                       p.block_table_page_stride]
-                        : b;
+      sh.outer[i] =
+          p.kv_layout == KVLayout::kPaged
+              ? p.block_table
+                    .narrowed()[b * p.block_table_batch_stride +
+                                (4 * sh.blocks[i] / p.page_size) * p.block_table_page_stride]
+              : b;
     }
 
     // Counts of every row over the tiles' blocks (a partial last tile reads zeros).
@@ -397,8 +399,8 @@ struct QsaUnionProblem {
     const int64_t r = r0 + cta_row(m), h = head_of(m);
     if (p.gate_kind != GateKind::kNone) {
       auto* e = reinterpret_cast<Element*>(&v);
-      const auto* g = static_cast<const Element*>(p.gate) + r * p.gate_row_stride +
-                      h * p.gate_head_stride;
+      const auto* g =
+          static_cast<const Element*>(p.gate) + r * p.gate_row_stride + h * p.gate_head_stride;
       CUTE_UNROLL
       for (int i = 0; i < 8; ++i) {
         const float gate = static_cast<float>(

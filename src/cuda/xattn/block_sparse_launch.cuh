@@ -30,11 +30,10 @@ void launch_block_sparse_fwd(const BlockSparseFwdParams& p, int64_t tiles, cudaS
   int device = 0;
   SPARSE_ATTN_CUDA_CHECK(cudaGetDevice(&device));
   std::call_once(set[device % 64], [&] {
-    SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                kSmem));
+    SPARSE_ATTN_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   });
-  kernel<<<static_cast<unsigned>(tiles * p.splits), Traits::kThreads, kSmem, stream>>>(
-      p);
+  kernel<<<static_cast<unsigned>(tiles * p.splits), Traits::kThreads, kSmem, stream>>>(p);
   SPARSE_ATTN_CUDA_CHECK_LAUNCH();
   if (p.splits > 1) {
     const dim3 grid(static_cast<unsigned>(tiles), 128 / kMergeRowsPerCta);
