@@ -6,6 +6,7 @@
 #include <climits>
 #include <cstdint>
 #include <initializer_list>
+#include <limits>
 
 #include "api/qsa_attention_params.h"
 #include "cuda/attention/qsa_union_params.h"
@@ -52,7 +53,10 @@ bool use_union(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
     }
     return true;
   };
-  return x.block_hint && p.group >= 12 && p.group <= 16 &&
+  // Its rows and CTAs (at least 8 rows each, one per KV head) are numbered in int32.
+  constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
+  return x.block_hint && p.group >= 12 && p.group <= 16 && p.rows <= kMaxInt &&
+         (p.rows / 8 + 1) * p.num_kv_heads <= kMaxInt &&
          p.num_blocks <= QsaUnionConfig::kMaxEntries - 1 && p.kv_dtype == p.dtype &&
          p.kv_layout != KVLayout::kPhysical && p.q_dim_stride == 1 && p.k_dim_stride == 1 &&
          p.v_dim_stride == 1 && p.out_dim_stride == 1 &&
