@@ -876,10 +876,8 @@ struct UnionCase {
 
 class GpuSparseAttentionUnion : public ::testing::TestWithParam<UnionCase> {};
 
-TEST_P(GpuSparseAttentionUnion, WindowSelectionGivesTheTokenResult) {
-  SPARSE_ATTN_REQUIRE_GPU();
-  const UnionCase& uc = GetParam();
-  auto rng = testing::make_rng();
+// The case's problem, its rows right-aligned in their requests (positions given).
+Problem union_problem(const UnionCase& uc, std::mt19937_64& rng) {
   Case c;
   c.dtype = uc.dtype;
   c.q_rows = uc.q_rows;
@@ -898,21 +896,27 @@ TEST_P(GpuSparseAttentionUnion, WindowSelectionGivesTheTokenResult) {
     pos32[r] = static_cast<int32_t>(pb.row_pos[r]);
   }
   pb.positions = testing::int32_tensor({pb.rows}, pos32);
-  const int64_t recent = uc.nb / 8;
-  std::vector<int32_t> blocks(pb.rows * uc.nb), ids(pb.rows * c.width, -1);
+  return pb;
+}
+
+// A fresh window selection with noise for every row of pb: sets pb.idx to its expansion and
+// returns the block hint [rows, nb].
+Tensor window_hint(Problem& pb, int64_t nb, std::mt19937_64& rng) {
+  const int64_t recent = nb / 8, width = pb.c.width;
+  std::vector<int32_t> blocks(pb.rows * nb), ids(pb.rows * width, -1);
   std::uniform_real_distribution<double> u01(0, 1);
   std::vector<int32_t> window;
   int64_t window_of = -1;
   for (int64_t r = 0; r < pb.rows; ++r) {
     const int64_t p = pb.row_pos[r], vis = (p + 1) / 4;
-    int32_t* row = &blocks[r * uc.nb];
-    if (vis <= uc.nb) {
-      for (int64_t j = 0; j < uc.nb; ++j) row[j] = static_cast<int32_t>(j < vis ? j : -1);
+    int32_t* row = &blocks[r * nb];
+    if (vis <= nb) {
+      for (int64_t j = 0; j < nb; ++j) row[j] = static_cast<int32_t>(j < vis ? j : -1);
     } else {
       if (p / 64 != window_of || r == 0 || pb.row_req[r] != pb.row_req[r - 1]) {
         window_of = p / 64;
         const int64_t from = std::max<int64_t>(1, (64 * window_of + 1) / 4);
-        window.assign(uc.nb - recent, 0);
+        window.assign(nb - recent, 0);
         for (int32_t& b : window) {
           b = static_cast<int32_t>(std::uniform_int_distribution<int64_t>(0, from - 1)(rng));
         }
@@ -920,20 +924,30 @@ TEST_P(GpuSparseAttentionUnion, WindowSelectionGivesTheTokenResult) {
       for (int64_t j = 0; j < recent; ++j) row[j] = static_cast<int32_t>(vis - 1 - j);
       std::copy(window.begin(), window.end(), row + recent);
     }
-    for (int64_t j = 0; j < uc.nb; ++j) {
+    for (int64_t j = 0; j < nb; ++j) {
       const double x = u01(rng);
-      if (x < 0.005)
+      if (x < 0.005) {
         row[j] = -1;
-      else if (x < 0.01)
+      } else if (x < 0.01) {
         row[j] = static_cast<int32_t>(vis + (x < 0.0075 ? 0 : 1));
-      else if (x < 0.02)
-        row[j] = row[std::uniform_int_distribution<int64_t>(0, uc.nb - 1)(rng)];
+      } else if (x < 0.02) {
+        row[j] = row[std::uniform_int_distribution<int64_t>(0, nb - 1)(rng)];
+      }
     }
-    expand_hint_row(row, uc.nb, p, &ids[r * c.width]);
+    expand_hint_row(row, nb, p, &ids[r * width]);
   }
-  pb.idx = testing::int32_tensor({pb.rows, c.width}, ids);
+  pb.idx = testing::int32_tensor({pb.rows, width}, ids);
+  return testing::int32_tensor({pb.rows, nb}, blocks);
+}
+
+TEST_P(GpuSparseAttentionUnion, WindowSelectionGivesTheTokenResult) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  const UnionCase& uc = GetParam();
+  auto rng = testing::make_rng();
+  Problem pb = union_problem(uc, rng);
+  const Tensor blocks = window_hint(pb, uc.nb, rng);
   DeviceProblem dp = to_device_problem(pb, rng);
-  Tensor db = to_device(testing::int32_tensor({pb.rows, uc.nb}, blocks));
+  Tensor db = to_device(blocks);
   dp.opts.block_indices = db.view();
   std::optional<TensorView> lse;
   if (uc.lse) lse = dp.lse;
@@ -1247,6 +1261,43 @@ TEST(GpuSparseAttentionGraph, ReplayReadsCurrentMetadata) {
     ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     expect_matches(next, dp, oracle(next));
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// The union kernel and the row-tile kernel after it (the tile flags in a pool workspace the
+// graph owns) replay with the hint and token ids current at replay: new window selections,
+// tiles of two requests among them.
+TEST(GpuSparseAttentionUnionGraph, ReplayReadsCurrentHint) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = testing::make_rng();
+  const UnionCase uc{"graph", DType::kBF16, 64, {97, 53}, {4100, 2000}, 256, Gate::kPerHead, true};
+  Problem pb = union_problem(uc, rng);
+  const Tensor blocks = window_hint(pb, uc.nb, rng);
+  DeviceProblem dp = to_device_problem(pb, rng);
+  Tensor db = to_device(blocks);
+  dp.opts.block_indices = db.view();
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  dp.opts.stream = stream;
+  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);  // warm-up
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int step = 0; step < 2; ++step) {
+    const Tensor next = window_hint(pb, uc.nb, rng);
+    copy_into(dp.idx, pb.idx.view());
+    copy_into(db.view(), next.view());
+    poison_device(dp.out);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    expect_matches(pb, dp, oracle(pb));
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
