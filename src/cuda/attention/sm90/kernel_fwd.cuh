@@ -12,12 +12,15 @@
 //   kGatherProducer                    false: warp 0 runs the TMA producer below with load_q,
 //                                      load_k and load_v; true: the whole producer warpgroup
 //                                      runs prob.produce<Traits>(ss, pipe_k, pipe_v) instead
-//   TileIterator tiles()               warp-collective iterator over K/V tile indices (descending)
+//   TileIterator tiles()               warp-collective iterator over K/V tile indices (the
+//                                      Problem's order: block-sparse descending)
 //   void load_q(smem, mbar)            issue the Q tile's copies (one thread)
 //   void load_k / load_v(n, smem, mbar, leader)
 //                                      tile n's copies (warp-collective: lanes look pages up,
 //                                      the leader issues)
 //   int keys()                         keys of the row's sequence: tile rows past it are masked
+//                                      and their V rows zeroed (only the first tile may reach
+//                                      past it); INT_MAX where the producer zero-fills them
 //   void mask_scores(n, s, coords, first_row)
 //                                      mask (or bias) tile n's scores s of the warpgroup whose
 //                                      first CTA row is first_row; s and coords are the
