@@ -5,6 +5,8 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include "sparse_attn/tensor.h"
 
 namespace sparse_attn::testing {
@@ -16,6 +18,26 @@ bool gpu_available();
 Tensor to_device(const Tensor& host);
 // A device tensor of `shape` filled with NaN / garbage (see poison()).
 Tensor poisoned_device(const Shape& shape, DType dtype);
+
+// A CUDA graph captured from one `call(stream)` on a stream of its own, after a warm-up call
+// there (a captured call must not be a device's first: it would set the kernels' shared-memory
+// limits and create pools inside the capture); destroyed with the object.
+class CapturedGraph {
+ public:
+  explicit CapturedGraph(const std::function<void(cudaStream_t)>& call);
+  ~CapturedGraph();
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+
+  bool ok() const { return exec_ != nullptr; }  // every step of the capture succeeded
+  // Replays the graph and waits for it: the launch's error, else the wait's.
+  cudaError_t replay() const;
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
 
 }  // namespace sparse_attn::testing
 

@@ -125,37 +125,21 @@ TEST(GpuBlockSparseDeterminism, RerunsAreBitwiseEqual) {
   }
 }
 
-// A graph captured from one native run of `pb` on its own stream (after a warm-up run there),
-// replayed by replay(); destroyed with the object.
+// A graph captured from one native run of `pb` (testing::CapturedGraph), replayed and checked
+// by expect_replay_matches_reference.
 struct CapturedRun {
-  cudaStream_t stream = nullptr;
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  bool ok = false;
+  testing::CapturedGraph graph;
 
-  explicit CapturedRun(Problem& pb) {
-    if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) return;
-    run(pb, true, stream);
-    if (cudaStreamSynchronize(stream) != cudaSuccess) return;
-    if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) != cudaSuccess) return;
-    run(pb, true, stream);
-    if (cudaStreamEndCapture(stream, &graph) != cudaSuccess) return;
-    ok = cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
-  }
+  explicit CapturedRun(Problem& pb) : graph([&](cudaStream_t s) { run(pb, true, s); }) {}
+  bool ok() const { return graph.ok(); }
   // Poisons the outputs, replays, and checks them against the reference on pb's current
   // inputs (the caller has copied its changed metadata to the device).
   void expect_replay_matches_reference(Problem& pb) const {
     testing::poison(pb.out.view());
     copy_into(pb.nout.view(), pb.out.view());
-    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    ASSERT_EQ(graph.replay(), cudaSuccess);
     run(pb, false);
     expect_matches_reference(pb);
-  }
-  ~CapturedRun() {
-    if (exec) cudaGraphExecDestroy(exec);
-    if (graph) cudaGraphDestroy(graph);
-    if (stream) cudaStreamDestroy(stream);
   }
 };
 
@@ -169,7 +153,7 @@ TEST(GpuBlockSparseGraph, ReplayReadsCurrentMask) {
   c.page_size = 64;
   Problem pb = make_device_problem(c, rng);
   CapturedRun captured(pb);
-  ASSERT_TRUE(captured.ok);
+  ASSERT_TRUE(captured.ok());
   for (int step = 0; step < 2; ++step) {
     std::uniform_real_distribution<double> u01(0, 1);
     for (int64_t i = 0; i < pb.mask.numel(); ++i)
@@ -191,7 +175,7 @@ TEST(GpuBlockSparseGraph, ReplayNarrowsCurrentInt64Metadata) {
   Problem pb = make_device_problem(c, rng);
   widen_metadata(pb);
   CapturedRun captured(pb);
-  ASSERT_TRUE(captured.ok);
+  ASSERT_TRUE(captured.ok());
   for (int64_t shorter : {0, 1}) {
     // Shorter sequences (fewer keys, a table whose last pages now go unused) at replay.
     std::vector<int32_t> lens(pb.seqlens.numel());

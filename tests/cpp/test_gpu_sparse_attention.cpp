@@ -1179,6 +1179,15 @@ INSTANTIATE_TEST_SUITE_P(Forms, GpuSparseAttentionWorkspace, ::testing::ValuesIn
                            return info.param.name;
                          });
 
+// One call of dp's problem captured on a stream of its own (testing::CapturedGraph); dp's
+// options keep that stream.
+testing::CapturedGraph capture(DeviceProblem& dp) {
+  return testing::CapturedGraph([&](cudaStream_t stream) {
+    dp.opts.stream = stream;
+    qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);
+  });
+}
+
 // A graph captured with a caller-owned workspace (no allocation node in it) replays correctly.
 TEST(GpuSparseAttentionWorkspaceGraph, CapturedWithCallerWorkspace) {
   SPARSE_ATTN_REQUIRE_GPU();
@@ -1191,17 +1200,8 @@ TEST(GpuSparseAttentionWorkspaceGraph, CapturedWithCallerWorkspace) {
   ASSERT_GT(bytes, 0u);
   Tensor workspace = testing::poisoned_device({static_cast<int64_t>(bytes)}, DType::kU8);
   dp.opts.workspace = workspace.view();
-  cudaStream_t stream;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  dp.opts.stream = stream;
-  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);  // warm-up
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  cudaGraph_t graph;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  const testing::CapturedGraph captured = capture(dp);
+  ASSERT_TRUE(captured.ok());
 
   Problem next = make_problem(c, rng);
   next.q = pb.q;
@@ -1214,12 +1214,8 @@ TEST(GpuSparseAttentionWorkspaceGraph, CapturedWithCallerWorkspace) {
   copy_into(*dp.opts.query_positions, next.positions.view());
   poison_device(dp.out);
   poison_device(workspace.view());
-  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  ASSERT_EQ(captured.replay(), cudaSuccess);
   expect_matches(next, dp, oracle(next));
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 // A captured graph reads the metadata current at replay: new ids, lengths and positions
@@ -1232,18 +1228,8 @@ TEST(GpuSparseAttentionGraph, ReplayReadsCurrentMetadata) {
   c.positions = true;
   Problem pb = make_problem(c, rng);
   DeviceProblem dp = to_device_problem(pb, rng);
-  cudaStream_t stream;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  dp.opts.stream = stream;
-  // Warm-up outside capture, then capture one call.
-  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  cudaGraph_t graph;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  const testing::CapturedGraph captured = capture(dp);
+  ASSERT_TRUE(captured.ok());
 
   for (int step = 0; step < 2; ++step) {
     // New selections and positions, written into the captured buffers.
@@ -1258,13 +1244,9 @@ TEST(GpuSparseAttentionGraph, ReplayReadsCurrentMetadata) {
     copy_into(dp.idx, next.idx.view());
     copy_into(*dp.opts.query_positions, next.positions.view());
     poison_device(dp.out);
-    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    ASSERT_EQ(captured.replay(), cudaSuccess);
     expect_matches(next, dp, oracle(next));
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 // The union kernel and the row-tile kernel after it (the tile flags in a pool workspace the
@@ -1279,29 +1261,16 @@ TEST(GpuSparseAttentionUnionGraph, ReplayReadsCurrentHint) {
   DeviceProblem dp = to_device_problem(pb, rng);
   Tensor db = to_device(blocks);
   dp.opts.block_indices = db.view();
-  cudaStream_t stream;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  dp.opts.stream = stream;
-  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);  // warm-up
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  cudaGraph_t graph;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  const testing::CapturedGraph captured = capture(dp);
+  ASSERT_TRUE(captured.ok());
   for (int step = 0; step < 2; ++step) {
     const Tensor next = window_hint(pb, uc.nb, rng);
     copy_into(dp.idx, pb.idx.view());
     copy_into(db.view(), next.view());
     poison_device(dp.out);
-    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    ASSERT_EQ(captured.replay(), cudaSuccess);
     expect_matches(pb, dp, oracle(pb));
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 }  // namespace

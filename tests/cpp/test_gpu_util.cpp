@@ -23,4 +23,25 @@ Tensor poisoned_device(const Shape& shape, DType dtype) {
   return to_device(h);
 }
 
+CapturedGraph::CapturedGraph(const std::function<void(cudaStream_t)>& call) {
+  if (cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess) return;
+  call(stream_);
+  if (cudaStreamSynchronize(stream_) != cudaSuccess) return;
+  if (cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal) != cudaSuccess) return;
+  call(stream_);
+  if (cudaStreamEndCapture(stream_, &graph_) != cudaSuccess) return;
+  if (cudaGraphInstantiate(&exec_, graph_, 0) != cudaSuccess) exec_ = nullptr;
+}
+
+CapturedGraph::~CapturedGraph() {
+  if (exec_) cudaGraphExecDestroy(exec_);
+  if (graph_) cudaGraphDestroy(graph_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+cudaError_t CapturedGraph::replay() const {
+  const cudaError_t launched = cudaGraphLaunch(exec_, stream_);
+  return launched != cudaSuccess ? launched : cudaStreamSynchronize(stream_);
+}
+
 }  // namespace sparse_attn::testing
