@@ -42,9 +42,10 @@ bool use_row_tiles(const SparseAttentionParams& p, int num_splits) {
   }
 }
 
-// Whether the union prefill kernel runs ahead of the row-tile kernel: the block hint, a group
-// that packs 4 or 5 rows into each warpgroup's 64 M rows, at most the seed's 512 hint columns,
-// same-dtype K/V, and 16-byte rows and strides for its copies. Host-side facts only.
+// Whether the union prefill kernel runs ahead of the row-tile kernel: the block hint (never in
+// physical mode), a group that packs 4 or 5 rows into each warpgroup's 64 M rows, at most the
+// seed's 512 hint columns, same-dtype K/V, and 16-byte rows and strides for its copies of Q and
+// out (K and V have them already: check_native's vector-load rule). Host-side facts only.
 bool use_union(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
   const auto aligned = [](const void* ptr, std::initializer_list<int64_t> strides) {
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
@@ -58,11 +59,8 @@ bool use_union(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
   return x.block_hint && p.group >= 12 && p.group <= 16 && p.rows <= kMaxInt &&
          (p.rows / 8 + 1) * p.num_kv_heads <= kMaxInt &&
          p.num_blocks <= QsaUnionConfig::kMaxEntries - 1 && p.kv_dtype == p.dtype &&
-         p.kv_layout != KVLayout::kPhysical && p.q_dim_stride == 1 && p.k_dim_stride == 1 &&
-         p.v_dim_stride == 1 && p.out_dim_stride == 1 &&
+         p.q_dim_stride == 1 && p.out_dim_stride == 1 &&
          aligned(p.q, {p.q_row_stride, p.q_head_stride}) &&
-         aligned(p.k, {p.k_batch_stride, p.k_token_stride, p.k_head_stride}) &&
-         aligned(p.v, {p.v_batch_stride, p.v_token_stride, p.v_head_stride}) &&
          aligned(p.out, {p.out_row_stride, p.out_head_stride});
 }
 
