@@ -24,6 +24,7 @@
 #include <climits>
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/tensor.hpp>
+#include <type_traits>
 
 #include "api/qsa_attention_params.h"
 #include "cuda/attention/qsa_union_params.h"
@@ -398,14 +399,12 @@ struct QsaUnionProblem {
     const SparseAttentionParams& p = pr.p;
     const int64_t r = r0 + cta_row(m), h = head_of(m);
     if (p.gate_kind != GateKind::kNone) {
-      auto* e = reinterpret_cast<Element*>(&v);
-      const auto* g =
-          static_cast<const Element*>(p.gate) + r * p.gate_row_stride + h * p.gate_head_stride;
+      // The CUDA type of the same bits, for the gate rule the other kernels apply.
+      using T = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, __half, __nv_bfloat16>;
+      auto* e = reinterpret_cast<T*>(&v);
       CUTE_UNROLL
       for (int i = 0; i < 8; ++i) {
-        const float gate = static_cast<float>(
-            p.gate_kind == GateKind::kElementwise ? g[(col + i) * p.gate_dim_stride] : g[0]);
-        e[i] = Element(static_cast<float>(e[i]) * sigmoid(gate));
+        e[i] = gated_output<T>(p, r, h, col + i, ElementTraits<T>::to_float(e[i]));
       }
     }
     auto* out = static_cast<Element*>(p.out) + r * p.out_row_stride + h * p.out_head_stride + col;

@@ -192,10 +192,10 @@ __device__ inline int64_t entry_tokens(const SparseAttentionParams& p,
 
 __device__ inline float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
-// out[r, h, d] = round(round(attn) * sigmoid(gate)) (the unfused result), or round(attn).
+// out[r, h, d]: round(round(attn) * sigmoid(gate)) (the unfused result), or round(attn).
 template <typename T>
-__device__ inline void store_output(const SparseAttentionParams& p, int64_t r, int64_t h, int d,
-                                    float attn) {
+__device__ inline T gated_output(const SparseAttentionParams& p, int64_t r, int64_t h, int d,
+                                 float attn) {
   using E = ElementTraits<T>;
   T o = E::from_float(attn);
   if (p.gate_kind != GateKind::kNone) {
@@ -203,7 +203,14 @@ __device__ inline void store_output(const SparseAttentionParams& p, int64_t r, i
     if (p.gate_kind == GateKind::kElementwise) g += d * p.gate_dim_stride;
     o = E::from_float(E::to_float(o) * sigmoid(E::to_float(*g)));
   }
-  static_cast<T*>(p.out)[r * p.out_row_stride + h * p.out_head_stride + d * p.out_dim_stride] = o;
+  return o;
+}
+
+template <typename T>
+__device__ inline void store_output(const SparseAttentionParams& p, int64_t r, int64_t h, int d,
+                                    float attn) {
+  static_cast<T*>(p.out)[r * p.out_row_stride + h * p.out_head_stride + d * p.out_dim_stride] =
+      gated_output<T>(p, r, h, d, attn);
 }
 
 // Swizzled 16-byte slot of (row, chunk) in a [rows][kChunks] tile.
