@@ -219,15 +219,9 @@ struct QsaUnionProblem {
   __device__ void store_o(int m, int col, uint4 v) const {
     const SparseAttentionParams& p = pr.p;
     const int64_t r = r0 + cta_row(m), h = head_of(m);
-    if (p.gate_kind != GateKind::kNone) {
-      // The CUDA type of the same bits, for the gate rule the other kernels apply.
-      using T = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, __half, __nv_bfloat16>;
-      auto* e = reinterpret_cast<T*>(&v);
-      CUTE_UNROLL
-      for (int i = 0; i < 8; ++i) {
-        e[i] = gated_output<T>(p, r, h, col + i, ElementTraits<T>::to_float(e[i]));
-      }
-    }
+    // The CUDA type of the same bits, for the gate rule the other kernels apply.
+    using T = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, __half, __nv_bfloat16>;
+    gate_outputs8<T>(p, r, h, col, v);
     auto* out = static_cast<Element*>(p.out) + r * p.out_row_stride + h * p.out_head_stride + col;
     *reinterpret_cast<uint4*>(out) = v;
   }
