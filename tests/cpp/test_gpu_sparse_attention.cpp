@@ -1249,6 +1249,31 @@ TEST(GpuSparseAttentionGraph, ReplayReadsCurrentMetadata) {
   }
 }
 
+// More row tiles than one build + attention launch pair takes (QsaUnionConfig::kChunkTiles
+// tiles of 10 rows): every chunk, the last one partial, gives what the row-tile kernel gives
+// for the same token ids without the hint (the oracle's cost at 20K rows is left to the
+// smaller cases above, which check both kernels against it).
+TEST(GpuSparseAttentionUnionChunks, RowsPastOneChunkMatchTheRowTileKernel) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = testing::make_rng();
+  const UnionCase uc{
+      "chunks", DType::kBF16, 64, {20500}, {21000}, 16, Gate::kElementwise, false};
+  Problem pb = union_problem(uc, rng);
+  const Tensor blocks = window_hint(pb, uc.nb, rng);
+  DeviceProblem dp = to_device_problem(pb, rng);
+  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, std::nullopt, dp.opts);
+  const std::vector<double> row_tiles = to_vector(Tensor::to_host(dp.out).view());
+  Tensor db = to_device(blocks);
+  dp.opts.block_indices = db.view();
+  poison_device(dp.out);
+  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, std::nullopt, dp.opts);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  // Each side is within the oracle tolerance of the exact result.
+  EXPECT_TRUE(testing::all_close(Tensor::to_host(dp.out).view(), row_tiles,
+                                 2 * testing::default_atol(uc.dtype),
+                                 2 * testing::default_rtol(uc.dtype)));
+}
+
 // The union kernel and the row-tile kernel after it (the tile flags in a pool workspace the
 // graph owns) replay with the hint and token ids current at replay: new window selections,
 // tiles of two requests among them.
