@@ -20,7 +20,7 @@ using C = QsaUnionConfig;
 struct BuildStorage {
   union {
     uint32_t bitmap[C::kBitmapWords];  // while the union is built
-    uint32_t counts[C::kMaxRows][C::kMaxUnion / 2];
+    uint32_t counts[C::kMaxRows][C::kMaxUnion / 2];  // two 16-bit counts a word
   };
   QsaUnionData d;
   int32_t warp_sum[C::kThreads / 32];
@@ -153,6 +153,7 @@ __device__ int build_union(const QsaUnionParams& pr, BuildStorage& s, int tid, i
     const int j = i / total, rank = i % total;
     const int count = static_cast<int>((s.counts[j][rank / 2] >> (16 * (rank % 2))) & 0xffffu);
     if (count == 0) continue;
+    if (count > 255) d.ok = 0;  // the record's counts are bytes
     uint32_t nibble = 0u;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -215,10 +216,13 @@ __global__ void __launch_bounds__(C::kThreads)
   for (int i = tid; i < static_cast<int>(sizeof(QsaUnionData) / 16); i += C::kThreads) {
     dst[i] = src[i];
   }
-  if (d.ok != 0) {
-    const int words = (total + C::kBlockN / 4 - 1) / (C::kBlockN / 4) * (C::kBlockN / 8);
+  if (d.ok != 0) {  // the counts as bytes, four a word, over the tiles the union fills
+    const int words = (total + C::kBlockN / 4 - 1) / (C::kBlockN / 4) * (C::kBlockN / 16);
     for (int i = tid; i < rows * words; i += C::kThreads) {
-      out.counts[i / words][i % words] = s.counts[i / words][i % words];
+      const int j = i / words, w = i % words;
+      const uint32_t lo = s.counts[j][2 * w], hi = s.counts[j][2 * w + 1];
+      reinterpret_cast<uint32_t*>(out.counts[j])[w] =
+          __byte_perm(lo, hi, 0x6420);  // the low byte of each 16-bit count
     }
   }
   if (tid == 0) pr.handled[tile] = d.ok != 0 ? 1 : 0;

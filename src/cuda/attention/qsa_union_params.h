@@ -16,7 +16,7 @@ struct QsaUnionConfig {
   static constexpr int kBlockN = 64;         // union tokens per K/V tile: 16 blocks
   static constexpr int kStages = 2;          // per K and V: 64 KB of Q + 128 KB of K/V tiles
   static constexpr int kMaxRows = 10;        // 2 x (64 / group), group 12 .. 16
-  static constexpr int kMaxUnion = 768;      // union blocks of a CTA (3072 tokens, 48 tiles)
+  static constexpr int kMaxUnion = 1024;     // union blocks of a CTA (4096 tokens, 64 tiles)
   static constexpr int kBitmapWords = 4096;  // visible blocks 131072: positions < 524288
   static constexpr int kThreads = 384;
   static constexpr int kMaxEntries = 512 + 1;  // block hint columns (the seed's limit) + tail
@@ -32,18 +32,21 @@ struct alignas(16) QsaUnionData {
   // after the row's position nor past the sequence); dup[j]'s bit n: a count of row j in tile n
   // exceeds 1 (the scores there take the log2(count) bias).
   uint64_t live[QsaUnionConfig::kMaxRows][QsaUnionConfig::kMaxUnion / 16];
-  uint32_t dup[QsaUnionConfig::kMaxRows][2];
+  uint32_t dup[QsaUnionConfig::kMaxRows][(QsaUnionConfig::kMaxUnion / 16 + 31) / 32];
   int32_t blocks[QsaUnionConfig::kMaxUnion];  // the union, ascending
   int32_t outer[QsaUnionConfig::kMaxUnion];   // each block's K/V outer index: page, or request
   int32_t pos[QsaUnionConfig::kMaxRows];      // causal positions; -1 for a padding row
   int32_t request, seq_len_k, max_pos, n_union;
-  int32_t ok;      // 0: the tile is the row-tile kernel's (two requests, too far, union too big)
+  int32_t ok;  // 0: the row-tile kernel's tile (two requests, too far, union too big, a count
+               // over 255)
   int32_t pad[1];  // to 16 bytes: the kernels copy it in 16-byte pieces
 };
 struct QsaUnionTile {
   QsaUnionData data;
-  // Per (row, union block) the multiplicity, two 16-bit counts a word (read where dup is set).
-  uint32_t counts[QsaUnionConfig::kMaxRows][QsaUnionConfig::kMaxUnion / 2];
+  // Per (row, union block) the multiplicity (read where dup is set). A byte each keeps the
+  // record within the attention CTA's shared memory; a row that lists one block more than 255
+  // times leaves its tile to the row-tile kernel.
+  uint8_t counts[QsaUnionConfig::kMaxRows][QsaUnionConfig::kMaxUnion];
 };
 
 // Params of both kernels: the validated problem (ids narrowed to int32), the chunk of row tiles

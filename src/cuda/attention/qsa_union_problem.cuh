@@ -204,7 +204,7 @@ struct QsaUnionProblem {
         CUTE_UNROLL
         for (int c = 0; c < cute::size<1>(s); ++c) {
           const int rank = (n * kBlockN + cute::get<1>(coords(i, c))) / 4;
-          const uint32_t count = (sh.counts[j][rank / 2] >> (16 * (rank % 2))) & 0xffffu;
+          const uint32_t count = sh.counts[j][rank];
           if (count > 1u) s(i, c) += __log2f(static_cast<float>(count)) * inv_scale;
         }
       }
