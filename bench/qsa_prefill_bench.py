@@ -15,8 +15,11 @@ row), dense time / ours, and the mean union of blocks over tiles of 10 consecuti
 union kernel's CTA), against 513 for fully shared rows.
 
 Timing: cuda_timing.time_ms (L2 flushed before every run, median).
+With --kernels, each case also prints the GPU time of every kernel one call launches
+(torch.profiler), so the time outside the attention kernels shows.
+
 Usage: python3 bench/qsa_prefill_bench.py [--quick] [--n 16384,65536] [--pages 64,1600]
-    [--kinds random,window]
+    [--kinds random,window] [--kernels]
 """
 import argparse
 
@@ -91,7 +94,23 @@ def ours(n, page, kind, gen):
 
     ms = time_ms(fn, warmup=1, reps=3 if n > 65536 else 5)
     valid = (ids >= 0).sum().item()
-    return ms, 4.0 * HQ * D * valid / ms / 1e9, union_per_tile(blocks)
+    return ms, 4.0 * HQ * D * valid / ms / 1e9, union_per_tile(blocks), fn
+
+
+def print_kernels(fn):
+    """The kernels of one call of fn and their GPU times."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    total = 0.0
+    for e in prof.key_averages():
+        if e.device_type.name != "CUDA" or e.device_time_total <= 0:
+            continue
+        total += e.device_time_total
+        print(f"    {e.device_time_total / 1e3:9.3f} ms  x{e.count:<3} {e.key[:100]}")
+    print(f"    {total / 1e3:9.3f} ms  in all")
 
 
 def main():
@@ -100,6 +119,7 @@ def main():
     ap.add_argument("--n", default="16384,65536,131072")
     ap.add_argument("--pages", default="64,1600")
     ap.add_argument("--kinds", default="random,window")
+    ap.add_argument("--kernels", action="store_true", help="each kernel's time of one call")
     a = ap.parse_args()
     ns = [16384, 65536] if a.quick else [int(x) for x in a.n.split(",")]
     pages = [64] if a.quick else [int(x) for x in a.pages.split(",")]
@@ -110,9 +130,11 @@ def main():
         dense = dense_ms(n, gen)
         for page in pages:
             for kind in a.kinds.split(","):
-                ms, tflops, union = ours(n, page, kind, gen)
+                ms, tflops, union, fn = ours(n, page, kind, gen)
                 print(f"{f'{kind}_{n // 1024}k_page{page}':32} {ms:9.3f} {tflops:8.1f} "
                       f"{dense:9.3f} {dense / ms:8.2f} {union:10.0f}", flush=True)
+                if a.kernels:
+                    print_kernels(fn)
         torch.cuda.empty_cache()
 
 

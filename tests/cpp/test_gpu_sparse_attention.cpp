@@ -1249,6 +1249,54 @@ TEST(GpuSparseAttentionGraph, ReplayReadsCurrentMetadata) {
   }
 }
 
+// A row listing one block 300 times: the union record keeps a byte per count, so its tile
+// goes to the row-tile kernel; the block still counts 300 times, and the other tiles stay the
+// union kernel's.
+TEST(GpuSparseAttentionUnionCounts, BlockListed300TimesCountsEveryTime) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = testing::make_rng();
+  const UnionCase uc{"counts", DType::kBF16, 64, {40}, {6000}, 512, Gate::kNone, true};
+  Problem pb = union_problem(uc, rng);
+  Tensor blocks = window_hint(pb, uc.nb, rng);
+  const int64_t r = 13, p = pb.row_pos[r], width = pb.c.width;
+  int32_t* row = blocks.data_as<int32_t>() + r * uc.nb;
+  std::fill(row, row + 300, static_cast<int32_t>((p + 1) / 4 - 3));
+  int32_t* ids = pb.idx.data_as<int32_t>() + r * width;
+  std::fill(ids, ids + width, -1);
+  expand_hint_row(row, uc.nb, p, ids);
+  DeviceProblem dp = to_device_problem(pb, rng);
+  Tensor db = to_device(blocks);
+  dp.opts.block_indices = db.view();
+  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  expect_matches(pb, dp, oracle(pb));
+}
+
+// More row tiles than one build + attention launch pair takes (QsaUnionConfig::kChunkTiles
+// tiles of 10 rows): every chunk, the last one partial, gives what the row-tile kernel gives
+// for the same token ids without the hint (the oracle's cost at 20K rows is left to the
+// smaller cases above, which check both kernels against it).
+TEST(GpuSparseAttentionUnionChunks, RowsPastOneChunkMatchTheRowTileKernel) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = testing::make_rng();
+  const UnionCase uc{
+      "chunks", DType::kBF16, 64, {20500}, {21000}, 16, Gate::kElementwise, false};
+  Problem pb = union_problem(uc, rng);
+  const Tensor blocks = window_hint(pb, uc.nb, rng);
+  DeviceProblem dp = to_device_problem(pb, rng);
+  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, std::nullopt, dp.opts);
+  const std::vector<double> row_tiles = to_vector(Tensor::to_host(dp.out).view());
+  Tensor db = to_device(blocks);
+  dp.opts.block_indices = db.view();
+  poison_device(dp.out);
+  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, std::nullopt, dp.opts);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  // Each side is within the oracle tolerance of the exact result.
+  EXPECT_TRUE(testing::all_close(Tensor::to_host(dp.out).view(), row_tiles,
+                                 2 * testing::default_atol(uc.dtype),
+                                 2 * testing::default_rtol(uc.dtype)));
+}
+
 // The union kernel and the row-tile kernel after it (the tile flags in a pool workspace the
 // graph owns) replay with the hint and token ids current at replay: new window selections,
 // tiles of two requests among them.

@@ -36,7 +36,7 @@ void launch_qsa_union(const QsaUnionParams& params, cudaStream_t stream) {
     SPARSE_ATTN_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   });
-  const int64_t ctas = static_cast<int64_t>(params.row_tiles) * params.p.num_kv_heads;
+  const int64_t ctas = static_cast<int64_t>(params.chunk_tiles) * params.p.num_kv_heads;
   kernel<<<static_cast<unsigned>(ctas), Traits::kThreads, kSmem, stream>>>(params);
   SPARSE_ATTN_CUDA_CHECK_LAUNCH();
 }

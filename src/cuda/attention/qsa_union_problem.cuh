@@ -4,19 +4,19 @@
 // 5 rows = 60 of each warpgroup's 64 at the canonical 24/2), against the union of the rows'
 // selected 4-token blocks, 64 union tokens per K/V tile.
 //
-// The union is built once per CTA, by every thread before the roles split, from the block hint
-// (docs/qsa.md's entry rules: a hinted block counts where it is complete at the row's position,
-// the tail entry is the row's current incomplete block): a bitmap over the visible blocks gives
-// the sorted, duplicate-free union, a count per (row, union block) the multiplicities, and from
-// them a 64-bit mask per (row, tile) of the tokens the row attends. A score of row j at union
-// token t is s + log2(count) / scale_log2 where row j counts t's block and t is not after its
-// position nor past the sequence, else -inf, which is the reference's sum over the row's
-// entries with each duplicate counted. The order of the sums is the union's,
-// not the caller's (FP32 sums; docs/qsa.md allows it); reruns are bitwise equal.
+// The union of each tile of rows is built ahead of this kernel by qsa_union_build.cu (at its
+// own occupancy, once for all KV heads) and copied into shared memory when a CTA starts: the
+// sorted, duplicate-free union blocks, a 64-bit mask per (row, 64-token tile) of the tokens
+// the row attends, and the rows' multiplicities. A score of row j at union token t is
+// s + log2(count) / scale_log2 where row j counts t's block and t is not after its position
+// nor past the sequence, else -inf: the reference's sum over the row's entries, each
+// duplicate counted. The order of the sums is the union's, not the caller's (FP32 sums;
+// docs/qsa.md allows it); reruns are bitwise equal.
 //
-// A CTA whose rows span requests, reach past the bitmap, or whose union exceeds kMaxUnion
-// blocks (independent selections: the union would be ~R times a row's) writes nothing and marks
-// itself not handled; the row-tile kernel takes those rows (sparse_attention_native.cpp).
+// A tile whose rows span requests, reach past the build's bitmap, or whose union exceeds
+// kMaxUnion blocks (independent selections: the union would be ~R times a row's) is marked by
+// the build; its CTAs write nothing and the row-tile kernel takes its rows
+// (sparse_attention_native.cpp).
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -43,24 +43,7 @@ struct QsaUnionProblem {
   static_assert(kBlockN == C::kBlockN && Traits::kHeadDim == C::kHeadDim);
   static_assert(Traits::kProducerArrivals == 128, "the producer warpgroup gathers");
 
-  struct SharedStorage {
-    union {
-      uint32_t bitmap[C::kBitmapWords];  // while the union is built
-      // Then per (row, union block) the multiplicity, two 16-bit counts a word.
-      uint32_t counts[C::kMaxRows][C::kMaxUnion / 2];
-    };
-    // Bit k of live[j][n]: row j attends union token 64 n + k (its block counted, the token
-    // not after the row's position nor past the sequence); dup[j]'s bit n: a count of row j
-    // in tile n exceeds 1 (the scores there take the log2(count) bias).
-    uint64_t live[C::kMaxRows][C::kMaxUnion / 16];
-    uint32_t dup[C::kMaxRows][(C::kMaxUnion / 16 + 31) / 32];
-    int32_t blocks[C::kMaxUnion];  // the union, ascending
-    int32_t outer[C::kMaxUnion];   // each union block's K/V outer index: its page, or request
-    int32_t pos[C::kMaxRows];      // causal positions; -1 for a padding row (no keys)
-    int32_t warp_sum[C::kThreads / 32];
-    int32_t request, seq_len_k, max_pos, n_union;
-    int32_t ok;
-  };
+  using SharedStorage = QsaUnionTile;  // copied whole from the build's output
   static constexpr int kSharedBytes = (sizeof(SharedStorage) + 127) / 128 * 128;
 
   const Params& pr;
@@ -68,185 +51,23 @@ struct QsaUnionProblem {
   int r0 = 0, kvh = 0, rows_per_wg = 0, n_tiles = 0;
   bool ok = false;
 
-  // ----- the CTA's rows and their union (every thread) ----------------------------------------
+  // ----- the CTA's rows and their union, built by qsa_union_build.cu (every thread) ---------
   __device__ QsaUnionProblem(const Params& params, int cta, char* shared)
       : pr(params), sh(*reinterpret_cast<SharedStorage*>(shared)) {
-    const SparseAttentionParams& p = pr.p;
     const int tid = static_cast<int>(threadIdx.x);
     rows_per_wg = pr.rows_per_wg;
-    const int rows = 2 * rows_per_wg;
-    kvh = cta / pr.row_tiles;
-    r0 = (cta % pr.row_tiles) * rows;
-
-    // resolve_row is collective (find_request counts over the CTA).
-    if (tid == 0) {
-      sh.ok = 1;
-      sh.request = -1;
-      sh.max_pos = -1;
-      sh.seq_len_k = 0;
+    kvh = cta / pr.chunk_tiles;
+    const int local = cta % pr.chunk_tiles;
+    r0 = (pr.tile_begin + local) * 2 * rows_per_wg;
+    static_assert(sizeof(SharedStorage) % 16 == 0);
+    const auto* src = reinterpret_cast<const uint4*>(&pr.tiles[local]);
+    auto* dst = reinterpret_cast<uint4*>(&sh);
+    for (int i = tid; i < static_cast<int>(sizeof(SharedStorage) / 16); i += C::kThreads) {
+      dst[i] = src[i];
     }
     __syncthreads();
-    for (int j = 0; j < rows; ++j) {
-      RowInfo ri;
-      ri.active = false;
-      if (r0 + j < p.rows) ri = resolve_row(p, pr.x, r0 + j);
-      if (tid == 0) {
-        // Positions past the bitmap, or rows of two requests, are the row-tile kernel's.
-        const bool fits = ri.pos < 4 * int64_t{C::kBitmapWords} * 32 - 4;
-        if (ri.active && (!fits || (sh.request >= 0 && sh.request != ri.b))) sh.ok = 0;
-        const bool live = ri.active && fits;
-        sh.pos[j] = live ? static_cast<int32_t>(ri.pos) : -1;
-        if (live) {
-          sh.request = ri.b;
-          sh.seq_len_k = static_cast<int32_t>(min(ri.seq_len_k, int64_t{INT_MAX}));
-          sh.max_pos = max(sh.max_pos, static_cast<int32_t>(ri.pos));
-        }
-      }
-    }
-    __syncthreads();
-    ok = sh.ok != 0;
-    if (ok) build_union(tid, rows);
-    ok = sh.ok != 0;
-    if (tid == 0) pr.handled[cta] = ok ? 1 : 0;
-    n_tiles = (4 * sh.n_union + kBlockN - 1) / kBlockN;
-  }
-
-  __device__ void build_union(int tid, int rows) {
-    const SparseAttentionParams& p = pr.p;
-    const int b = max(sh.request, 0);
-    const int max_pos = sh.max_pos, seq_len_k = sh.seq_len_k;
-    const int words = max_pos < 0 ? 0 : (max_pos + 1) / 4 / 32 + 1;
-    for (int w = tid; w < words; w += C::kThreads) sh.bitmap[w] = 0u;
-
-    // Entry f of the CTA is row f / (nb + 1), column f % (nb + 1); column nb is the tail. A
-    // thread's entries' loads go out together (ids, then the pages behind them).
-    const int nb = static_cast<int>(p.num_blocks), per_row = nb + 1;
-    int32_t blk[C::kEntriesPerThread];
-    CUTE_UNROLL
-    for (int i = 0; i < C::kEntriesPerThread; ++i) {
-      const int f = i * C::kThreads + tid, j = f / per_row, e = f % per_row;
-      blk[i] = -1;
-      if (f < rows * per_row && sh.pos[j] >= 0) {
-        const int pos = sh.pos[j];
-        if (e < nb) {
-          const int32_t id =
-              p.block_indices.narrowed()[(r0 + j) * p.block_indices_row_stride +
-                                         static_cast<int64_t>(e) * p.block_indices_col_stride];
-          blk[i] = id >= 0 && 4 * static_cast<int64_t>(id) + 3 <= pos ? id : -1;
-        } else if ((pos + 1) % 4 != 0) {
-          blk[i] = (pos + 1) / 4;
-        }
-        if (4 * static_cast<int64_t>(blk[i]) >= seq_len_k) blk[i] = -1;
-      }
-    }
-    if (p.kv_layout == KVLayout::kPaged) {  // pages hold whole blocks (page_size % 4 == 0)
-      int32_t page[C::kEntriesPerThread];
-      CUTE_UNROLL
-      for (int i = 0; i < C::kEntriesPerThread; ++i) {
-        const int idx = blk[i] >= 0 ? 4 * blk[i] / static_cast<int>(p.page_size) : 0;
-        page[i] = p.block_table
-                      .narrowed()[b * p.block_table_batch_stride + idx * p.block_table_page_stride];
-      }
-      CUTE_UNROLL
-      for (int i = 0; i < C::kEntriesPerThread; ++i) {
-        if (page[i] < 0 || page[i] >= p.num_pages) blk[i] = -1;
-      }
-    }
-    __syncthreads();  // the bitmap is clear
-    CUTE_UNROLL
-    for (int i = 0; i < C::kEntriesPerThread; ++i) {
-      if (blk[i] >= 0) atomicOr(&sh.bitmap[blk[i] / 32], 1u << (blk[i] % 32));
-    }
-    __syncthreads();
-
-    // The union in ascending order: each thread's run of words, an exclusive scan of their
-    // counts over the CTA, then each thread writes its blocks.
-    const int per_thread = (words + C::kThreads - 1) / C::kThreads;
-    const int w0 = tid * per_thread, w1 = min(words, w0 + per_thread);
-    int mine = 0;
-    for (int w = w0; w < w1; ++w) mine += __popc(sh.bitmap[w]);
-    const int lane = tid % 32, warp = tid / 32;
-    int incl = mine;
-    CUTE_UNROLL
-    for (int d = 1; d < 32; d *= 2) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += v;
-    }
-    if (lane == 31) sh.warp_sum[warp] = incl;
-    __syncthreads();
-    int before = incl - mine, total = 0;
-    for (int w = 0; w < C::kThreads / 32; ++w) {
-      if (w < warp) before += sh.warp_sum[w];
-      total += sh.warp_sum[w];
-    }
-    if (total > C::kMaxUnion) {  // CTA-uniform
-      if (tid == 0) sh.ok = 0;
-      __syncthreads();
-      return;
-    }
-    for (int w = w0; w < w1; ++w) {
-      uint32_t bits = sh.bitmap[w];
-      while (bits != 0u) {
-        const int bit = __ffs(bits) - 1;
-        bits &= bits - 1u;
-        sh.blocks[before++] = 32 * w + bit;
-      }
-    }
-    __syncthreads();  // the bitmap is dead: its storage becomes the counts
-    for (int i = tid; i < total; i += C::kThreads) {
-      sh.outer[i] =
-          p.kv_layout == KVLayout::kPaged
-              ? p.block_table
-                    .narrowed()[b * p.block_table_batch_stride +
-                                (4 * sh.blocks[i] / p.page_size) * p.block_table_page_stride]
-              : b;
-    }
-
-    // Counts of every row over the tiles' blocks (a partial last tile reads zeros).
-    const int padded = (total + kBlockN / 4 - 1) / (kBlockN / 4) * (kBlockN / 4);
-    const int tiles = padded / (kBlockN / 4);
-    for (int i = tid; i < rows * (padded / 2); i += C::kThreads) {
-      sh.counts[i / (padded / 2)][i % (padded / 2)] = 0u;
-    }
-    for (int i = tid; i < rows * tiles; i += C::kThreads) sh.live[i / tiles][i % tiles] = 0u;
-    for (int i = tid; i < C::kMaxRows * ((C::kMaxUnion / 16 + 31) / 32); i += C::kThreads) {
-      (&sh.dup[0][0])[i] = 0u;
-    }
-    __syncthreads();
-    CUTE_UNROLL
-    for (int i = 0; i < C::kEntriesPerThread; ++i) {
-      if (blk[i] < 0) continue;
-      int lo = 0, hi = total - 1;  // blk[i] is in the union
-      while (lo < hi) {
-        const int mid = (lo + hi) / 2;
-        if (sh.blocks[mid] < blk[i]) {
-          lo = mid + 1;
-        } else {
-          hi = mid;
-        }
-      }
-      const int j = (i * C::kThreads + tid) / (static_cast<int>(pr.p.num_blocks) + 1);
-      atomicAdd(&sh.counts[j][lo / 2], 1u << (16 * (lo % 2)));
-    }
-    __syncthreads();
-    // Each (row, union block)'s four tokens into the row's live bits of the block's tile.
-    for (int i = tid; i < rows * total; i += C::kThreads) {
-      const int j = i / total, rank = i % total;
-      const int count = static_cast<int>((sh.counts[j][rank / 2] >> (16 * (rank % 2))) & 0xffffu);
-      if (count == 0) continue;
-      uint32_t nibble = 0u;
-      CUTE_UNROLL
-      for (int e = 0; e < 4; ++e) {
-        const int t = 4 * sh.blocks[rank] + e;
-        if (t <= sh.pos[j] && t < seq_len_k) nibble |= 1u << e;
-      }
-      const int n = rank / (kBlockN / 4), within = rank % (kBlockN / 4);
-      auto* words = reinterpret_cast<uint32_t*>(&sh.live[j][n]);
-      atomicOr(&words[within / 8], nibble << (4 * (within % 8)));
-      if (count > 1) atomicOr(&sh.dup[j][n / 32], 1u << (n % 32));
-    }
-    if (tid == 0) sh.n_union = total;
-    __syncthreads();
+    ok = sh.data.ok != 0;
+    n_tiles = (4 * sh.data.n_union + kBlockN - 1) / kBlockN;
   }
 
   __device__ bool has_rows() const { return ok; }
@@ -303,17 +124,17 @@ struct QsaUnionProblem {
     cutlass::arch::cpasync_barrier_arrive_noinc(reinterpret_cast<uint64_t*>(&ss.barrier_q));
 
     // Lanes 0-15: tile row 16 warp + lane % 16, its K and V element offsets (or -1).
-    const int b = max(sh.request, 0), max_pos = sh.max_pos, seq_len_k = sh.seq_len_k;
-    const int n_union = sh.n_union;
+    const int b = max(sh.data.request, 0), max_pos = sh.data.max_pos, seq_len_k = sh.data.seq_len_k;
+    const int n_union = sh.data.n_union;
     auto source = [&](int tile, int64_t& k_off, int64_t& v_off) {
       const int u = tile * kBlockN + 16 * warp + lane % 16;
       const int rank = u / 4;
-      const int tok = rank < n_union ? 4 * sh.blocks[rank] + u % 4 : INT_MAX;
+      const int tok = rank < n_union ? 4 * sh.data.blocks[rank] + u % 4 : INT_MAX;
       k_off = v_off = -1;
       if (tok <= max_pos && tok < seq_len_k) {
         int64_t outer = b, slot = tok;
         if (p.kv_layout == KVLayout::kPaged) {
-          outer = sh.outer[rank];
+          outer = sh.data.outer[rank];
           slot = tok % p.page_size;
         }
         k_off = outer * p.k_batch_stride + slot * p.k_token_stride + kvh * p.k_head_stride;
@@ -372,18 +193,18 @@ struct QsaUnionProblem {
       // Shifted once to this thread's first column: the others are compile-time offsets
       // from it in the accumulator layout.
       const int col0 = cute::get<1>(coords(i, 0));
-      const uint64_t live = j >= 0 ? sh.live[j][n] >> col0 : 0u;
+      const uint64_t live = j >= 0 ? sh.data.live[j][n] >> col0 : 0u;
       CUTE_UNROLL
       for (int c = 0; c < cute::size<1>(s); ++c) {
         const int offset = cute::get<1>(coords(i, c)) - col0;
         if (((live >> offset) & 1u) == 0u) s(i, c) = -INFINITY;
       }
-      if (j >= 0 && (sh.dup[j][n / 32] >> (n % 32) & 1u) != 0u) {
+      if (j >= 0 && (sh.data.dup[j][n / 32] >> (n % 32) & 1u) != 0u) {
         const float inv_scale = 1.f / pr.p.scale_log2;
         CUTE_UNROLL
         for (int c = 0; c < cute::size<1>(s); ++c) {
           const int rank = (n * kBlockN + cute::get<1>(coords(i, c))) / 4;
-          const uint32_t count = (sh.counts[j][rank / 2] >> (16 * (rank % 2))) & 0xffffu;
+          const uint32_t count = sh.counts[j][rank];
           if (count > 1u) s(i, c) += __log2f(static_cast<float>(count)) * inv_scale;
         }
       }
@@ -398,15 +219,9 @@ struct QsaUnionProblem {
   __device__ void store_o(int m, int col, uint4 v) const {
     const SparseAttentionParams& p = pr.p;
     const int64_t r = r0 + cta_row(m), h = head_of(m);
-    if (p.gate_kind != GateKind::kNone) {
-      // The CUDA type of the same bits, for the gate rule the other kernels apply.
-      using T = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, __half, __nv_bfloat16>;
-      auto* e = reinterpret_cast<T*>(&v);
-      CUTE_UNROLL
-      for (int i = 0; i < 8; ++i) {
-        e[i] = gated_output<T>(p, r, h, col + i, ElementTraits<T>::to_float(e[i]));
-      }
-    }
+    // The CUDA type of the same bits, for the gate rule the other kernels apply.
+    using T = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, __half, __nv_bfloat16>;
+    gate_outputs8<T>(p, r, h, col, v);
     auto* out = static_cast<Element*>(p.out) + r * p.out_row_stride + h * p.out_head_stride + col;
     *reinterpret_cast<uint4*>(out) = v;
   }

@@ -192,18 +192,49 @@ __device__ inline int64_t entry_tokens(const SparseAttentionParams& p,
 
 __device__ inline float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
-// out[r, h, d]: round(round(attn) * sigmoid(gate)) (the unfused result), or round(attn).
+// The gate rule: round(o * sigmoid(gate)) of the rounded output o (the unfused result).
+template <typename T>
+__device__ inline T apply_gate(T o, T gate) {
+  using E = ElementTraits<T>;
+  return E::from_float(E::to_float(o) * sigmoid(E::to_float(gate)));
+}
+
+// out[r, h, d]: round(attn), gated when a gate is given.
 template <typename T>
 __device__ inline T gated_output(const SparseAttentionParams& p, int64_t r, int64_t h, int d,
                                  float attn) {
-  using E = ElementTraits<T>;
-  T o = E::from_float(attn);
+  T o = ElementTraits<T>::from_float(attn);
   if (p.gate_kind != GateKind::kNone) {
     const T* g = static_cast<const T*>(p.gate) + r * p.gate_row_stride + h * p.gate_head_stride;
     if (p.gate_kind == GateKind::kElementwise) g += d * p.gate_dim_stride;
-    o = E::from_float(E::to_float(o) * sigmoid(E::to_float(*g)));
+    o = apply_gate(o, *g);
   }
   return o;
+}
+
+// Gates the 8 rounded outputs out[r, h, d .. d + 7] held in o. The gate is read-only for the
+// kernel's lifetime (ld.global.nc); a contiguous, 16-byte aligned element-wise gate is read in
+// one load, as the outputs are stored.
+template <typename T>
+__device__ inline void gate_outputs8(const SparseAttentionParams& p, int64_t r, int64_t h, int d,
+                                     uint4& o) {
+  if (p.gate_kind == GateKind::kNone) return;
+  const T* g = static_cast<const T*>(p.gate) + r * p.gate_row_stride + h * p.gate_head_stride;
+  uint4 gv;
+  auto* gate = reinterpret_cast<T*>(&gv);
+  if (p.gate_kind == GateKind::kElementwise && p.gate_dim_stride == 1 &&
+      reinterpret_cast<uintptr_t>(g + d) % 16 == 0) {
+    gv = __ldg(reinterpret_cast<const uint4*>(g + d));
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const T* at = p.gate_kind == GateKind::kElementwise ? g + (d + i) * p.gate_dim_stride : g;
+      gate[i] = __ldg(at);
+    }
+  }
+  auto* e = reinterpret_cast<T*>(&o);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) e[i] = apply_gate(e[i], gate[i]);
 }
 
 template <typename T>

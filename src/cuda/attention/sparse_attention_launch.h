@@ -21,16 +21,16 @@ struct SparseAttentionLaunch {
   // LSEs (log2 units, -inf for an empty split); null when num_splits == 1.
   float* o_partial = nullptr;
   float* lse_partial = nullptr;
-  // [num_kv_heads, union_row_tiles]: 1 where the union prefill kernel (qsa_union_problem.cuh)
-  // wrote the (union_rows rows, KV head) tile; the row-tile kernel leaves those rows alone.
+  // [ceil(rows / union_rows)]: 1 where the union prefill kernel (qsa_union_problem.cuh) wrote
+  // the tile of union_rows rows (every KV head); the row-tile kernel leaves those rows alone.
   // Null when that kernel did not run.
   const uint8_t* union_handled = nullptr;
-  int union_rows = 0, union_row_tiles = 0;
+  int union_rows = 0;
 };
 
-// The union prefill kernel: the CTAs it can take (qsa_union_problem.cuh) write their rows and
-// mark them in params.handled; the row-tile kernel, launched after it with x.union_handled, takes
-// the rest.
+// The union prefill kernel on a chunk of row tiles whose unions launch_qsa_union_build made
+// (qsa_union_params.h): it writes the rows of the tiles marked in params.handled; the row-tile
+// kernel, launched after every chunk with x.union_handled, takes the rest.
 struct QsaUnionParams;
 template <typename T>
 void launch_qsa_union(const QsaUnionParams& params, cudaStream_t stream);

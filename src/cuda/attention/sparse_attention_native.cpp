@@ -68,7 +68,7 @@ bool use_union(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
 // and how many bytes the whole takes.
 struct WorkspaceLayout {
   static constexpr size_t kAlign = 256;
-  size_t o_partial = 0, lse_partial = 0, union_handled = 0, bytes = 0;
+  size_t o_partial = 0, lse_partial = 0, union_handled = 0, union_tiles = 0, bytes = 0;
 };
 
 // The launch schedule of a call (pointers unset) and its workspace layout: the one place that
@@ -79,7 +79,8 @@ struct Schedule {
   size_t partial_slots = 0;  // num_splits * rows * Hq with SplitKV, else 0
   bool row_tiles = false;    // the row-tile kernel runs instead of the per-row one
   int union_rows = 0;        // rows per CTA of the union kernel, 0 when it does not run
-  int union_row_tiles = 0;
+  int union_row_tiles = 0;   // tiles of union_rows rows
+  int union_chunk = 0;       // row tiles per build + union kernel launch pair
   WorkspaceLayout workspace;
 };
 
@@ -108,6 +109,7 @@ Schedule schedule(const SparseAttentionParams& p) {
   if (s.row_tiles && use_union(p, x)) {
     s.union_rows = 2 * static_cast<int>(64 / p.group);
     s.union_row_tiles = static_cast<int>((p.rows + s.union_rows - 1) / s.union_rows);
+    s.union_chunk = std::min(s.union_row_tiles, QsaUnionConfig::kChunkTiles);
   }
   s.partial_slots =
       x.num_splits > 1 ? static_cast<size_t>(x.num_splits) * p.rows * p.num_q_heads : 0;
@@ -118,7 +120,8 @@ Schedule schedule(const SparseAttentionParams& p) {
   w.o_partial = 0;
   w.lse_partial = align(s.partial_slots * C::kHeadDim * sizeof(float));
   w.union_handled = w.lse_partial + align(s.partial_slots * sizeof(float));
-  w.bytes = w.union_handled + align(static_cast<size_t>(s.union_row_tiles) * p.num_kv_heads);
+  w.union_tiles = w.union_handled + align(static_cast<size_t>(s.union_row_tiles));
+  w.bytes = w.union_tiles + align(static_cast<size_t>(s.union_chunk) * sizeof(QsaUnionTile));
   return s;
 }
 
@@ -164,15 +167,20 @@ void native_sparse_attention(const SparseAttentionParams& p) {
     u.p = q;
     u.x = x;
     u.handled = reinterpret_cast<uint8_t*>(workspace + s.workspace.union_handled);
-    u.row_tiles = s.union_row_tiles;
+    u.tiles = reinterpret_cast<cuda::QsaUnionTile*>(workspace + s.workspace.union_tiles);
     u.rows_per_wg = s.union_rows / 2;
     x.union_handled = u.handled;
     x.union_rows = s.union_rows;
-    x.union_row_tiles = s.union_row_tiles;
   }
   cuda::dispatch_dtype(p.dtype, "qsa_sparse_attention", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    if (s.union_rows > 0) cuda::launch_qsa_union<T>(u, stream);
+    // Chunks of row tiles bound the tiles' workspace: each is built, then attended.
+    for (int begin = 0; begin < s.union_row_tiles; begin += s.union_chunk) {
+      u.tile_begin = begin;
+      u.chunk_tiles = std::min(s.union_chunk, s.union_row_tiles - begin);
+      cuda::launch_qsa_union_build(u, stream);
+      cuda::launch_qsa_union<T>(u, stream);
+    }
     if (s.row_tiles) {
       cuda::launch_sparse_attention_rows<T>(q, x, stream);
     } else {

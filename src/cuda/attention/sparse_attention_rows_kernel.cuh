@@ -192,8 +192,7 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
   const int group = static_cast<int>(p.group);
   // Rows the union prefill kernel wrote are not read nor written here.
   auto union_wrote = [&](int64_t r) {
-    return x.union_handled != nullptr &&
-           x.union_handled[static_cast<int64_t>(kvh) * x.union_row_tiles + r / x.union_rows] != 0;
+    return x.union_handled != nullptr && x.union_handled[r / x.union_rows] != 0;
   };
   bool any_left = false;
   for (int j = 0; j < C::kRows; ++j) any_left |= r0 + j < p.rows && !union_wrote(r0 + j);
