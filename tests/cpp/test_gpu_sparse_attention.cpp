@@ -758,7 +758,7 @@ INSTANTIATE_TEST_SUITE_P(Pages, GpuSparseAttentionBlockHint, ::testing::ValuesIn
                                {16, 3, {1, 1, 1}, {5001, 2998, 401}},
                                {64, 1, {9}, {58}},
                                {6, std::nullopt, {7, 2}, {500, 66}},
-                               // The row-tile kernel (one split, rows per request >= 4).
+                               // The union and gather kernels (one split, rows per request >= 4).
                                {16, 1, {40, 13}, {3000, 900}},
                                {64, std::nullopt, {37, 5}, {3000, 203}, true},
                                {16, 1, {40, 13}, {3000, 900}, true}};
@@ -775,7 +775,7 @@ INSTANTIATE_TEST_SUITE_P(Pages, GpuSparseAttentionBlockHint, ::testing::ValuesIn
 // with duplicates, -1 and future blocks, among them the row's current incomplete block) and
 // token_indices its expansion, which dropped every block with 4b + 3 > p and appended the
 // tail. No compact-blocks promise. The result must be the token-only one on every kernel
-// (row-tile with one split, per-row with SplitKV), on engine page sizes and on page 6, where
+// (union and gather with one split, per-row with SplitKV), on engine page sizes and on page 6, where
 // the hint is ignored; the positions are given, as engines give them.
 struct EngineHintCase {
   std::string name;
@@ -862,8 +862,10 @@ INSTANTIATE_TEST_SUITE_P(
 // aligned 64-position window from the blocks visible at the window's start; a row with
 // vis <= nb takes blocks 0 .. vis - 1), with 2% of entries replaced by -1, a future or current
 // block, or a duplicate. Tiles across two requests, and every other tile the kernel leaves,
-// go to the row-tile kernel; the result must be the token-only one, and bitwise equal on a
-// rerun.
+// go to the gather kernel; the result must be the token-only one, and bitwise equal on a
+// rerun. The random selection (a row with vis > nb takes nb blocks drawn with replacement
+// from all it sees, with the same noise) leaves every tile of long rows to the gather kernel
+// (qsa_gather_kernel.cuh).
 struct UnionCase {
   std::string name;
   DType dtype;
@@ -872,6 +874,8 @@ struct UnionCase {
   int64_t nb;
   Gate gate;
   bool lse;
+  bool random = false;
+  bool hole_page = false;  // one block_table entry inside a sequence is -1
 };
 
 class GpuSparseAttentionUnion : public ::testing::TestWithParam<UnionCase> {};
@@ -883,6 +887,7 @@ Problem union_problem(const UnionCase& uc, std::mt19937_64& rng) {
   c.q_rows = uc.q_rows;
   c.k_lens = uc.k_lens;
   c.page_size = uc.page_size;
+  c.hole_page = uc.hole_page;
   c.num_splits = 1;
   c.width = 4 * uc.nb + 3;
   c.gate = uc.gate;
@@ -899,9 +904,9 @@ Problem union_problem(const UnionCase& uc, std::mt19937_64& rng) {
   return pb;
 }
 
-// A fresh window selection with noise for every row of pb: sets pb.idx to its expansion and
-// returns the block hint [rows, nb].
-Tensor window_hint(Problem& pb, int64_t nb, std::mt19937_64& rng) {
+// A fresh window (or random) selection with noise for every row of pb: sets pb.idx to its
+// expansion and returns the block hint [rows, nb].
+Tensor selection_hint(Problem& pb, int64_t nb, bool random, std::mt19937_64& rng) {
   const int64_t recent = nb / 8, width = pb.c.width;
   std::vector<int32_t> blocks(pb.rows * nb), ids(pb.rows * width, -1);
   std::uniform_real_distribution<double> u01(0, 1);
@@ -912,6 +917,10 @@ Tensor window_hint(Problem& pb, int64_t nb, std::mt19937_64& rng) {
     int32_t* row = &blocks[r * nb];
     if (vis <= nb) {
       for (int64_t j = 0; j < nb; ++j) row[j] = static_cast<int32_t>(j < vis ? j : -1);
+    } else if (random) {
+      for (int64_t j = 0; j < nb; ++j) {
+        row[j] = static_cast<int32_t>(std::uniform_int_distribution<int64_t>(0, vis - 1)(rng));
+      }
     } else {
       if (p / 64 != window_of || r == 0 || pb.row_req[r] != pb.row_req[r - 1]) {
         window_of = p / 64;
@@ -940,12 +949,12 @@ Tensor window_hint(Problem& pb, int64_t nb, std::mt19937_64& rng) {
   return testing::int32_tensor({pb.rows, nb}, blocks);
 }
 
-TEST_P(GpuSparseAttentionUnion, WindowSelectionGivesTheTokenResult) {
+TEST_P(GpuSparseAttentionUnion, SelectionGivesTheTokenResult) {
   SPARSE_ATTN_REQUIRE_GPU();
   const UnionCase& uc = GetParam();
   auto rng = testing::make_rng();
   Problem pb = union_problem(uc, rng);
-  const Tensor blocks = window_hint(pb, uc.nb, rng);
+  const Tensor blocks = selection_hint(pb, uc.nb, uc.random, rng);
   DeviceProblem dp = to_device_problem(pb, rng);
   Tensor db = to_device(blocks);
   dp.opts.block_indices = db.view();
@@ -989,6 +998,34 @@ INSTANTIATE_TEST_SUITE_P(
                   {3000, 900},
                   128,
                   Gate::kElementwise,
+                  true},
+        UnionCase{"random_page64_nb512_rows150",
+                  DType::kBF16,
+                  64,
+                  {150},
+                  {5200},
+                  512,
+                  Gate::kElementwise,
+                  true,
+                  true},
+        UnionCase{"random_fp16_page1600_two_requests_hole_nb256",
+                  DType::kF16,
+                  1600,
+                  {97, 53},
+                  {4100, 3300},
+                  256,
+                  Gate::kPerHead,
+                  true,
+                  true,
+                  true},
+        UnionCase{"random_page4_short_rows_nb64",
+                  DType::kBF16,
+                  4,
+                  {40, 30},
+                  {120, 900},
+                  64,
+                  Gate::kNone,
+                  false,
                   true}),
     [](const ::testing::TestParamInfo<UnionCase>& info) { return info.param.name; });
 
@@ -1250,14 +1287,14 @@ TEST(GpuSparseAttentionGraph, ReplayReadsCurrentMetadata) {
 }
 
 // A row listing one block 300 times: the union record keeps a byte per count, so its tile
-// goes to the row-tile kernel; the block still counts 300 times, and the other tiles stay the
+// goes to the gather kernel; the block still counts 300 times, and the other tiles stay the
 // union kernel's.
 TEST(GpuSparseAttentionUnionCounts, BlockListed300TimesCountsEveryTime) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = testing::make_rng();
   const UnionCase uc{"counts", DType::kBF16, 64, {40}, {6000}, 512, Gate::kNone, true};
   Problem pb = union_problem(uc, rng);
-  Tensor blocks = window_hint(pb, uc.nb, rng);
+  Tensor blocks = selection_hint(pb, uc.nb, false, rng);
   const int64_t r = 13, p = pb.row_pos[r], width = pb.c.width;
   int32_t* row = blocks.data_as<int32_t>() + r * uc.nb;
   std::fill(row, row + 300, static_cast<int32_t>((p + 1) / 4 - 3));
@@ -1282,7 +1319,7 @@ TEST(GpuSparseAttentionUnionChunks, RowsPastOneChunkMatchTheRowTileKernel) {
   const UnionCase uc{
       "chunks", DType::kBF16, 64, {20500}, {21000}, 16, Gate::kElementwise, false};
   Problem pb = union_problem(uc, rng);
-  const Tensor blocks = window_hint(pb, uc.nb, rng);
+  const Tensor blocks = selection_hint(pb, uc.nb, false, rng);
   DeviceProblem dp = to_device_problem(pb, rng);
   qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, std::nullopt, dp.opts);
   const std::vector<double> row_tiles = to_vector(Tensor::to_host(dp.out).view());
@@ -1297,7 +1334,7 @@ TEST(GpuSparseAttentionUnionChunks, RowsPastOneChunkMatchTheRowTileKernel) {
                                  2 * testing::default_rtol(uc.dtype)));
 }
 
-// The union kernel and the row-tile kernel after it (the tile flags in a pool workspace the
+// The union kernel and the gather kernel after it (the tile flags in a pool workspace the
 // graph owns) replay with the hint and token ids current at replay: new window selections,
 // tiles of two requests among them.
 TEST(GpuSparseAttentionUnionGraph, ReplayReadsCurrentHint) {
@@ -1305,14 +1342,14 @@ TEST(GpuSparseAttentionUnionGraph, ReplayReadsCurrentHint) {
   auto rng = testing::make_rng();
   const UnionCase uc{"graph", DType::kBF16, 64, {97, 53}, {4100, 2000}, 256, Gate::kPerHead, true};
   Problem pb = union_problem(uc, rng);
-  const Tensor blocks = window_hint(pb, uc.nb, rng);
+  const Tensor blocks = selection_hint(pb, uc.nb, false, rng);
   DeviceProblem dp = to_device_problem(pb, rng);
   Tensor db = to_device(blocks);
   dp.opts.block_indices = db.view();
   const testing::CapturedGraph captured = capture(dp);
   ASSERT_TRUE(captured.ok());
   for (int step = 0; step < 2; ++step) {
-    const Tensor next = window_hint(pb, uc.nb, rng);
+    const Tensor next = selection_hint(pb, uc.nb, false, rng);
     copy_into(dp.idx, pb.idx.view());
     copy_into(db.view(), next.view());
     poison_device(dp.out);

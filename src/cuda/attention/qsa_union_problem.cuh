@@ -28,6 +28,7 @@
 
 #include "api/qsa_attention_params.h"
 #include "cuda/attention/qsa_union_params.h"
+#include "cuda/attention/sm90/gather.h"
 #include "cuda/attention/sparse_attention_common.cuh"
 #include "cuda/attention/sparse_attention_launch.h"
 
@@ -59,6 +60,9 @@ struct QsaUnionProblem {
     kvh = cta / pr.chunk_tiles;
     const int local = cta % pr.chunk_tiles;
     r0 = (pr.tile_begin + local) * 2 * rows_per_wg;
+    // A tile left to the gather kernel (most of them under independent selections) is known
+    // from one word of its record: the rest is not copied.
+    if (pr.tiles[local].data.ok == 0) return;
     static_assert(sizeof(SharedStorage) % 16 == 0);
     const auto* src = reinterpret_cast<const uint4*>(&pr.tiles[local]);
     auto* dst = reinterpret_cast<uint4*>(&sh);
@@ -66,7 +70,7 @@ struct QsaUnionProblem {
       dst[i] = src[i];
     }
     __syncthreads();
-    ok = sh.data.ok != 0;
+    ok = true;
     n_tiles = (4 * sh.data.n_union + kBlockN - 1) / kBlockN;
   }
 
@@ -141,22 +145,11 @@ struct QsaUnionProblem {
         v_off = outer * p.v_batch_stride + slot * p.v_token_stride + kvh * p.v_head_stride;
       }
     };
-    // A K (and V) stage is LayoutK: the K-major 128-byte swizzle puts 16-byte chunk c of tile
-    // row `row` at column block c / 8, row `row`, slot (c % 8) ^ (row % 8) of that row (V
-    // stages hold the same bytes; LayoutVt views them transposed). Lane `lane` copies chunk
-    // `lane` of rows 16 warp .. 16 warp + 15, whose row % 8 is r % 8.
-    const int lane_offset = (lane / 8) * (kBlockN * 64) + 16 * warp * 64;
     auto copy_tile = [&](Pipe& pipe, auto& state, const Element* base, int64_t off,
                          Element* stages) {
       pipe.producer_wait(state);
-      Element* dst = stages + state.index() * (kBlockN * C::kHeadDim) + lane_offset;
-      CUTE_UNROLL
-      for (int r = 0; r < 16; ++r) {
-        const int64_t o = __shfl_sync(0xffffffffu, off, r);
-        Copy::copy(*reinterpret_cast<const cute::uint128_t*>(base + (o >= 0 ? o + lane * 8 : 0)),
-                   *reinterpret_cast<cute::uint128_t*>(dst + r * 64 + ((lane % 8) ^ (r % 8)) * 8),
-                   o >= 0);
-      }
+      sm90::gather_rows16<Element, kBlockN>(stages + state.index() * (kBlockN * C::kHeadDim),
+                                            base, off, warp, lane);
       pipe.arrive_on_copies(state);
       ++state;
     };

@@ -165,6 +165,33 @@ __device__ inline int2 token_coords(const SparseAttentionParams& p, const RowInf
   }
 }
 
+// The physical key of a valid token and its coordinates back: one int32 per K/V row (the
+// launchers check the key range fits).
+__device__ inline int32_t physical_key(const SparseAttentionParams& p, const RowInfo& ri, int64_t t,
+                                       int32_t page) {
+  switch (p.kv_layout) {
+    case KVLayout::kPaged:
+      return page * static_cast<int32_t>(p.page_size) + static_cast<int32_t>(t % p.page_size);
+    case KVLayout::kPadded:
+      return static_cast<int32_t>(ri.b * p.kv_capacity + t);
+    default:  // kPhysical
+      return static_cast<int32_t>(t);
+  }
+}
+
+__device__ inline int2 key_coords(const SparseAttentionParams& p, int32_t key) {
+  switch (p.kv_layout) {
+    case KVLayout::kPaged:
+      return make_int2(key / static_cast<int32_t>(p.page_size),
+                       key % static_cast<int32_t>(p.page_size));
+    case KVLayout::kPadded:
+      return make_int2(key / static_cast<int32_t>(p.kv_capacity),
+                       key % static_cast<int32_t>(p.kv_capacity));
+    default:
+      return make_int2(0, key);
+  }
+}
+
 // The tokens behind index entry e of a row: [first, first + *count). Token path: the entry's
 // id. Block hint: block b is 4b .. 4b+3; entry num_blocks is the tail of the row's current
 // incomplete block, 4 * ((p + 1) / 4) .. p, derived from the position (0 to 3 tokens).

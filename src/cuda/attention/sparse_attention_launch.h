@@ -22,7 +22,7 @@ struct SparseAttentionLaunch {
   float* o_partial = nullptr;
   float* lse_partial = nullptr;
   // [ceil(rows / union_rows)]: 1 where the union prefill kernel (qsa_union_problem.cuh) wrote
-  // the tile of union_rows rows (every KV head); the row-tile kernel leaves those rows alone.
+  // the tile of union_rows rows (every KV head); the gather kernel leaves those rows alone.
   // Null when that kernel did not run.
   const uint8_t* union_handled = nullptr;
   int union_rows = 0;
@@ -30,10 +30,22 @@ struct SparseAttentionLaunch {
 
 // The union prefill kernel on a chunk of row tiles whose unions launch_qsa_union_build made
 // (qsa_union_params.h): it writes the rows of the tiles marked in params.handled; the row-tile
-// kernel, launched after every chunk with x.union_handled, takes the rest.
+// kernel (launch_qsa_gather), launched after every chunk with x.union_handled, takes the rest.
 struct QsaUnionParams;
 template <typename T>
 void launch_qsa_union(const QsaUnionParams& params, cudaStream_t stream);
+
+// Index entries a row may have on the gather kernel (qsa_gather_kernel.cuh): the seed's 512
+// block hint columns and the tail entry.
+inline constexpr int kQsaGatherMaxEntries = 513;
+
+// Runs the gather kernel: one CTA per (row, KV head), each row reading its own selection; rows
+// whose tile x.union_handled marks are left alone. Needs x.num_splits == 1, the block hint with
+// at most kQsaGatherMaxEntries entries a row (blocks and the tail), group <= 16, K/V keys that fit int32, rows * Hkv that
+// fit int32, and the union kernel's 16-byte Q and out rows (sparse_attention_native.cpp decides).
+template <typename T>
+void launch_qsa_gather(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
+                       cudaStream_t stream);
 
 // Runs the forward kernel and, when x.num_splits > 1, the merge kernel on `stream`.
 template <typename T>

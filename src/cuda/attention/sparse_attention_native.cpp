@@ -42,10 +42,11 @@ bool use_row_tiles(const SparseAttentionParams& p, int num_splits) {
   }
 }
 
-// Whether the union prefill kernel runs ahead of the row-tile kernel: the block hint (never in
-// physical mode), a group that packs 4 or 5 rows into each warpgroup's 64 M rows, at most the
-// seed's 512 hint columns, same-dtype K/V, and 16-byte rows and strides for its copies of Q and
-// out (K and V have them already: check_native's vector-load rule). Host-side facts only.
+// Whether the union prefill kernel runs, and the gather kernel after it on the rows it leaves
+// (instead of the row-tile kernel): the block hint (never in physical mode), a group that packs
+// 4 or 5 rows into each warpgroup's 64 M rows, at most the seed's 512 hint columns, same-dtype
+// K/V, and 16-byte rows and strides for their copies of Q and out (K and V have them already:
+// check_native's vector-load rule). Host-side facts only.
 bool use_union(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
   const auto aligned = [](const void* ptr, std::initializer_list<int64_t> strides) {
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
@@ -54,10 +55,10 @@ bool use_union(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
     }
     return true;
   };
-  // Its rows and CTAs (at least 8 rows each, one per KV head) are numbered in int32.
+  // Their rows and CTAs (one per row and KV head) are numbered in int32.
   constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
-  return x.block_hint && p.group >= 12 && p.group <= 16 && p.rows <= kMaxInt &&
-         (p.rows / 8 + 1) * p.num_kv_heads <= kMaxInt &&
+  static_assert(QsaUnionConfig::kMaxEntries <= kQsaGatherMaxEntries);
+  return x.block_hint && p.group >= 12 && p.group <= 16 && p.rows * p.num_kv_heads <= kMaxInt &&
          p.num_blocks <= QsaUnionConfig::kMaxEntries - 1 && p.kv_dtype == p.dtype &&
          p.q_dim_stride == 1 && p.out_dim_stride == 1 &&
          aligned(p.q, {p.q_row_stride, p.q_head_stride}) &&
@@ -77,7 +78,8 @@ struct WorkspaceLayout {
 struct Schedule {
   SparseAttentionLaunch launch;
   size_t partial_slots = 0;  // num_splits * rows * Hq with SplitKV, else 0
-  bool row_tiles = false;    // the row-tile kernel runs instead of the per-row one
+  bool row_tiles = false;    // rows share K/V tiles: the union kernel and the gather kernel
+                             // (union_rows > 0) or the row-tile kernel, not the per-row one
   int union_rows = 0;        // rows per CTA of the union kernel, 0 when it does not run
   int union_row_tiles = 0;   // tiles of union_rows rows
   int union_chunk = 0;       // row tiles per build + union kernel launch pair
@@ -181,7 +183,9 @@ void native_sparse_attention(const SparseAttentionParams& p) {
       cuda::launch_qsa_union_build(u, stream);
       cuda::launch_qsa_union<T>(u, stream);
     }
-    if (s.row_tiles) {
+    if (s.union_rows > 0) {
+      cuda::launch_qsa_gather<T>(q, x, stream);
+    } else if (s.row_tiles) {
       cuda::launch_sparse_attention_rows<T>(q, x, stream);
     } else {
       cuda::launch_sparse_attention<T>(q, x, stream);

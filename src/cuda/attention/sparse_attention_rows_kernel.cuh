@@ -107,33 +107,6 @@ struct RowTileSmem {
   RowInfo rows[C::kRows];
 };
 
-// The physical key of a valid token and its coordinates back: one int32 per K/V row (the
-// launcher checks the key range fits).
-__device__ inline int32_t physical_key(const SparseAttentionParams& p, const RowInfo& ri, int64_t t,
-                                       int32_t page) {
-  switch (p.kv_layout) {
-    case KVLayout::kPaged:
-      return page * static_cast<int32_t>(p.page_size) + static_cast<int32_t>(t % p.page_size);
-    case KVLayout::kPadded:
-      return static_cast<int32_t>(ri.b * p.kv_capacity + t);
-    default:  // kPhysical
-      return static_cast<int32_t>(t);
-  }
-}
-
-__device__ inline int2 key_coords(const SparseAttentionParams& p, int32_t key) {
-  switch (p.kv_layout) {
-    case KVLayout::kPaged:
-      return make_int2(key / static_cast<int32_t>(p.page_size),
-                       key % static_cast<int32_t>(p.page_size));
-    case KVLayout::kPadded:
-      return make_int2(key / static_cast<int32_t>(p.kv_capacity),
-                       key % static_cast<int32_t>(p.kv_capacity));
-    default:
-      return make_int2(0, key);
-  }
-}
-
 __device__ inline int hash_slot(int32_t key) {
   return static_cast<int>((static_cast<uint32_t>(key) * 0x9E3779B1u) >>
                           (32 - RowTileConfig::kHashBits));
@@ -190,14 +163,6 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * C::kRows;
   const int kvh = blockIdx.y;
   const int group = static_cast<int>(p.group);
-  // Rows the union prefill kernel wrote are not read nor written here.
-  auto union_wrote = [&](int64_t r) {
-    return x.union_handled != nullptr && x.union_handled[r / x.union_rows] != 0;
-  };
-  bool any_left = false;
-  for (int j = 0; j < C::kRows; ++j) any_left |= r0 + j < p.rows && !union_wrote(r0 + j);
-  if (!any_left) return;
-
   // ----- Q tiles of the kRows rows: the group's heads, zero rows past the group or the end --
   for (int c = tid; c < C::kRows * C::kHeadRows * C::kChunks; c += C::kThreads) {
     const int j = c / (C::kHeadRows * C::kChunks);
@@ -222,7 +187,6 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
     RowInfo ri;
     if (r0 + j < p.rows) {
       ri = resolve_row(p, x, r0 + j);
-      if (union_wrote(r0 + j)) ri.active = false;
     } else {
       ri.active = false;
     }
@@ -560,7 +524,7 @@ __global__ void __launch_bounds__(RowTileConfig::kThreads, 1)
   }
   __syncthreads();
   const int64_t r = r0 + row_j;
-  if (half == 1 || r >= p.rows || union_wrote(r)) return;
+  if (half == 1 || r >= p.rows) return;
   const int g = lane / 4;
 #pragma unroll
   for (int hrow = 0; hrow < 2; ++hrow) {

@@ -12,6 +12,26 @@
 
 namespace sparse_attn::cuda::sm90 {
 
+// The K/V stages of a pipeline: each stage [kBlockN, D] with the head dim contiguous, 128-byte
+// swizzled column blocks of 128 / sizeof(Element) features, each column block's rows contiguous
+// (so a TMA box of whole rows of one column block lands in contiguous smem, and a gathering
+// producer writes 16-byte chunk c of row r at column block c / 8, row r, slot (c % 8) ^ (r % 8):
+// sm90/gather.h). A V stage holds the same bytes, seen transposed as Vt [D, kBlockN] (MN-major)
+// for the P V product, whichever operand Vt is.
+template <class Element, int kHeadDim, int kBlockN, int kStages>
+struct KVStageLayouts {
+  using AtomK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                         cute::GMMA::Major::K, Element, cute::Int<kBlockN>, cute::Int<kHeadDim>>());
+  using LayoutK = decltype(cute::tile_to_shape(
+      AtomK{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+  using AtomVt =
+      decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+               cute::GMMA::Major::MN, Element, cute::Int<kHeadDim>, cute::Int<kBlockN>>());
+  using LayoutVt = decltype(cute::tile_to_shape(
+      AtomVt{}, cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{},
+      cute::Step<cute::_2, cute::_1, cute::_3>{}));
+};
+
 // kProducerArrivals: 1 for a TMA producer (one arrival and the transaction bytes per stage), or
 // the producer threads of a cp.async producer (one arrival each). The register split is the
 // producer's and each consumer thread's setmaxnreg target.
@@ -54,24 +74,13 @@ struct FwdTraits {
                                  cute::GMMA::Major::MN>(),
       WarpgroupsAlongM{}));
 
-  // Q [kBlockM, D] and each K stage [kBlockN, D], head dim contiguous: 128-byte swizzled column
-  // blocks of kSwizzleCols, each column block's rows contiguous (so a TMA box of whole rows of
-  // one column block lands in contiguous smem).
+  // Q [kBlockM, D] like a K stage (KVStageLayouts).
   using AtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
                          cute::GMMA::Major::K, Element, cute::Int<kBlockM>, cute::Int<kHeadDim>>());
   using LayoutQ = decltype(cute::tile_to_shape(
       AtomQ{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
-  using AtomK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-                         cute::GMMA::Major::K, Element, cute::Int<kBlockN>, cute::Int<kHeadDim>>());
-  using LayoutK = decltype(cute::tile_to_shape(
-      AtomK{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
-  // The same bytes as a K stage, seen as Vt [D, kBlockN] for the B operand of P V.
-  using AtomVt =
-      decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-               cute::GMMA::Major::MN, Element, cute::Int<kHeadDim>, cute::Int<kBlockN>>());
-  using LayoutVt = decltype(cute::tile_to_shape(
-      AtomVt{}, cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{},
-      cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  using LayoutK = typename KVStageLayouts<Element, kHeadDim, kBlockN, kStages>::LayoutK;
+  using LayoutVt = typename KVStageLayouts<Element, kHeadDim, kBlockN, kStages>::LayoutVt;
 
   static constexpr uint32_t kTileBytes = kBlockN * kHeadDim * sizeof(Element);
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);

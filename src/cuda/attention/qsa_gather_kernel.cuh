@@ -1,0 +1,359 @@
+// QSA prefill sparse attention for rows that share no K/V with their neighbours (independent
+// selections; the row tiles the union kernel leaves, qsa_union_problem.cuh): a CTA attends one
+// query row for one KV head, gathering the row's own selected tokens.
+//
+// Such a row's cost is its bytes (2051 tokens x 1 KB of K and V per KV head at the seed's
+// shape), so the kernel is built to keep the gather going: a producer warpgroup copies each
+// 64-token K or V tile with cp.async into a ring of stages that K and V tiles share (K_0, V_0,
+// K_1, ...) while the consumer warpgroup computes, two CTAs per SM.
+//
+// The consumer works transposed, with the keys in M: S^T = K Q^T (M = 64 keys, N = 16 query
+// heads of the KV head, 12 of them real at 24/2) and O^T += V^T P^T (M = 256 features, N = 16,
+// K = 64 keys), both on GMMA with every operand in shared memory (P^T through a small buffer).
+// Packing the heads into M instead would leave 52 of its 64 rows empty; here a quarter of N is.
+// A head's softmax is a column of S^T spread over the warpgroup's four warps (ColumnSoftmax).
+//
+// The row's index entries (the block hint's blocks plus the tail entry; the kernel runs with
+// the hint only, as the union kernel does) are resolved once per CTA into the valid entries in
+// their order, each with the physical key of its first token and how many of its tokens are
+// valid (a prefix: the causal limit, the KV length and the page all cut an entry from its
+// end). Duplicates stay separate entries, so each counts as often as it is listed
+// (docs/qsa.md). Slot u of the row's token sequence is token u % 4 of valid entry u / 4: K/V
+// tile n holds slots 64 n .. 64 n + 63, zero-filled past the row's end, whose scores are
+// masked.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+
+#include <climits>
+#include <cstdint>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <mutex>
+#include <type_traits>
+
+#include "api/qsa_attention_params.h"
+#include "cuda/attention/sm90/gather.h"
+#include "cuda/attention/sm90/mma.h"
+#include "cuda/attention/sm90/pipeline.h"
+#include "cuda/attention/sm90/softmax.h"
+#include "cuda/attention/sm90/traits.h"
+#include "cuda/attention/sparse_attention_common.cuh"
+#include "cuda/attention/sparse_attention_launch.h"
+#include "cuda/common/check.h"
+
+namespace sparse_attn::cuda {
+
+struct QsaGatherConfig {
+  static constexpr int kHeadDim = 256;
+  static constexpr int kHeads = 16;    // N of both GEMMs: a KV head's query heads (group <= 16)
+  static constexpr int kBlockN = 64;   // keys per K/V tile: M of S^T
+  static constexpr int kStages = 3;    // the K/V ring: two tiles in flight while one is read
+  static constexpr int kThreads = 256;  // the producer warpgroup, then the consumer's
+  static constexpr int kCtasPerSm = 2;  // one CTA's prologue and epilogue in another's shadow
+  static constexpr int kEntriesPerThread = (kQsaGatherMaxEntries + kThreads - 1) / kThreads;
+  static constexpr int kOutPitch = kHeadDim + 8;  // epilogue rows: 16-byte aligned, skewed banks
+};
+
+template <class Element>
+struct QsaGatherTraits {
+  using C = QsaGatherConfig;
+  using TileS = cute::Shape<cute::Int<C::kBlockN>, cute::Int<C::kHeads>, cute::Int<C::kHeadDim>>;
+  using TileO = cute::Shape<cute::Int<C::kHeadDim>, cute::Int<C::kHeads>, cute::Int<C::kBlockN>>;
+  // S^T = K Q^T: K stages and Q with the head dim contiguous. O^T += V^T P^T: V stages seen
+  // transposed (MN-major A), P^T [heads, keys] with the keys contiguous.
+  using MmaS =
+      decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<Element, Element, float, TileS>()));
+  using MmaO = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, TileO, cute::GMMA::Major::MN,
+                                 cute::GMMA::Major::K>()));
+  using Stages = sm90::KVStageLayouts<Element, C::kHeadDim, C::kBlockN, C::kStages>;
+  using LayoutK = typename Stages::LayoutK;
+  using LayoutVt = typename Stages::LayoutVt;
+  using AtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                         cute::GMMA::Major::K, Element, cute::Int<C::kHeads>,
+                         cute::Int<C::kHeadDim>>());
+  using LayoutQ = decltype(cute::tile_to_shape(
+      AtomQ{}, cute::Shape<cute::Int<C::kHeads>, cute::Int<C::kHeadDim>>{}));
+  // Two P^T buffers: a tile's P is written while the previous tile's P V may still read.
+  using AtomP = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                         cute::GMMA::Major::K, Element, cute::Int<C::kHeads>,
+                         cute::Int<C::kBlockN>>());
+  using LayoutP = decltype(cute::tile_to_shape(
+      AtomP{}, cute::Shape<cute::Int<C::kHeads>, cute::Int<C::kBlockN>, cute::_2>{}));
+  using Pipeline = sm90::TmaPipeline<C::kStages, 1, 128>;
+
+  struct SharedStorage {
+    // 1024-byte alignment: the 128-byte swizzle repeats every 8 rows of 128 bytes and GMMA
+    // reads it by address.
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<LayoutK>> kv;  // O at the end
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<LayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<LayoutP>> p;
+    int32_t keys[kQsaGatherMaxEntries];    // valid entries: physical key of the first token
+    uint8_t counts[kQsaGatherMaxEntries];  // and the entry's valid tokens (1 .. 4)
+    float red[2][4][C::kHeads];            // ColumnSoftmax's exchange
+    int32_t warp_counts[C::kThreads / 32];
+    typename Pipeline::SharedStorage pipeline;
+    cutlass::arch::ClusterTransactionBarrier barrier_q;
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+  static_assert(C::kCtasPerSm * (kSmemBytes + 1024) <= 228 * 1024,
+                "two CTAs (and the 1 KB the system keeps for each) fit an SM's shared memory");
+  static_assert(C::kHeads * C::kOutPitch * sizeof(Element) <= C::kBlockN * C::kHeadDim * 2,
+                "the epilogue's O tile fits one idle stage");
+};
+
+// Named barriers of the consumer warpgroup (after CUTLASS's reserved ones).
+enum class GatherBarrier : uint32_t {
+  kColumns = 0,  // ColumnSoftmax's exchange
+  kP = 1,        // P^T of the tile is in shared memory
+  kOut = 2,      // the O tile is in shared memory
+};
+
+template <typename T>
+__global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kCtasPerSm)
+    qsa_gather_kernel(const __grid_constant__ SparseAttentionParams p,
+                      const __grid_constant__ SparseAttentionLaunch x) {
+  using namespace cute;
+  using cute::Shape;  // not sparse_attn's (sparse_attn/tensor.h), where both are visible
+  using cute::Tensor;
+  using C = QsaGatherConfig;
+  using Element = std::conditional_t<std::is_same_v<T, __half>, cutlass::half_t, cutlass::bfloat16_t>;
+  using Tr = QsaGatherTraits<Element>;
+  using Pipeline = typename Tr::Pipeline;
+  extern __shared__ __align__(1024) char smem[];
+  auto& ss = *reinterpret_cast<typename Tr::SharedStorage*>(smem);
+
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  const int hkv = static_cast<int>(p.num_kv_heads), group = static_cast<int>(p.group);
+  const int kvh = static_cast<int>(blockIdx.x % hkv);
+  const int64_t r = blockIdx.x / hkv;
+  // Rows the union kernel wrote are not read nor written here.
+  if (x.union_handled != nullptr && x.union_handled[r / x.union_rows] != 0) return;
+  const RowInfo ri = resolve_row(p, x, r);  // collective
+  if (tid == 0) {
+    ss.barrier_q.init(128);
+    Pipeline::init(ss.pipeline);
+    cutlass::arch::fence_barrier_init();
+  }
+
+  // ----- the row's valid entries, in order (every thread; the loads of all of a thread's
+  // entries go out together: ids, then the page-table entries behind them) -----------------
+  constexpr int kPerEntry = 4;  // tokens of a block entry
+  const int n_entries = static_cast<int>(p.num_blocks + 1);
+  int32_t id[C::kEntriesPerThread], page[C::kEntriesPerThread];
+  int64_t first[C::kEntriesPerThread];
+  int count[C::kEntriesPerThread];
+  CUTE_UNROLL
+  for (int i = 0; i < C::kEntriesPerThread; ++i) {
+    const int e = i * C::kThreads + tid;
+    id[i] = -1;
+    if (ri.active && e < p.num_blocks) {
+      id[i] = p.block_indices
+                  .narrowed()[r * p.block_indices_row_stride + e * p.block_indices_col_stride];
+    }
+  }
+  CUTE_UNROLL
+  for (int i = 0; i < C::kEntriesPerThread; ++i) {
+    const int e = i * C::kThreads + tid;
+    first[i] = entry_tokens(p, x, ri, e, id[i], &count[i]);
+    if (!ri.active || e >= n_entries) count[i] = 0;
+    page[i] = count[i] > 0 ? entry_page(p, ri, first[i]) : -1;
+  }
+  int n_valid = 0;
+  CUTE_UNROLL
+  for (int i = 0; i < C::kEntriesPerThread; ++i) {
+    int c = 0;
+    while (c < count[i] && token_valid(p, ri, first[i] + c, page[i])) ++c;
+    const uint32_t ballot = __ballot_sync(0xffffffffu, c > 0);
+    if (lane == 0) ss.warp_counts[warp] = __popc(ballot);
+    __syncthreads();
+    int at = n_valid + __popc(ballot & ((1u << lane) - 1u));
+    CUTE_UNROLL
+    for (int w = 0; w < C::kThreads / 32; ++w) {
+      const int nw = ss.warp_counts[w];
+      if (w < warp) at += nw;
+      n_valid += nw;
+    }
+    if (c > 0) {
+      ss.keys[at] = physical_key(p, ri, first[i], page[i]);
+      ss.counts[at] = static_cast<uint8_t>(c);
+    }
+    __syncthreads();  // the counts are read before the next round writes them; keys published
+  }
+  const int n_slots = kPerEntry * n_valid;
+  const int n_tiles = (n_slots + C::kBlockN - 1) / C::kBlockN;
+  Pipeline pipe{ss.pipeline, 0};
+
+  if (warp < 4) {
+    // ----- producer: Q once, then K_n and V_n of every tile into the ring --------------------
+    if (n_tiles == 0) return;  // nothing valid: the consumer writes zeros without waiting
+    using Copy = cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>;
+    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::LayoutQ{});
+    const auto* q = static_cast<const Element*>(p.q);
+    for (int c = tid; c < C::kHeads * (C::kHeadDim / 8); c += 128) {
+      const int m = c / (C::kHeadDim / 8), col = (c % (C::kHeadDim / 8)) * 8;
+      const bool live = m < group;  // the padding heads' rows are zeros
+      const Element* src =
+          q + (live ? r * p.q_row_stride + (kvh * group + m) * p.q_head_stride + col : 0);
+      Copy::copy(*reinterpret_cast<const cute::uint128_t*>(src),
+                 *reinterpret_cast<cute::uint128_t*>(&sQ(m, col)), live);
+    }
+    cutlass::arch::cpasync_barrier_arrive_noinc(reinterpret_cast<uint64_t*>(&ss.barrier_q));
+    const auto* kp = static_cast<const Element*>(p.k) + kvh * p.k_head_stride;
+    const auto* vp = static_cast<const Element*>(p.v) + kvh * p.v_head_stride;
+    auto state = Pipeline::producer_start();
+    auto copy_tile = [&](const Element* base, int64_t off) {
+      pipe.producer_wait(state);
+      sm90::gather_rows16<Element, C::kBlockN>(
+          ss.kv.data() + state.index() * (C::kBlockN * C::kHeadDim), base, off, warp, lane);
+      pipe.arrive_on_copies(state);
+      ++state;
+    };
+    for (int n = 0; n < n_tiles; ++n) {
+      // Lanes 0-15: tile row 16 warp + lane % 16, its K and V element offsets (or -1).
+      const int u = n * C::kBlockN + 16 * warp + lane % 16;
+      int64_t k_off = -1, v_off = -1;
+      if (u < n_slots && u % kPerEntry < ss.counts[u / kPerEntry]) {
+        const int2 at = key_coords(p, ss.keys[u / kPerEntry] + u % kPerEntry);
+        k_off = at.x * p.k_batch_stride + at.y * p.k_token_stride;
+        v_off = at.x * p.v_batch_stride + at.y * p.v_token_stride;
+      }
+      copy_tile(kp, k_off);
+      copy_tile(vp, v_off);
+    }
+    return;
+  }
+
+  // ----- consumer -----------------------------------------------------------------------------
+  const int ct = tid - 128;
+  typename Tr::MmaS mma_s;
+  typename Tr::MmaO mma_o;
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::LayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.kv.data()), typename Tr::LayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.kv.data()), typename Tr::LayoutVt{});
+  Tensor sP = make_tensor(make_smem_ptr(ss.p.data()), typename Tr::LayoutP{});
+  auto thr_s = mma_s.get_thread_slice(ct);
+  auto thr_o = mma_o.get_thread_slice(ct);
+  Tensor tSrK = thr_s.partition_fragment_A(sK);   // (MMA, 1, MMA_K, stage)
+  Tensor tSrQ = thr_s.partition_fragment_B(sQ);   // (MMA, 1, MMA_K)
+  Tensor tOrVt = thr_o.partition_fragment_A(sVt);  // (MMA, MMA_M, MMA_K, stage)
+  Tensor tOrP = thr_o.partition_fragment_B(sP);   // (MMA, 1, MMA_K, buffer)
+  Tensor tSrS = partition_fragment_C(mma_s, select<0, 1>(typename Tr::TileS{}));
+  Tensor tOrO = partition_fragment_C(mma_o, select<0, 1>(typename Tr::TileO{}));
+  // (key in tile, head) of each score and (feature, head) of each output this thread holds;
+  // a column j of either fragment is the same head (one m64n16 atom layout).
+  Tensor tScS = thr_s.partition_C(make_identity_tensor(select<0, 1>(typename Tr::TileS{})));
+  Tensor tOcO = thr_o.partition_C(make_identity_tensor(select<0, 1>(typename Tr::TileO{})));
+  Tensor s_rc = make_tensor(tSrS.data(), sm90::accumulator_rows_cols(tSrS.layout()));
+  Tensor cs_rc = make_tensor(tScS.data(), sm90::accumulator_rows_cols(tScS.layout()));
+  Tensor o_rc = make_tensor(tOrO.data(), sm90::accumulator_rows_cols(tOrO.layout()));
+  Tensor co_rc = make_tensor(tOcO.data(), sm90::accumulator_rows_cols(tOcO.layout()));
+  constexpr int kCols = decltype(size<1>(s_rc))::value;
+
+  sm90::ColumnSoftmax<C::kHeads> softmax(p.scale_log2, &ss.red[0][0][0],
+                                         static_cast<uint32_t>(GatherBarrier::kColumns));
+  clear(tOrO);
+  if (n_tiles > 0) ss.barrier_q.wait(0);
+  typename Pipeline::State read;
+  for (int n = 0; n < n_tiles; ++n) {
+    // ----- S^T = K_n Q^T ----------------------------------------------------------------------
+    pipe.consumer_wait(read);
+    cutlass::arch::fence_view_async_shared();  // cp.async lands through the generic proxy
+    sm90::warpgroup_gemm<true, 0>(mma_s, tSrK(_, _, _, read.index()), tSrQ, tSrS);
+    pipe.consumer_release(read);
+    ++read;
+    // Slots past the row's end, and tokens an entry lost from its end, are masked.
+    CUTE_UNROLL
+    for (int i = 0; i < size<0>(s_rc); ++i) {
+      const int u = n * C::kBlockN + get<0>(cs_rc(i, 0));
+      if (u >= n_slots || u % kPerEntry >= ss.counts[u / kPerEntry]) {
+        CUTE_UNROLL
+        for (int j = 0; j < kCols; ++j) s_rc(i, j) = -INFINITY;
+      }
+    }
+    float rescale[kCols];
+    softmax.update(s_rc, cs_rc, rescale);
+    bool moved = false;
+    CUTE_UNROLL
+    for (int j = 0; j < kCols; ++j) moved = moved || rescale[j] != 1.f;
+    if (moved) {
+      CUTE_UNROLL
+      for (int i = 0; i < size<0>(o_rc); ++i) {
+        CUTE_UNROLL
+        for (int j = 0; j < kCols; ++j) o_rc(i, j) *= rescale[j];
+      }
+    }
+    // ----- P^T to shared memory, then O^T += V_n^T P^T --------------------------------------
+    CUTE_UNROLL
+    for (int i = 0; i < size<0>(s_rc); ++i) {
+      CUTE_UNROLL
+      for (int j = 0; j < kCols; ++j) {
+        sP(get<1>(cs_rc(i, j)), get<0>(cs_rc(i, j)), n % 2) = Element(s_rc(i, j));
+      }
+    }
+    cutlass::arch::fence_view_async_shared();  // generic stores, then GMMA reads
+    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kP));
+    pipe.consumer_wait(read);
+    cutlass::arch::fence_view_async_shared();
+    sm90::warpgroup_gemm<false, 0>(mma_o, tOrVt(_, _, _, read.index()), tOrP(_, _, _, n % 2), tOrO);
+    pipe.consumer_release(read);
+    ++read;
+  }
+
+  // ----- epilogue: normalise, O [heads, features] through an idle stage to global -----------
+  float inv_sum[kCols], lse[kCols];
+  softmax.finalize(cs_rc, inv_sum, lse);
+  Element* so = ss.kv.data();
+  CUTE_UNROLL
+  for (int i = 0; i < size<0>(o_rc); ++i) {
+    CUTE_UNROLL
+    for (int j = 0; j < kCols; ++j) {
+      so[get<1>(co_rc(i, j)) * C::kOutPitch + get<0>(co_rc(i, j))] =
+          Element(o_rc(i, j) * inv_sum[j]);
+    }
+  }
+  cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kOut));
+  constexpr int kChunks = C::kHeadDim / 8;  // 16-byte pieces of a row
+  for (int c = ct; c < group * kChunks; c += 128) {
+    const int h = c / kChunks, col = (c % kChunks) * 8;
+    const int64_t hq = static_cast<int64_t>(kvh) * group + h;
+    uint4 v = *reinterpret_cast<const uint4*>(so + h * C::kOutPitch + col);
+    gate_outputs8<T>(p, r, hq, col, v);
+    *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + r * p.out_row_stride +
+                              hq * p.out_head_stride + col) = v;
+  }
+  if (p.lse != nullptr && ct < 4) {  // every thread holds every head's LSE; four write them
+    CUTE_UNROLL
+    for (int j = 0; j < kCols; ++j) {
+      const int h = get<1>(cs_rc(0, j));
+      if (h < group) {
+        p.lse[r * p.lse_row_stride + (static_cast<int64_t>(kvh) * group + h) * p.lse_head_stride] =
+            lse[j];
+      }
+    }
+  }
+}
+
+template <typename T>
+void launch_qsa_gather(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
+                       cudaStream_t stream) {
+  using Element = std::conditional_t<std::is_same_v<T, __half>, cutlass::half_t, cutlass::bfloat16_t>;
+  constexpr int kSmem = QsaGatherTraits<Element>::kSmemBytes;
+  auto kernel = qsa_gather_kernel<T>;
+  static std::once_flag set[64];  // the attributes are per device and kernel
+  int device = 0;
+  SPARSE_ATTN_CUDA_CHECK(cudaGetDevice(&device));
+  std::call_once(set[device % 64], [&] {
+    SPARSE_ATTN_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(
+        kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  });
+  const int64_t ctas = p.rows * p.num_kv_heads;
+  kernel<<<static_cast<unsigned>(ctas), QsaGatherConfig::kThreads, kSmem, stream>>>(p, x);
+  SPARSE_ATTN_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace sparse_attn::cuda
