@@ -203,6 +203,11 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
     cutlass::arch::cpasync_barrier_arrive_noinc(reinterpret_cast<uint64_t*>(&ss.barrier_q));
     const auto* kp = static_cast<const Element*>(p.k) + kvh * p.k_head_stride;
     const auto* vp = static_cast<const Element*>(p.v) + kvh * p.v_head_stride;
+    // Pages (or requests) back to back in K and V, as caches are allocated, make a physical key
+    // the row index itself: no division by the page size per row.
+    const int64_t outer_rows = p.kv_layout == KVLayout::kPaged ? p.page_size : p.kv_capacity;
+    const bool rows_of_keys = p.k_batch_stride == outer_rows * p.k_token_stride &&
+                              p.v_batch_stride == outer_rows * p.v_token_stride;
     auto state = Pipeline::producer_start();
     auto copy_tile = [&](const Element* base, int64_t off) {
       pipe.producer_wait(state);
@@ -216,9 +221,15 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
       const int u = n * C::kBlockN + 16 * warp + lane % 16;
       int64_t k_off = -1, v_off = -1;
       if (u < n_slots && u % kPerEntry < ss.counts[u / kPerEntry]) {
-        const int2 at = key_coords(p, ss.keys[u / kPerEntry] + u % kPerEntry);
-        k_off = at.x * p.k_batch_stride + at.y * p.k_token_stride;
-        v_off = at.x * p.v_batch_stride + at.y * p.v_token_stride;
+        const int32_t key = ss.keys[u / kPerEntry] + u % kPerEntry;
+        if (rows_of_keys) {
+          k_off = key * p.k_token_stride;
+          v_off = key * p.v_token_stride;
+        } else {
+          const int2 at = key_coords(p, key);
+          k_off = at.x * p.k_batch_stride + at.y * p.k_token_stride;
+          v_off = at.x * p.v_batch_stride + at.y * p.v_token_stride;
+        }
       }
       copy_tile(kp, k_off);
       copy_tile(vp, v_off);
