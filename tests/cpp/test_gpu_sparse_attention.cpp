@@ -775,8 +775,8 @@ INSTANTIATE_TEST_SUITE_P(Pages, GpuSparseAttentionBlockHint, ::testing::ValuesIn
 // with duplicates, -1 and future blocks, among them the row's current incomplete block) and
 // token_indices its expansion, which dropped every block with 4b + 3 > p and appended the
 // tail. No compact-blocks promise. The result must be the token-only one on every kernel
-// (union and gather with one split, per-row with SplitKV), on engine page sizes and on page 6, where
-// the hint is ignored; the positions are given, as engines give them.
+// (union and gather with one split, per-row with SplitKV), on engine page sizes and on page 6,
+// where the hint is ignored; the positions are given, as engines give them.
 struct EngineHintCase {
   std::string name;
   int64_t page_size;
@@ -1316,8 +1316,7 @@ TEST(GpuSparseAttentionUnionCounts, BlockListed300TimesCountsEveryTime) {
 TEST(GpuSparseAttentionUnionChunks, RowsPastOneChunkMatchTheRowTileKernel) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = testing::make_rng();
-  const UnionCase uc{
-      "chunks", DType::kBF16, 64, {20500}, {21000}, 16, Gate::kElementwise, false};
+  const UnionCase uc{"chunks", DType::kBF16, 64, {20500}, {21000}, 16, Gate::kElementwise, false};
   Problem pb = union_problem(uc, rng);
   const Tensor blocks = selection_hint(pb, uc.nb, false, rng);
   DeviceProblem dp = to_device_problem(pb, rng);

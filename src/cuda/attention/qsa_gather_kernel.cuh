@@ -47,9 +47,9 @@ namespace sparse_attn::cuda {
 
 struct QsaGatherConfig {
   static constexpr int kHeadDim = 256;
-  static constexpr int kHeads = 16;    // N of both GEMMs: a KV head's query heads (group <= 16)
-  static constexpr int kBlockN = 64;   // keys per K/V tile: M of S^T
-  static constexpr int kStages = 3;    // the K/V ring: two tiles in flight while one is read
+  static constexpr int kHeads = 16;     // N of both GEMMs: a KV head's query heads (group <= 16)
+  static constexpr int kBlockN = 64;    // keys per K/V tile: M of S^T
+  static constexpr int kStages = 3;     // the K/V ring: two tiles in flight while one is read
   static constexpr int kThreads = 256;  // the producer warpgroup, then the consumer's
   static constexpr int kCtasPerSm = 2;  // one CTA's prologue and epilogue in another's shadow
   static constexpr int kEntriesPerThread = (kQsaGatherMaxEntries + kThreads - 1) / kThreads;
@@ -71,15 +71,15 @@ struct QsaGatherTraits {
   using Stages = sm90::KVStageLayouts<Element, C::kHeadDim, C::kBlockN, C::kStages>;
   using LayoutK = typename Stages::LayoutK;
   using LayoutVt = typename Stages::LayoutVt;
-  using AtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-                         cute::GMMA::Major::K, Element, cute::Int<C::kHeads>,
-                         cute::Int<C::kHeadDim>>());
+  using AtomQ =
+      decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+               cute::GMMA::Major::K, Element, cute::Int<C::kHeads>, cute::Int<C::kHeadDim>>());
   using LayoutQ = decltype(cute::tile_to_shape(
       AtomQ{}, cute::Shape<cute::Int<C::kHeads>, cute::Int<C::kHeadDim>>{}));
   // Two P^T buffers: a tile's P is written while the previous tile's P V may still read.
-  using AtomP = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-                         cute::GMMA::Major::K, Element, cute::Int<C::kHeads>,
-                         cute::Int<C::kBlockN>>());
+  using AtomP =
+      decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+               cute::GMMA::Major::K, Element, cute::Int<C::kHeads>, cute::Int<C::kBlockN>>());
   using LayoutP = decltype(cute::tile_to_shape(
       AtomP{}, cute::Shape<cute::Int<C::kHeads>, cute::Int<C::kBlockN>, cute::_2>{}));
   using Pipeline = sm90::TmaPipeline<C::kStages, 1, 128>;
@@ -119,7 +119,8 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   using cute::Shape;  // not sparse_attn's (sparse_attn/tensor.h), where both are visible
   using cute::Tensor;
   using C = QsaGatherConfig;
-  using Element = std::conditional_t<std::is_same_v<T, __half>, cutlass::half_t, cutlass::bfloat16_t>;
+  using Element =
+      std::conditional_t<std::is_same_v<T, __half>, cutlass::half_t, cutlass::bfloat16_t>;
   using Tr = QsaGatherTraits<Element>;
   using Pipeline = typename Tr::Pipeline;
   extern __shared__ __align__(1024) char smem[];
@@ -247,10 +248,10 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   Tensor sP = make_tensor(make_smem_ptr(ss.p.data()), typename Tr::LayoutP{});
   auto thr_s = mma_s.get_thread_slice(ct);
   auto thr_o = mma_o.get_thread_slice(ct);
-  Tensor tSrK = thr_s.partition_fragment_A(sK);   // (MMA, 1, MMA_K, stage)
-  Tensor tSrQ = thr_s.partition_fragment_B(sQ);   // (MMA, 1, MMA_K)
+  Tensor tSrK = thr_s.partition_fragment_A(sK);    // (MMA, 1, MMA_K, stage)
+  Tensor tSrQ = thr_s.partition_fragment_B(sQ);    // (MMA, 1, MMA_K)
   Tensor tOrVt = thr_o.partition_fragment_A(sVt);  // (MMA, MMA_M, MMA_K, stage)
-  Tensor tOrP = thr_o.partition_fragment_B(sP);   // (MMA, 1, MMA_K, buffer)
+  Tensor tOrP = thr_o.partition_fragment_B(sP);    // (MMA, 1, MMA_K, buffer)
   Tensor tSrS = partition_fragment_C(mma_s, select<0, 1>(typename Tr::TileS{}));
   Tensor tOrO = partition_fragment_C(mma_o, select<0, 1>(typename Tr::TileO{}));
   // (key in tile, head) of each score and (feature, head) of each output this thread holds;
@@ -350,7 +351,8 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
 template <typename T>
 void launch_qsa_gather(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
                        cudaStream_t stream) {
-  using Element = std::conditional_t<std::is_same_v<T, __half>, cutlass::half_t, cutlass::bfloat16_t>;
+  using Element =
+      std::conditional_t<std::is_same_v<T, __half>, cutlass::half_t, cutlass::bfloat16_t>;
   constexpr int kSmem = QsaGatherTraits<Element>::kSmemBytes;
   auto kernel = qsa_gather_kernel<T>;
   static std::once_flag set[64];  // the attributes are per device and kernel

@@ -148,8 +148,8 @@ struct QsaUnionProblem {
     auto copy_tile = [&](Pipe& pipe, auto& state, const Element* base, int64_t off,
                          Element* stages) {
       pipe.producer_wait(state);
-      sm90::gather_rows16<Element, kBlockN>(stages + state.index() * (kBlockN * C::kHeadDim),
-                                            base, off, warp, lane);
+      sm90::gather_rows16<Element, kBlockN>(stages + state.index() * (kBlockN * C::kHeadDim), base,
+                                            off, warp, lane);
       pipe.arrive_on_copies(state);
       ++state;
     };

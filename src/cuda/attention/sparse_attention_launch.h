@@ -41,8 +41,9 @@ inline constexpr int kQsaGatherMaxEntries = 513;
 
 // Runs the gather kernel: one CTA per (row, KV head), each row reading its own selection; rows
 // whose tile x.union_handled marks are left alone. Needs x.num_splits == 1, the block hint with
-// at most kQsaGatherMaxEntries entries a row (blocks and the tail), group <= 16, K/V keys that fit int32, rows * Hkv that
-// fit int32, and the union kernel's 16-byte Q and out rows (sparse_attention_native.cpp decides).
+// at most kQsaGatherMaxEntries entries a row (blocks and the tail), group <= 16, K/V keys that fit
+// int32, rows * Hkv that fit int32, and the union kernel's 16-byte Q and out rows
+// (sparse_attention_native.cpp decides).
 template <typename T>
 void launch_qsa_gather(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
                        cudaStream_t stream);

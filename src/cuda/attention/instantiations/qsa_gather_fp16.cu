@@ -2,5 +2,5 @@
 
 namespace sparse_attn::cuda {
 template void launch_qsa_gather<__half>(const SparseAttentionParams&, const SparseAttentionLaunch&,
-                                    cudaStream_t);
+                                        cudaStream_t);
 }  // namespace sparse_attn::cuda

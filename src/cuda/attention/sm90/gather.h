@@ -4,9 +4,9 @@
 // do not apply; the chunks land in the 128-byte swizzle GMMA reads by address.
 #pragma once
 
+#include <cstdint>
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/tensor.hpp>
-#include <cstdint>
 
 namespace sparse_attn::cuda::sm90 {
 

@@ -159,7 +159,7 @@ struct ColumnSoftmax {
   float col_max[kCols];                     // scaled log2 units, the same in every thread
   float col_sum[kCols];                     // this thread's keys only
   float scale_log2;
-  float* red;       // [2][4][kHeads] in shared memory
+  float* red;        // [2][4][kHeads] in shared memory
   uint32_t barrier;  // named barrier of the warpgroup's 128 threads
   int parity = 0;
 
