@@ -875,7 +875,8 @@ struct UnionCase {
   Gate gate;
   bool lse;
   bool random = false;
-  bool hole_page = false;  // one block_table entry inside a sequence is -1
+  bool hole_page = false;       // one block_table entry inside a sequence is -1
+  std::vector<int64_t> q_real;  // seq_lens_q (rows past it are padding); empty: none
 };
 
 class GpuSparseAttentionUnion : public ::testing::TestWithParam<UnionCase> {};
@@ -888,6 +889,7 @@ Problem union_problem(const UnionCase& uc, std::mt19937_64& rng) {
   c.k_lens = uc.k_lens;
   c.page_size = uc.page_size;
   c.hole_page = uc.hole_page;
+  c.q_real = uc.q_real;
   c.num_splits = 1;
   c.width = 4 * uc.nb + 3;
   c.gate = uc.gate;
@@ -1018,6 +1020,17 @@ INSTANTIATE_TEST_SUITE_P(
                   true,
                   true,
                   true},
+        UnionCase{"random_page64_padding_rows_nb128",
+                  DType::kBF16,
+                  64,
+                  {60, 40},
+                  {3000, 2500},
+                  128,
+                  Gate::kElementwise,
+                  true,
+                  true,
+                  false,
+                  {50, 33}},
         UnionCase{"random_page4_short_rows_nb64",
                   DType::kBF16,
                   4,
