@@ -25,7 +25,6 @@
 
 #include <cutlass/arch/barrier.h>
 
-#include <climits>
 #include <cstdint>
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/tensor.hpp>

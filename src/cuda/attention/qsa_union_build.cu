@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(C::kThreads)
     ri.active = false;
     if (r0 + j < p.rows) ri = resolve_row(p, pr.x, r0 + j);
     if (tid == 0) {
-      // Positions past the bitmap, or rows of two requests, are the row-tile kernel's.
+      // Positions past the bitmap, or rows of two requests, are the gather kernel's.
       const bool fits = ri.pos < 4 * int64_t{C::kBitmapWords} * 32 - 4;
       if (ri.active && (!fits || (d.request >= 0 && d.request != ri.b))) d.ok = 0;
       const bool live = ri.active && fits;

@@ -37,7 +37,7 @@ struct alignas(16) QsaUnionData {
   int32_t outer[QsaUnionConfig::kMaxUnion];   // each block's K/V outer index: page, or request
   int32_t pos[QsaUnionConfig::kMaxRows];      // causal positions; -1 for a padding row
   int32_t request, seq_len_k, max_pos, n_union;
-  int32_t ok;  // 0: the row-tile kernel's tile (two requests, too far, union too big, a count
+  int32_t ok;  // 0: the gather kernel's tile (two requests, too far, union too big, a count
                // over 255)
   int32_t pad[1];  // to 16 bytes: the kernels copy it in 16-byte pieces
 };
@@ -45,7 +45,7 @@ struct QsaUnionTile {
   QsaUnionData data;
   // Per (row, union block) the multiplicity (read where dup is set). A byte each keeps the
   // record within the attention CTA's shared memory; a row that lists one block more than 255
-  // times leaves its tile to the row-tile kernel.
+  // times leaves its tile to the gather kernel.
   uint8_t counts[QsaUnionConfig::kMaxRows][QsaUnionConfig::kMaxUnion];
 };
 

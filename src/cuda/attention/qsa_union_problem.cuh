@@ -15,7 +15,7 @@
 //
 // A tile whose rows span requests, reach past the build's bitmap, or whose union exceeds
 // kMaxUnion blocks (independent selections: the union would be ~R times a row's) is marked by
-// the build; its CTAs write nothing and the row-tile kernel takes its rows
+// the build; its CTAs write nothing and the gather kernel takes its rows
 // (sparse_attention_native.cpp).
 #pragma once
 

@@ -29,8 +29,9 @@ struct SparseAttentionLaunch {
 };
 
 // The union prefill kernel on a chunk of row tiles whose unions launch_qsa_union_build made
-// (qsa_union_params.h): it writes the rows of the tiles marked in params.handled; the row-tile
-// kernel (launch_qsa_gather), launched after every chunk with x.union_handled, takes the rest.
+// (qsa_union_params.h): it writes the rows of the tiles marked in params.handled; the gather
+// kernel (launch_qsa_gather), launched after the last chunk with x.union_handled, takes the
+// rest.
 struct QsaUnionParams;
 template <typename T>
 void launch_qsa_union(const QsaUnionParams& params, cudaStream_t stream);
