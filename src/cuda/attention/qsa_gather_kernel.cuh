@@ -29,7 +29,6 @@
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
-#include <mutex>
 #include <type_traits>
 
 #include "api/qsa_attention_params.h"
@@ -41,6 +40,7 @@
 #include "cuda/attention/sparse_attention_common.cuh"
 #include "cuda/attention/sparse_attention_launch.h"
 #include "cuda/common/check.h"
+#include "cuda/common/kernel_attributes.h"
 
 namespace sparse_attn::cuda {
 
@@ -118,8 +118,7 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   using cute::Shape;  // not sparse_attn's (sparse_attn/tensor.h), where both are visible
   using cute::Tensor;
   using C = QsaGatherConfig;
-  using Element =
-      std::conditional_t<std::is_same_v<T, __half>, cutlass::half_t, cutlass::bfloat16_t>;
+  using Element = sm90::CutlassElement<T>;
   using Tr = QsaGatherTraits<Element>;
   using Pipeline = typename Tr::Pipeline;
   extern __shared__ __align__(1024) char smem[];
@@ -184,6 +183,8 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   }
   const int n_slots = kPerEntry * n_valid;
   const int n_tiles = (n_slots + C::kBlockN - 1) / C::kBlockN;
+  // Slot u holds a token: inside the row's slots, and not one its entry lost from its end.
+  auto slot_valid = [&](int u) { return u < n_slots && u % kPerEntry < ss.counts[u / kPerEntry]; };
   Pipeline pipe{ss.pipeline, 0};
 
   if (warp < 4) {
@@ -220,7 +221,7 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
       // Lanes 0-15: tile row 16 warp + lane % 16, its K and V element offsets (or -1).
       const int u = n * C::kBlockN + 16 * warp + lane % 16;
       int64_t k_off = -1, v_off = -1;
-      if (u < n_slots && u % kPerEntry < ss.counts[u / kPerEntry]) {
+      if (slot_valid(u)) {
         const int32_t key = ss.keys[u / kPerEntry] + u % kPerEntry;
         if (rows_of_keys) {
           k_off = key * p.k_token_stride;
@@ -275,11 +276,10 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
     sm90::warpgroup_gemm<true, 0>(mma_s, tSrK(_, _, _, read.index()), tSrQ, tSrS);
     pipe.consumer_release(read);
     ++read;
-    // Slots past the row's end, and tokens an entry lost from its end, are masked.
+    // Slots without a token are masked.
     CUTE_UNROLL
     for (int i = 0; i < size<0>(s_rc); ++i) {
-      const int u = n * C::kBlockN + get<0>(cs_rc(i, 0));
-      if (u >= n_slots || u % kPerEntry >= ss.counts[u / kPerEntry]) {
+      if (!slot_valid(n * C::kBlockN + get<0>(cs_rc(i, 0)))) {
         CUTE_UNROLL
         for (int j = 0; j < kCols; ++j) s_rc(i, j) = -INFINITY;
       }
@@ -350,19 +350,10 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
 template <typename T>
 void launch_qsa_gather(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
                        cudaStream_t stream) {
-  using Element =
-      std::conditional_t<std::is_same_v<T, __half>, cutlass::half_t, cutlass::bfloat16_t>;
-  constexpr int kSmem = QsaGatherTraits<Element>::kSmemBytes;
-  auto kernel = qsa_gather_kernel<T>;
-  static std::once_flag set[64];  // the attributes are per device and kernel
-  int device = 0;
-  SPARSE_ATTN_CUDA_CHECK(cudaGetDevice(&device));
-  std::call_once(set[device % 64], [&] {
-    SPARSE_ATTN_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(
-        kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-  });
+  constexpr int kSmem = QsaGatherTraits<sm90::CutlassElement<T>>::kSmemBytes;
+  constexpr auto kernel = qsa_gather_kernel<T>;
+  // Two CTAs of ~112 KB per SM need the largest shared-memory carveout.
+  opt_in_shared_memory<kernel>(kSmem, true);
   const int64_t ctas = p.rows * p.num_kv_heads;
   kernel<<<static_cast<unsigned>(ctas), QsaGatherConfig::kThreads, kSmem, stream>>>(p, x);
   SPARSE_ATTN_CUDA_CHECK_LAUNCH();

@@ -5,12 +5,12 @@
 
 #include <cuda_runtime_api.h>
 
-#include <mutex>
 #include <type_traits>
 
 #include "cuda/attention/qsa_union_problem.cuh"
 #include "cuda/attention/sm90/kernel_fwd.cuh"
 #include "cuda/common/check.h"
+#include "cuda/common/kernel_attributes.h"
 
 namespace sparse_attn::cuda {
 
@@ -22,20 +22,12 @@ using QsaUnionTraits = sm90::FwdTraits<Element, QsaUnionConfig::kHeadDim, QsaUni
 
 template <typename T>
 void launch_qsa_union(const QsaUnionParams& params, cudaStream_t stream) {
-  using Element =
-      std::conditional_t<std::is_same_v<T, __half>, cutlass::half_t, cutlass::bfloat16_t>;
-  using Traits = QsaUnionTraits<Element>;
+  using Traits = QsaUnionTraits<sm90::CutlassElement<T>>;
   using Problem = QsaUnionProblem<Traits>;
   static_assert(Traits::kThreads == QsaUnionConfig::kThreads);
-  auto kernel = sm90::attention_fwd_kernel<Traits, Problem>;
+  constexpr auto kernel = sm90::attention_fwd_kernel<Traits, Problem>;
   constexpr int kSmem = sm90::fwd_smem_bytes<Traits, Problem>();
-  static std::once_flag set[64];  // the opt-in is per device and kernel
-  int device = 0;
-  SPARSE_ATTN_CUDA_CHECK(cudaGetDevice(&device));
-  std::call_once(set[device % 64], [&] {
-    SPARSE_ATTN_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  });
+  opt_in_shared_memory<kernel>(kSmem);
   const int64_t ctas = static_cast<int64_t>(params.chunk_tiles) * params.p.num_kv_heads;
   kernel<<<static_cast<unsigned>(ctas), Traits::kThreads, kSmem, stream>>>(params);
   SPARSE_ATTN_CUDA_CHECK_LAUNCH();

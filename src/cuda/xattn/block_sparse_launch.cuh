@@ -5,10 +5,9 @@
 
 #include <cuda_runtime_api.h>
 
-#include <mutex>
-
 #include "cuda/attention/sm90/kernel_fwd.cuh"
 #include "cuda/common/check.h"
+#include "cuda/common/kernel_attributes.h"
 #include "cuda/xattn/block_sparse_fwd.h"
 #include "cuda/xattn/block_sparse_merge.cuh"
 #include "cuda/xattn/block_sparse_problem.cuh"
@@ -23,16 +22,9 @@ template <class Element, int kHeadDim>
 void launch_block_sparse_fwd(const BlockSparseFwdParams& p, int64_t tiles, cudaStream_t stream) {
   using Traits = BlockSparseTraits<Element, kHeadDim>;
   using Problem = BlockSparseProblem<Traits>;
-  auto kernel = sm90::attention_fwd_kernel<Traits, Problem>;
+  constexpr auto kernel = sm90::attention_fwd_kernel<Traits, Problem>;
   constexpr int kSmem = sm90::fwd_smem_bytes<Traits, Problem>();
-  // The opt-in is per device and kernel; set it once for each device used.
-  static std::once_flag set[64];
-  int device = 0;
-  SPARSE_ATTN_CUDA_CHECK(cudaGetDevice(&device));
-  std::call_once(set[device % 64], [&] {
-    SPARSE_ATTN_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  });
+  opt_in_shared_memory<kernel>(kSmem);
   kernel<<<static_cast<unsigned>(tiles * p.splits), Traits::kThreads, kSmem, stream>>>(p);
   SPARSE_ATTN_CUDA_CHECK_LAUNCH();
   if (p.splits > 1) {

@@ -3,14 +3,23 @@
 // the CTA's 128 query rows each and share every K/V tile (FlashAttention-3's arrangement).
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cutlass/arch/barrier.h>
 
 #include <cute/tensor.hpp>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <type_traits>
 
 #include "cuda/attention/sm90/pipeline.h"
 
 namespace sparse_attn::cuda::sm90 {
+
+// The CUTLASS element type of a kernel's CUDA element type (__nv_bfloat16 or __half): the
+// launchers are instantiated on the CUDA type, the SM90 pieces on CUTLASS's.
+template <typename T>
+using CutlassElement =
+    std::conditional_t<std::is_same_v<T, __half>, cutlass::half_t, cutlass::bfloat16_t>;
 
 // The K/V stages of a pipeline: each stage [kBlockN, D] with the head dim contiguous, 128-byte
 // swizzled column blocks of 128 / sizeof(Element) features, each column block's rows contiguous

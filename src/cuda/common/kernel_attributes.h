@@ -1,0 +1,31 @@
+// A kernel's launch attributes, set once per device: they are per device and kernel, and
+// setting them before every launch would cost a driver call on the hot path.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <mutex>
+
+#include "cuda/common/check.h"
+
+namespace sparse_attn::cuda {
+
+// Opts Kernel (a __global__ function) in to `bytes` of dynamic shared memory on the current
+// device, and, when prefer_max_shared, asks for the carveout that gives shared memory the most
+// (so that several large CTAs fit one SM). One set of flags per Kernel.
+template <auto Kernel>
+void opt_in_shared_memory(int bytes, bool prefer_max_shared = false) {
+  static std::once_flag set[64];
+  int device = 0;
+  SPARSE_ATTN_CUDA_CHECK(cudaGetDevice(&device));
+  std::call_once(set[device % 64], [&] {
+    SPARSE_ATTN_CUDA_CHECK(
+        cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    if (prefer_max_shared) {
+      SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(
+          Kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+    }
+  });
+}
+
+}  // namespace sparse_attn::cuda
