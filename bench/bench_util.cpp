@@ -125,11 +125,14 @@ Ceilings report_device_and_ceilings(Timer& timer) {
 Tensor random_device(const Shape& shape, DType dtype, uint64_t seed) {
   Tensor host = Tensor::empty(shape, dtype);
   uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
-  auto* p = host.data_as<uint16_t>();
   for (int64_t i = 0; i < host.numel(); ++i) {
     x ^= x << 13, x ^= x >> 7, x ^= x << 17;  // xorshift64
     const float u = float(x >> 40) * (2.0f / float(1 << 24)) - 1.0f;
-    p[i] = dtype == DType::kBF16 ? float_to_bf16(u) : float_to_fp16(u);
+    if (dtype == DType::kF8E4M3) {
+      host.data_as<uint8_t>()[i] = float_to_fp8_e4m3(448.f * u);
+    } else {
+      host.data_as<uint16_t>()[i] = dtype == DType::kBF16 ? float_to_bf16(u) : float_to_fp16(u);
+    }
   }
   Tensor dev = Tensor::empty(shape, dtype, Device::cuda());
   copy_into(dev.view(), host.view());

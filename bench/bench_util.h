@@ -52,7 +52,8 @@ Ceilings measure_ceilings(Timer& timer);
 // every benchmark program opens its output this way.
 Ceilings report_device_and_ceilings(Timer& timer);
 
-// A device tensor of uniform random values in [-1, 1) (16-bit floats) made on the host.
+// A device tensor of uniform random values in [-1, 1) (16-bit floats; FP8 e4m3: [-448, 448])
+// made on the host.
 Tensor random_device(const Shape& shape, DType dtype, uint64_t seed);
 
 }  // namespace sparse_attn::bench

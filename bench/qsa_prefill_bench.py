@@ -7,7 +7,8 @@ row p selecting 512 four-token blocks plus its tail (issue 13's two selections, 
   window: the 64 most recent blocks vis - 1 .. vis - 64 plus 448 drawn once per aligned
           64-row window w, with replacement, from [0, (64 w + 1) // 4), shared by its rows.
 Each selection is expanded to tokens (4b .. 4b + 3, then the tail 4 ((p + 1) // 4) .. p), and
-the block hint is passed too; element-wise sigmoid gate, LSE returned.
+the block hint is passed too; element-wise sigmoid gate, LSE returned. --kv fp8 keeps the cache
+in FP8 e4m3 (k_scale = v_scale = 1/16; cases named _fp8).
 
 Baseline in the same run: cuDNN SDPA dense causal attention of the same shape (K/V expanded
 to 24 heads), once per N. Printed: time, useful TFLOP/s (4 x 24 x 256 x valid tokens of each
@@ -19,7 +20,7 @@ With --kernels, each case also prints the GPU time of every kernel one call laun
 (torch.profiler), so the time outside the attention kernels shows.
 
 Usage: python3 bench/qsa_prefill_bench.py [--quick] [--n 16384,65536] [--pages 64,1600]
-    [--kinds random,window] [--kernels]
+    [--kinds random,window] [--kv bf16,fp8] [--kernels]
 """
 import argparse
 
@@ -72,10 +73,14 @@ def dense_ms(n, gen):
         return time_ms(fn, warmup=1, reps=3)
 
 
-def ours(n, page, kind, gen):
+def ours(n, page, kind, gen, kv="bf16"):
     pages = (n + page - 1) // page
     cache = torch.rand(pages, page, HKV, 2 * D, device="cuda", dtype=torch.bfloat16,
                        generator=gen) - 0.5
+    scales = {}
+    if kv == "fp8":
+        cache = (cache * 16).to(torch.float8_e4m3fn)
+        scales = dict(k_scale=1 / 16, v_scale=1 / 16)
     k, v = cache[..., :D], cache[..., D:]  # strided views of one cache, as engines keep it
     table = torch.randperm(pages, device="cuda", generator=gen).to(torch.int32)[None, :]
     q = torch.rand(n, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen) - 0.5
@@ -90,7 +95,7 @@ def ours(n, page, kind, gen):
         sparse_attn.qsa_sparse_attention(
             q, k, v, ids, block_indices=blocks, query_positions=positions,
             seq_lens_k=seq_k, block_table=table, page_size=page, gate=gate, out=out, lse=lse,
-            backend="native")
+            backend="native", **scales)
 
     ms = time_ms(fn, warmup=1, reps=3 if n > 65536 else 5)
     valid = (ids >= 0).sum().item()
@@ -119,6 +124,7 @@ def main():
     ap.add_argument("--n", default="16384,65536,131072")
     ap.add_argument("--pages", default="64,1600")
     ap.add_argument("--kinds", default="random,window")
+    ap.add_argument("--kv", default="bf16", help="cache dtypes: bf16, fp8 or both")
     ap.add_argument("--kernels", action="store_true", help="each kernel's time of one call")
     a = ap.parse_args()
     ns = [16384, 65536] if a.quick else [int(x) for x in a.n.split(",")]
@@ -130,11 +136,13 @@ def main():
         dense = dense_ms(n, gen)
         for page in pages:
             for kind in a.kinds.split(","):
-                ms, tflops, union, fn = ours(n, page, kind, gen)
-                print(f"{f'{kind}_{n // 1024}k_page{page}':32} {ms:9.3f} {tflops:8.1f} "
-                      f"{dense:9.3f} {dense / ms:8.2f} {union:10.0f}", flush=True)
-                if a.kernels:
-                    print_kernels(fn)
+                for kv in a.kv.split(","):
+                    ms, tflops, union, fn = ours(n, page, kind, gen, kv)
+                    name = f"{kind}_{n // 1024}k_page{page}" + ("_fp8" if kv == "fp8" else "")
+                    print(f"{name:32} {ms:9.3f} {tflops:8.1f} {dense:9.3f} {dense / ms:8.2f} "
+                          f"{union:10.0f}", flush=True)
+                    if a.kernels:
+                        print_kernels(fn)
         torch.cuda.empty_cache()
 
 

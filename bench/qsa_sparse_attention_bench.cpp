@@ -10,7 +10,8 @@
 //     floor% use the graph time; floor% (eager) is next to it. Every batch runs with the
 //     heuristic split count, with a caller-owned workspace (_ws: no pool allocation in the
 //     call or the graph), and with explicit split counts (_s<N>, graph-timed), for the
-//     heuristic.
+//     heuristic. The _fp8 rows repeat the batches with FP8 e4m3 K/V (half the bytes); _hint
+//     rows pass the blocks as block_indices too (with one split: the gather kernel).
 //   prefill: one request of 16K, 64K, 128K tokens, every row attending to its 2051-token
 //     structured selection: the 64 most recent complete blocks plus the 448 most important
 //     older ones under a fixed per-block importance, so neighbouring rows share most blocks
@@ -73,14 +74,15 @@ Tensor int32_device(const std::vector<int32_t>& v, const Shape& shape) {
 // A device tensor of random values for multi-GB caches: one 64 MB random block (made on the
 // host) copied through it, which takes seconds less than drawing every element on the host.
 // Repeated contents do not change a gather's speed; zeros could (METHOD.md).
-Tensor random_pool(const Shape& shape, uint64_t seed) {
+Tensor random_pool(const Shape& shape, uint64_t seed, DType dtype = DType::kBF16) {
   constexpr int64_t kBlock = int64_t{1} << 25;  // elements
-  Tensor t = Tensor::empty(shape, DType::kBF16, Device::cuda());
+  Tensor t = Tensor::empty(shape, dtype, Device::cuda());
   const int64_t n = t.numel();
-  Tensor block = random_device({std::min(n, kBlock)}, DType::kBF16, seed);
+  const size_t es = dtype_size(dtype);
+  Tensor block = random_device({std::min(n, kBlock)}, dtype, seed);
   for (int64_t at = 0; at < n; at += kBlock) {
-    BENCH_CUDA(cudaMemcpy(static_cast<uint16_t*>(t.data()) + at, block.data(),
-                          std::min(kBlock, n - at) * sizeof(uint16_t), cudaMemcpyDeviceToDevice));
+    BENCH_CUDA(cudaMemcpy(static_cast<char*>(t.data()) + at * es, block.data(),
+                          std::min(kBlock, n - at) * es, cudaMemcpyDeviceToDevice));
   }
   return t;
 }
@@ -121,18 +123,20 @@ int64_t expand(const std::vector<int32_t>& blocks, int64_t p, int32_t* row) {
 // Decode runs of one batch: split counts, 0 = the heuristic's count.
 struct DecodeRun {
   int splits;
-  bool eager;      // also time the eager call
-  bool workspace;  // pass a caller-owned workspace (no pool allocation in the call or graph)
+  bool eager;         // also time the eager call
+  bool workspace;     // pass a caller-owned workspace (no pool allocation in the call or graph)
+  bool hint = false;  // pass the 512 blocks as block_indices too (rows named _hint)
 };
 
-void bench_decode(Timer& timer, const Ceilings& c, int64_t batch,
+// kv: K/V element type, bfloat16 or FP8 e4m3 (k_scale 1/64, v_scale 1/128; rows named _fp8).
+void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
                   const std::vector<DecodeRun>& runs, const std::function<void(Result)>& add) {
   std::mt19937_64 rng(100 + batch);
   std::uniform_int_distribution<int64_t> ctx(8192, 131072);
   std::vector<int64_t> lens(batch);
   for (auto& l : lens) l = ctx(rng);
   const Pages pg = make_pages(lens, rng);
-  std::vector<int32_t> ids(batch * kWidth);
+  std::vector<int32_t> ids(batch * kWidth), hint(batch * kBlocks, -1);
   int64_t valid = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t p = lens[b] - 1, visible = (p + 1) / 4;
@@ -141,20 +145,23 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch,
     std::shuffle(all.begin(), all.end(), rng);
     all.resize(std::min<int64_t>(kBlocks, visible));
     std::sort(all.begin(), all.end());
+    std::copy(all.begin(), all.end(), hint.begin() + b * kBlocks);
     valid += expand(all, p, &ids[b * kWidth]);
   }
   std::vector<int32_t> lens32(lens.begin(), lens.end()), cu(batch + 1);
   for (int64_t b = 0; b <= batch; ++b) cu[b] = static_cast<int32_t>(b);
   Tensor q = random_device({batch, kHq, kD}, DType::kBF16, 1);
   Tensor gate = random_device({batch, kHq, kD}, DType::kBF16, 2);
-  Tensor k = random_pool({pg.pool, kPage, kHkv, kD}, 3);
-  Tensor v = random_pool({pg.pool, kPage, kHkv, kD}, 4);
+  Tensor k = random_pool({pg.pool, kPage, kHkv, kD}, 3, kv);
+  Tensor v = random_pool({pg.pool, kPage, kHkv, kD}, 4, kv);
   Tensor idx = int32_device(ids, {batch, kWidth});
+  Tensor blocks = int32_device(hint, {batch, kBlocks});
   Tensor table = int32_device(pg.table, {batch, pg.max_pages});
   Tensor dl = int32_device(lens32, {batch}), dcu = int32_device(cu, {batch + 1});
   Tensor out = Tensor::empty({batch, kHq, kD}, DType::kBF16, Device::cuda());
   Tensor lse = Tensor::empty({batch, kHq}, DType::kF32, Device::cuda());
-  const double bytes = 2.0 * valid * kHkv * kD * 2 + 3.0 * batch * kHq * kD * 2 +
+  const bool fp8 = kv == DType::kF8E4M3;
+  const double bytes = 2.0 * valid * kHkv * kD * dtype_size(kv) + 3.0 * batch * kHq * kD * 2 +
                        4.0 * batch * kWidth + 4.0 * batch * kHq;
   const double floor_ms = bytes / (c.copy_tbps * 1e12) * 1e3;
   for (const DecodeRun& run : runs) {
@@ -163,7 +170,12 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch,
     o.seq_lens_k = dl.view();
     o.cu_seqlens_q = dcu.view();
     o.gate = gate.view();
+    if (fp8) {
+      o.k_scale = 1.0 / 64;
+      o.v_scale = 1.0 / 128;
+    }
     if (run.splits > 0) o.num_splits = run.splits;
+    if (run.hint) o.block_indices = blocks.view();
     Tensor workspace;
     if (run.workspace) {
       const size_t ws = qsa_sparse_attention_workspace_size(q, k, v, idx.view(), o);
@@ -178,7 +190,8 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch,
     const double eager_ms = run.eager ? timer.time(call).median_ms : 0.0;
     const double graph_ms = timer.time_graph(call).median_ms;
     const double sec = graph_ms * 1e-3;
-    add({fmt::format("decode_b{}{}{}", batch, run.splits > 0 ? fmt::format("_s{}", run.splits) : "",
+    add({fmt::format("decode_b{}{}{}{}{}", batch, fp8 ? "_fp8" : "", run.hint ? "_hint" : "",
+                     run.splits > 0 ? fmt::format("_s{}", run.splits) : "",
                      run.workspace ? "_ws" : ""),
          eager_ms, graph_ms, 4.0 * valid * kHq * kD / sec / 1e12, bytes / sec / 1e12, floor_ms,
          fmt::format("{} splits, gate, lse{}",
@@ -419,11 +432,19 @@ int main(int argc, char** argv) {
   const bool sweep = sweep_env == nullptr || std::string(sweep_env) != "0";
   for (int64_t b : {1, 8, 32, 128}) {
     if (!want(fmt::format("decode_b{}", b))) continue;
-    std::vector<DecodeRun> runs = {{0, true, false}, {0, false, true}};
+    std::vector<DecodeRun> runs = {{0, true, false}, {0, false, true}, {0, false, false, true}};
     if (sweep) {
       for (int splits : {1, 2, 4, 8, 16, 33}) runs.push_back({splits, false, false});
     }
-    bench_decode(timer, c, b, runs, add);
+    bench_decode(timer, c, b, DType::kBF16, runs, add);
+  }
+  for (int64_t b : {1, 8, 32, 128}) {
+    if (!want(fmt::format("decode_b{}_fp8", b))) continue;
+    std::vector<DecodeRun> runs = {{0, true, false}, {0, false, false, true}};
+    if (sweep) {
+      for (int splits : {1, 2, 4, 8, 16, 33}) runs.push_back({splits, false, false});
+    }
+    bench_decode(timer, c, b, DType::kF8E4M3, runs, add);
   }
   auto prefill_row = [&](const std::string& name, const std::function<Result()>& run) {
     if (!want(name)) return;

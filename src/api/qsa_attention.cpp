@@ -493,11 +493,6 @@ void check_native(const Views& v, const SparseAttentionParams& p) {
         "backend='reference' for the CPU reference",
         v.query.device().str());
   }
-  if (p.kv_dtype == DType::kF8E4M3) {
-    throw_not_supported(
-        "key: backend 'native' does not read FP8 K/V (float8_e4m3fn) on CUDA yet; pass "
-        "backend='reference', or CPU tensors for the CPU backend");
-  }
   if (p.head_dim != kNativeHeadDim) {
     throw_not_supported(
         "query: backend 'native' supports head_dim {}, got {} (shape {}); use "

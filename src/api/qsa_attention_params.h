@@ -79,7 +79,7 @@ struct SparseAttentionParams {
   int64_t max_pages = 0;    // kPaged only: block_table.shape[1]
 
   DType dtype = DType::kBF16;     // Q, out and gate (BF16 or FP16)
-  DType kv_dtype = DType::kBF16;  // K and V: `dtype`, or kF8E4M3 (reference and CPU only)
+  DType kv_dtype = DType::kBF16;  // K and V: `dtype`, or kF8E4M3
   // The value of a K (V) element is its stored value x k_scale (v_scale), in FP32; both are 1
   // unless kv_dtype is kF8E4M3.
   float k_scale = 1.f, v_scale = 1.f;

@@ -61,6 +61,9 @@ struct Case {
   // Each row of a request repeats the previous row's ids with about 1 in 20 redrawn, as
   // neighbouring prefill rows do (the row-tile kernel then gathers mostly shared tokens).
   bool shared = false;
+  // FP8 e4m3 K/V of random finite codes (subnormals included), dequantised by these scales.
+  bool fp8 = false;
+  double k_scale = 1.0, v_scale = 1.0;
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) { return info.param.name; }
@@ -175,8 +178,13 @@ Problem make_problem(const Case& c, std::mt19937_64& rng) {
   }
   const int64_t kv_outer = c.paged ? pb.num_pages : pb.batch;
   const int64_t kv_inner = c.paged ? c.page_size : pb.kv_cap;
-  pb.k = testing::random_tensor({kv_outer, kv_inner, c.hkv, kD}, c.dtype, rng, -2.f, 2.f);
-  pb.v = testing::random_tensor({kv_outer, kv_inner, c.hkv, kD}, c.dtype, rng);
+  if (c.fp8) {
+    pb.k = testing::random_fp8({kv_outer, kv_inner, c.hkv, kD}, rng, 448.f);
+    pb.v = testing::random_fp8({kv_outer, kv_inner, c.hkv, kD}, rng, 448.f);
+  } else {
+    pb.k = testing::random_tensor({kv_outer, kv_inner, c.hkv, kD}, c.dtype, rng, -2.f, 2.f);
+    pb.v = testing::random_tensor({kv_outer, kv_inner, c.hkv, kD}, c.dtype, rng);
+  }
   pb.q = testing::random_tensor({pb.rows, c.hq, kD}, c.dtype, rng, -2.f, 2.f);
 
   // Selections: valid ids up to the position (duplicates allowed), mixed with -1,
@@ -224,10 +232,13 @@ struct Expected {
   std::vector<double> lse;  // [rows, Hq]
 };
 
-// The oracle: plain loops in double over the row's valid entries.
+// The oracle: plain loops in double over the row's valid entries, on K and V times their scales.
 Expected oracle(const Problem& pb) {
   const Case& c = pb.c;
-  const auto q = to_vector(pb.q.view()), k = to_vector(pb.k.view()), v = to_vector(pb.v.view());
+  const auto q = to_vector(pb.q.view());
+  auto k = to_vector(pb.k.view()), v = to_vector(pb.v.view());
+  for (double& x : k) x *= c.k_scale;
+  for (double& x : v) x *= c.v_scale;
   const auto ids = to_vector(pb.idx.view());
   const std::vector<double> gate =
       c.gate == Gate::kNone ? std::vector<double>{} : to_vector(pb.gate.view());
@@ -282,11 +293,13 @@ Expected oracle(const Problem& pb) {
 }
 
 // A device copy of `host` placed inside a larger random buffer (extra leading rows/columns on
-// its first and last axes), so the view has an offset and non-default strides.
+// its first and last axes), so the view has an offset and non-default strides. The columns
+// added are 16 bytes' worth or more, which keeps the native kernels' vector-load rule.
 TensorView embed(const Tensor& host, std::vector<Tensor>& keep, std::mt19937_64& rng) {
+  const int64_t pad = host.dtype() == DType::kF8E4M3 ? 16 : 8;
   Shape big = host.shape();
   big.front() += 1;
-  big.back() += 8;
+  big.back() += pad;
   Tensor outer_host;
   if (host.dtype() == DType::kI32) {
     outer_host = testing::random_int32(big, rng, -5, 5);
@@ -299,7 +312,7 @@ TensorView embed(const Tensor& host, std::vector<Tensor>& keep, std::mt19937_64&
   keep.push_back(outer);
   TensorView view = outer.view()
                         .narrow(0, 1, host.shape().front())
-                        .narrow(outer.view().dim() - 1, 8, host.shape().back());
+                        .narrow(outer.view().dim() - 1, pad, host.shape().back());
   copy_into(view, host.view());
   return view;
 }
@@ -372,6 +385,8 @@ DeviceProblem to_device_problem(const Problem& pb, std::mt19937_64& rng) {
   auto& o = dp.opts;
   o.backend = Backend::kNative;
   o.num_splits = c.num_splits;
+  o.k_scale = c.k_scale;
+  o.v_scale = c.v_scale;
   o.seq_lens_k = put_meta(pb.seq_lens_k);
   if (c.paged) {
     o.block_table = put_meta(pb.block_table);
@@ -402,7 +417,9 @@ DeviceProblem to_device_problem(const Problem& pb, std::mt19937_64& rng) {
 
 void expect_matches(const Problem& pb, const DeviceProblem& dp, const Expected& e) {
   Tensor out = Tensor::to_host(dp.out);
-  const double atol = testing::default_atol(pb.c.dtype), rtol = testing::default_rtol(pb.c.dtype);
+  // FP8 values reach 448 x v_scale: the output's rounding scales with them.
+  const double atol = testing::default_atol(pb.c.dtype) * (pb.c.fp8 ? 448 * pb.c.v_scale : 1.0),
+               rtol = testing::default_rtol(pb.c.dtype);
   EXPECT_TRUE(testing::all_close(out.view(), e.out, atol, rtol)) << "out";
   if (pb.c.lse) {
     Tensor lse = Tensor::to_host(dp.lse);
@@ -690,6 +707,114 @@ std::vector<Case> row_tile_cases() {
 INSTANTIATE_TEST_SUITE_P(RowTiles, GpuSparseAttention, ::testing::ValuesIn(row_tile_cases()),
                          case_name);
 
+// FP8 K/V (the per-row kernel, sparse_attention_kernel.cuh): every form above with FP8 caches,
+// under a power-of-two pair of scales and a pair that is not.
+std::vector<Case> fp8_cases() {
+  std::vector<Case> v;
+  int i = 0;
+  for (Case c : cases()) {
+    c.fp8 = true;
+    const bool pow2 = i++ % 2 == 0;
+    c.k_scale = pow2 ? 1.0 / 64 : 0.0113;
+    c.v_scale = pow2 ? 1.0 / 128 : 0.0071;
+    c.name = "fp8_" + c.name;
+    v.push_back(c);
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Fp8, GpuSparseAttention, ::testing::ValuesIn(fp8_cases()), case_name);
+
+// Every finite e4m3 code read by the FP8 kernel, exactly: each row attends to one token (its
+// own, by id), so its output is that token's V, exact in the output type with v_scale 1 (the
+// sign of a zero is not kept: the weighted sum starts from +0), and
+// head h's query is one-hot at dim d(r, h), so its LSE is scale x K[r, d(r, h)]. K and V hold
+// the 254 finite codes in patterns that put every code under some checked (row, dim).
+TEST(GpuSparseAttentionFp8, EveryFiniteCodeReadsExactly) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  constexpr int64_t kHq = 24, kHkv = 2, kRows = 254, kPage = 64, kPages = 4;
+  std::vector<uint8_t> finite;
+  for (int code = 0; code < 256; ++code) {
+    if ((code & 0x7f) != 0x7f) finite.push_back(static_cast<uint8_t>(code));
+  }
+  const int64_t n = static_cast<int64_t>(finite.size());
+  ASSERT_EQ(n, 254);
+  auto k_code = [&](int64_t t, int64_t kvh, int64_t d) {
+    return finite[(t + 7 * d + 3 * kvh) % n];
+  };
+  auto v_code = [&](int64_t t, int64_t kvh, int64_t d) { return finite[(5 * t + d + kvh) % n]; };
+  auto q_dim = [](int64_t r, int64_t h) { return (r + 11 * h) % kD; };
+  // Token t on page t / kPage, pages in table order.
+  Tensor k = Tensor::empty({kPages, kPage, kHkv, kD}, DType::kF8E4M3);
+  Tensor v = Tensor::empty({kPages, kPage, kHkv, kD}, DType::kF8E4M3);
+  for (int64_t t = 0; t < kPages * kPage; ++t) {
+    for (int64_t kvh = 0; kvh < kHkv; ++kvh) {
+      for (int64_t d = 0; d < kD; ++d) {
+        k.data_as<uint8_t>()[(t * kHkv + kvh) * kD + d] = k_code(t, kvh, d);
+        v.data_as<uint8_t>()[(t * kHkv + kvh) * kD + d] = v_code(t, kvh, d);
+      }
+    }
+  }
+  std::vector<bool> checked(256, false);
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    Tensor q = Tensor::empty({kRows, kHq, kD}, dtype);
+    for (int64_t r = 0; r < kRows; ++r) {
+      for (int64_t h = 0; h < kHq; ++h) {
+        for (int64_t d = 0; d < kD; ++d) {
+          store_from_float(q.data(), dtype, (r * kHq + h) * kD + d, d == q_dim(r, h) ? 1.f : 0.f);
+        }
+      }
+    }
+    std::vector<int32_t> ids(kRows), pos(kRows, kPages * kPage - 1);
+    std::iota(ids.begin(), ids.end(), 0);
+    Tensor dq = to_device(q), dk = to_device(k), dv = to_device(v);
+    Tensor did = to_device(testing::int32_tensor({kRows, 1}, ids));
+    Tensor dpos = to_device(testing::int32_tensor({kRows}, pos));
+    Tensor dcu = to_device(testing::int32_tensor({2}, {0, kRows}));
+    Tensor dtable = to_device(testing::int32_tensor({1, kPages}, {0, 1, 2, 3}));
+    Tensor dlen = to_device(testing::int32_tensor({1}, {kPages * kPage}));
+    Tensor out = testing::poisoned_device({kRows, kHq, kD}, dtype);
+    Tensor lse = testing::poisoned_device({kRows, kHq}, DType::kF32);
+    SparseAttentionOptions o;
+    o.backend = Backend::kNative;
+    o.block_table = dtable.view();
+    o.page_size = kPage;
+    o.seq_lens_k = dlen.view();
+    o.cu_seqlens_q = dcu.view();
+    o.query_positions = dpos.view();
+    qsa_sparse_attention(dq.view(), dk.view(), dv.view(), did.view(), out.view(), lse.view(), o);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const Tensor ho = Tensor::to_host(out.view()), hl = Tensor::to_host(lse.view());
+    const double scale = 1.0 / std::sqrt(static_cast<double>(kD));
+    int64_t bad_out = 0, bad_lse = 0;
+    for (int64_t r = 0; r < kRows; ++r) {
+      for (int64_t h = 0; h < kHq; ++h) {
+        const int64_t kvh = h / (kHq / kHkv), dk_at = q_dim(r, h);
+        for (int64_t d = 0; d < kD; ++d) {
+          const float want = fp8_e4m3_to_float(v_code(r, kvh, d));
+          const float got = load_as_float(ho.data(), dtype, (r * kHq + h) * kD + d);
+          if (want != got && ++bad_out <= 5) {
+            ADD_FAILURE() << dtype_name(dtype) << " out[" << r << ", " << h << ", " << d
+                          << "] = " << got << ", V code 0x" << std::hex << int(v_code(r, kvh, d))
+                          << " is " << want;
+          }
+        }
+        const uint8_t kc = k_code(r, kvh, dk_at);
+        checked[kc] = true;
+        const double want = scale * fp8_e4m3_to_float(kc);
+        const double got = hl.data_as<float>()[r * kHq + h];
+        if (!(std::fabs(got - want) <= 1e-6 * std::fabs(want) + 1e-30) && ++bad_lse <= 5) {
+          ADD_FAILURE() << dtype_name(dtype) << " lse[" << r << ", " << h << "] = " << got
+                        << ", K code 0x" << std::hex << int(kc) << " gives " << want;
+        }
+      }
+    }
+    EXPECT_EQ(bad_out, 0) << dtype_name(dtype);
+    EXPECT_EQ(bad_lse, 0) << dtype_name(dtype);
+  }
+  EXPECT_EQ(std::count(checked.begin(), checked.end(), true), 254) << "codes left unchecked";
+}
+
 // token_indices of one row as the expansion builds them from its hinted blocks: each block b
 // with b >= 0 and 4b + 3 <= p gives 4b .. 4b+3 in order, then the tail 4 * ((p + 1) / 4) .. p.
 // `row` holds the width's -1s on entry.
@@ -761,7 +886,10 @@ INSTANTIATE_TEST_SUITE_P(Pages, GpuSparseAttentionBlockHint, ::testing::ValuesIn
                                // The union and gather kernels (one split, rows per request >= 4).
                                {16, 1, {40, 13}, {3000, 900}},
                                {64, std::nullopt, {37, 5}, {3000, 203}, true},
-                               {16, 1, {40, 13}, {3000, 900}, true}};
+                               {16, 1, {40, 13}, {3000, 900}, true},
+                               // Decode rows with one split: the gather kernel alone.
+                               {64, 1, {1, 1, 1, 1, 1, 1}, {3000, 2051, 4, 777, 9000, 130}},
+                               {1600, 1, {1, 1, 1, 1, 1}, {5000, 1601, 3, 3300, 96}, true}};
                          }()),
                          [](const ::testing::TestParamInfo<HintCase>& info) {
                            return "page" + std::to_string(info.param.page_size) + "_splits" +
@@ -783,6 +911,7 @@ struct EngineHintCase {
   std::optional<int64_t> num_splits;
   std::vector<int64_t> q_rows, k_lens;
   int64_t nb;
+  bool fp8 = false;  // FP8 K/V (scales 0.0131 and 0.0093)
 };
 
 class GpuSparseAttentionEngineHint : public ::testing::TestWithParam<EngineHintCase> {};
@@ -799,6 +928,11 @@ TEST_P(GpuSparseAttentionEngineHint, RawTopkHintGivesTheTokenResult) {
   c.width = 4 * hc.nb + 3;
   c.gate = Gate::kElementwise;
   c.positions = true;
+  c.fp8 = hc.fp8;
+  if (hc.fp8) {
+    c.k_scale = 0.0131;
+    c.v_scale = 0.0093;
+  }
   Problem pb = make_problem(c, rng);
   // Right-aligned positions (a prefill chunk at the end of its request), given explicitly.
   std::vector<int32_t> pos32(pb.rows);
@@ -853,7 +987,28 @@ INSTANTIATE_TEST_SUITE_P(
         EngineHintCase{
             "page784_rows30_1_1_nb200_splits2", 784, 2, {30, 1, 1}, {5000, 1569, 786}, 200},
         EngineHintCase{"page1616_rows70_nb64_short_rows", 1616, 1, {70}, {70}, 64},
-        EngineHintCase{"page6_hint_ignored_rows33_8", 6, std::nullopt, {33, 8}, {1203, 500}, 128}),
+        EngineHintCase{"page6_hint_ignored_rows33_8", 6, std::nullopt, {33, 8}, {1203, 500}, 128},
+        EngineHintCase{"fp8_page1600_rows96_pos6900_nb512", 1600, 1, {96}, {6950}, 512, true},
+        EngineHintCase{"decode_page64_b7_splits1_gather",
+                       64,
+                       1,
+                       {1, 1, 1, 1, 1, 1, 1},
+                       {6950, 3001, 2203, 5, 64, 900, 4097},
+                       512},
+        EngineHintCase{"fp8_decode_page800_b7_splits1_gather",
+                       800,
+                       1,
+                       {1, 1, 1, 1, 1, 1, 1},
+                       {6950, 3001, 2203, 5, 64, 900, 4097},
+                       512,
+                       true},
+        EngineHintCase{"fp8_page64_rows40_3_requests_nb512_heuristic",
+                       64,
+                       std::nullopt,
+                       {40, 1, 9},
+                       {6950, 3001, 2203},
+                       512,
+                       true}),
     [](const ::testing::TestParamInfo<EngineHintCase>& info) { return info.param.name; });
 
 // The union prefill kernel (qsa_union_problem.cuh) takes the row tiles whose rows' blocks fit
@@ -877,6 +1032,7 @@ struct UnionCase {
   bool random = false;
   bool hole_page = false;       // one block_table entry inside a sequence is -1
   std::vector<int64_t> q_real;  // seq_lens_q (rows past it are padding); empty: none
+  bool fp8 = false;             // FP8 K/V (scales 0.0107, 0.0189): every row on the gather kernel
 };
 
 class GpuSparseAttentionUnion : public ::testing::TestWithParam<UnionCase> {};
@@ -895,6 +1051,11 @@ Problem union_problem(const UnionCase& uc, std::mt19937_64& rng) {
   c.gate = uc.gate;
   c.lse = uc.lse;
   c.positions = true;
+  c.fp8 = uc.fp8;
+  if (uc.fp8) {
+    c.k_scale = 0.0107;
+    c.v_scale = 0.0189;
+  }
   Problem pb = make_problem(c, rng);
   std::vector<int32_t> pos32(pb.rows);
   for (int64_t r = 0, first = 0, b = 0; r < pb.rows; ++r) {
@@ -1039,6 +1200,30 @@ INSTANTIATE_TEST_SUITE_P(
                   64,
                   Gate::kNone,
                   false,
+                  true},
+        UnionCase{"fp8_window_page64_nb512_rows150",
+                  DType::kBF16,
+                  64,
+                  {150},
+                  {5200},
+                  512,
+                  Gate::kElementwise,
+                  true,
+                  false,
+                  false,
+                  {},
+                  true},
+        UnionCase{"fp8_random_fp16_page1600_hole_page_padding_rows",
+                  DType::kF16,
+                  1600,
+                  {70, 33},
+                  {4100, 3300},
+                  256,
+                  Gate::kPerHead,
+                  true,
+                  true,
+                  true,
+                  {60, 33},
                   true}),
     [](const ::testing::TestParamInfo<UnionCase>& info) { return info.param.name; });
 

@@ -1,6 +1,7 @@
 // FP8 e4m3 caches (docs/qsa.md, "FP8 caches"): the e4m3fn decode of every code and the encoder's
 // rounding; qsa_sparse_attention with FP8 K/V and the indexer ops with FP8 keys on the reference
 // and CPU backends, against independent computations; the validation rules of the FP8 arguments.
+// The native CUDA kernel's FP8 K/V are tested in test_gpu_sparse_attention.cpp (the Fp8 suites).
 //
 // Two oracles: a power-of-two scale makes every dequantised value exact in bfloat16, so the FP8
 // call must equal, bit for bit, the same backend's call on bfloat16 copies of the dequantised
@@ -24,6 +25,7 @@ namespace {
 
 using testing::all_close;
 using testing::make_rng;
+using testing::random_fp8;
 using testing::random_int32;
 using testing::random_tensor;
 using testing::to_vector;
@@ -79,20 +81,6 @@ TEST(DType, Fp8E4M3EncodeRoundsAsTorch) {
   EXPECT_EQ(float_to_fp8_e4m3(std::numeric_limits<float>::infinity()), 0x7f);
   EXPECT_EQ(float_to_fp8_e4m3(std::nanf("")) & 0x7f, 0x7f);
   EXPECT_EQ(round_to(DType::kF8E4M3, 0.3f), 0.3125f);
-}
-
-// An FP8 tensor of random finite codes whose values lie in [-limit, limit].
-Tensor random_fp8(const Shape& shape, std::mt19937_64& rng, float limit) {
-  Tensor t = Tensor::empty(shape, DType::kF8E4M3);
-  std::uniform_int_distribution<int> code(0, 255);
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    uint8_t c;
-    do {
-      c = static_cast<uint8_t>(code(rng));
-    } while ((c & 0x7f) == 0x7f || std::fabs(fp8_e4m3_to_float(c)) > limit);
-    t.data_as<uint8_t>()[i] = c;
-  }
-  return t;
 }
 
 // The dequantised values stored x scale, computed in FP32 as the spec says, held in `dtype`
@@ -301,27 +289,6 @@ TEST(QsaFp8, AttentionValidation) {
   o.kv_cache_dtype = DType::kBF16;
   expect_error<TypeError>(run(c.k8, c.v8, o), {"key: expected dtype bfloat16 (kv_cache_dtype)"});
   EXPECT_NO_THROW(run(kb, vb, o)());  // naming the 16-bit dtype only confirms it
-
-  // The native CUDA kernels do not read FP8 yet: refused at validation, by the call and by the
-  // workspace size.
-  SparseAttentionOptions native;
-  native.backend = Backend::kNative;
-  native.block_table = on_cuda(c.table);
-  native.seq_lens_k = on_cuda(c.seq_lens_k);
-  const TensorView q = on_cuda(c.q), ids = on_cuda(c.ids);
-  const Tensor out = Tensor::empty(c.q.shape(), DType::kBF16);
-  const Tensor lse = Tensor::empty({c.B, c.Q, c.Hq}, DType::kF32);
-  for (bool u8 : {false, true}) {
-    SparseAttentionOptions n = native;
-    if (u8) n.kv_cache_dtype = DType::kF8E4M3;
-    const TensorView k = on_cuda(u8 ? as_u8(c.k8) : c.k8.view());
-    const TensorView v = on_cuda(u8 ? as_u8(c.v8) : c.v8.view());
-    expect_error<NotSupportedError>(
-        [&] { qsa_sparse_attention(q, k, v, ids, on_cuda(out), on_cuda(lse), n); },
-        {"key: backend 'native' does not read FP8 K/V", "backend='reference'"});
-    expect_error<NotSupportedError>([&] { qsa_sparse_attention_workspace_size(q, k, v, ids, n); },
-                                    {"key: backend 'native' does not read FP8 K/V"});
-  }
 }
 
 TEST(QsaFp8, IndexerValidation) {

@@ -1,6 +1,7 @@
 #include "test_util.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -73,6 +74,19 @@ Tensor random_tensor(const Shape& shape, DType dtype, std::mt19937_64& rng, floa
   Tensor t = Tensor::empty(shape, dtype);
   std::uniform_real_distribution<float> dist(lo, hi);
   for_each_element(t.view(), [&](int64_t off, const auto&) { store(t.view(), off, dist(rng)); });
+  return t;
+}
+
+Tensor random_fp8(const Shape& shape, std::mt19937_64& rng, float limit) {
+  Tensor t = Tensor::empty(shape, DType::kF8E4M3);
+  std::uniform_int_distribution<int> code(0, 255);
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    uint8_t c;
+    do {
+      c = static_cast<uint8_t>(code(rng));
+    } while ((c & 0x7f) == 0x7f || std::fabs(fp8_e4m3_to_float(c)) > limit);
+    t.data_as<uint8_t>()[i] = c;
+  }
   return t;
 }
 

@@ -23,6 +23,9 @@ std::mt19937_64 make_rng();
 // Uniform values in [lo, hi), rounded to `dtype` (floating dtypes) on the host.
 Tensor random_tensor(const Shape& shape, DType dtype, std::mt19937_64& rng, float lo = -1.f,
                      float hi = 1.f);
+// An FP8 e4m3 tensor of random finite codes (uniform over the codes, subnormals and zeros
+// included) whose values lie in [-limit, limit].
+Tensor random_fp8(const Shape& shape, std::mt19937_64& rng, float limit);
 // Uniform int32 in [lo, hi].
 Tensor random_int32(const Shape& shape, std::mt19937_64& rng, int32_t lo, int32_t hi);
 // int32 / int64 tensor from values (row-major).

@@ -1,7 +1,8 @@
 """FP8 e4m3 caches (docs/qsa.md, "FP8 caches"): torch.float8_e4m3fn K/V and indexer keys, and
 uint8 views of them with kv_cache_dtype named, on the reference and CPU backends against
 float64 oracles on the dequantised values (stored value x scale, the product in FP32); the
-argument errors; the native CUDA backend's refusal."""
+argument errors; native CUDA FP8 attention against the reference, and the native CUDA indexer's
+refusal of FP8 keys."""
 
 import inspect
 import math
@@ -205,23 +206,56 @@ def test_fp8_workspace_size_on_the_host_is_zero():
 
 @needs_cuda
 @pytest.mark.parametrize("form", ["float8", "fp8"])
-def test_native_cuda_refuses_fp8_until_its_kernels_exist(form):
-    dev = "cuda"
-    query = randn((1, 2, 24, 256), BF16, dev)
-    key = fp8_randn((4, 16, 2, 256)).to(dev)
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", ["decode", "prefill", "decode_one_split", "prefill_one_split"])
+def test_native_cuda_fp8_attention_matches_the_reference(form, dtype, shape):
+    # The engine layout: K and V strided views of one [pages, page, Hkv, 2 * D] FP8 cache, page
+    # 64, a gate and the LSE; decode and prefill rows with the block hint, with the heuristic's
+    # SplitKV (the per-row kernel) and with one split (the gather kernel).
+    dev, d, page = "cuda", 256, 64
+    lens_k = [3000, 700, 1500]
+    lens_q = [1, 1, 1] if shape.startswith("decode") else [40, 3, 9]
+    pages = sum((n + page - 1) // page for n in lens_k) + 2
+    perm = torch.randperm(pages).tolist()
+    table = torch.full((3, 48), -1, dtype=I32)
+    at = 0
+    for b, n in enumerate(lens_k):
+        for j in range((n + page - 1) // page):
+            table[b, j] = perm[at]
+            at += 1
+    kv = fp8_randn((pages, page, 2, 2 * d), scale=40.0).to(dev)
+    key, value = kv[..., :d], kv[..., d:]
+    query = randn((sum(lens_q), 24, d), dtype, dev)
+    gate = randn((sum(lens_q), 24, d), dtype, dev)
+    positions = torch.tensor([lens_k[b] - lens_q[b] + i for b, n in enumerate(lens_q)
+                              for i in range(n)], dtype=I32)
+    blocks = torch.stack([torch.randint(-1, int(p) // 4 + 2, (128,), dtype=I32)
+                          for p in positions])
+    ids = sparse_attn.qsa_expand_blocks(blocks, positions)
+    cu = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=I32)
     k, fmt = stored(key, form)
-    ids = torch.zeros((1, 2, 5), dtype=I32, device=dev)
-    table = torch.tensor([[0, 1]], dtype=I32, device=dev)
-    with pytest.raises(sparse_attn.NotSupportedError,
-                       match=r"^key: backend 'native' does not read FP8 K/V"):
-        sparse_attn.qsa_sparse_attention(query, k, k, ids, block_table=table, k_scale=0.5,
-                                          kv_cache_dtype=fmt, backend="native")
-    out = sparse_attn.qsa_sparse_attention(query, k, k, ids, block_table=table, k_scale=0.5,
-                                           kv_cache_dtype=fmt, backend="reference")
-    assert out.is_cuda and out.dtype == BF16
-    q = randn((3, 4, 128), BF16, dev)
-    keys, fmt = stored(fp8_randn((5, 128)).to(dev), form)
-    rows = torch.zeros(3, dtype=I32, device=dev)
+    v, _ = stored(value, form)
+    args = dict(block_table=table.to(dev), page_size=page,
+                seq_lens_k=torch.tensor(lens_k, dtype=I32, device=dev),
+                query_positions=positions.to(dev), cu_seqlens_q=cu.to(dev),
+                block_indices=blocks.to(dev), gate=gate, k_scale=0.013, v_scale=0.021,
+                kv_cache_dtype=fmt, return_lse=True,
+                num_splits=1 if shape.endswith("one_split") else None)
+    ids = ids.to(dev)
+    out, lse = sparse_attn.qsa_sparse_attention(query, k, v, ids, backend="native", **args)
+    ref, ref_lse = sparse_attn.qsa_sparse_attention(query, k, v, ids, backend="reference",
+                                                    **args)
+    assert out.is_cuda and out.dtype == dtype
+    assert_close(out, ref, rtol=1e-2, atol=1e-2)
+    assert_close(lse, ref_lse, **LSE_TOL)
+
+
+@needs_cuda
+@pytest.mark.parametrize("form", ["float8", "fp8"])
+def test_native_cuda_indexer_refuses_fp8_keys_until_its_kernels_exist(form):
+    q = randn((3, 4, 128), BF16, "cuda")
+    keys, fmt = stored(fp8_randn((5, 128)).to("cuda"), form)
+    rows = torch.zeros(3, dtype=I32, device="cuda")
     with pytest.raises(sparse_attn.NotSupportedError,
                        match=r"^k: backend 'native' does not read FP8 keys"):
         sparse_attn.qsa_mqa_prefill(q, keys, rows, rows, backend="native", kv_cache_dtype=fmt)

@@ -21,8 +21,14 @@
 // (docs/qsa.md). Slot u of the row's token sequence is token u % 4 of valid entry u / 4: K/V
 // tile n holds slots 64 n .. 64 n + 63, zero-filled past the row's end, whose scores are
 // masked.
+//
+// FP8 K/V (KV = __nv_fp8_e4m3) keep the consumer as it is: the producer copies each FP8 tile
+// into a staging slot and converts it into the 16-bit stage itself (sm90/gather.h), exact for
+// every finite code; k_scale comes folded into scale_log2, v_scale multiplies the output.
+// Two 16-bit stages and two 16 KB staging slots keep two CTAs on an SM.
 #pragma once
 
+#include <cuda_fp8.h>
 #include <cutlass/arch/barrier.h>
 
 #include <cstdint>
@@ -48,16 +54,19 @@ struct QsaGatherConfig {
   static constexpr int kHeadDim = 256;
   static constexpr int kHeads = 16;     // N of both GEMMs: a KV head's query heads (group <= 16)
   static constexpr int kBlockN = 64;    // keys per K/V tile: M of S^T
-  static constexpr int kStages = 3;     // the K/V ring: two tiles in flight while one is read
   static constexpr int kThreads = 256;  // the producer warpgroup, then the consumer's
   static constexpr int kCtasPerSm = 2;  // one CTA's prologue and epilogue in another's shadow
   static constexpr int kEntriesPerThread = (kQsaGatherMaxEntries + kThreads - 1) / kThreads;
   static constexpr int kOutPitch = kHeadDim + 8;  // epilogue rows: 16-byte aligned, skewed banks
 };
 
-template <class Element>
+template <class Element, bool kFp8>
 struct QsaGatherTraits {
   using C = QsaGatherConfig;
+  // The K/V ring: 16-bit K/V keep two tiles in flight while one is read; FP8 K/V keep theirs
+  // in flight in the staging slots, which leaves room for two 16-bit stages.
+  static constexpr int kStages = kFp8 ? 2 : 3;
+  static constexpr int kStagingSlots = kFp8 ? 2 : 0;
   using TileS = cute::Shape<cute::Int<C::kBlockN>, cute::Int<C::kHeads>, cute::Int<C::kHeadDim>>;
   using TileO = cute::Shape<cute::Int<C::kHeadDim>, cute::Int<C::kHeads>, cute::Int<C::kBlockN>>;
   // S^T = K Q^T: K stages and Q with the head dim contiguous. O^T += V^T P^T: V stages seen
@@ -67,7 +76,7 @@ struct QsaGatherTraits {
   using MmaO = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float, TileO, cute::GMMA::Major::MN,
                                  cute::GMMA::Major::K>()));
-  using Stages = sm90::KVStageLayouts<Element, C::kHeadDim, C::kBlockN, C::kStages>;
+  using Stages = sm90::KVStageLayouts<Element, C::kHeadDim, C::kBlockN, kStages>;
   using LayoutK = typename Stages::LayoutK;
   using LayoutVt = typename Stages::LayoutVt;
   using AtomQ =
@@ -81,7 +90,7 @@ struct QsaGatherTraits {
                cute::GMMA::Major::K, Element, cute::Int<C::kHeads>, cute::Int<C::kBlockN>>());
   using LayoutP = decltype(cute::tile_to_shape(
       AtomP{}, cute::Shape<cute::Int<C::kHeads>, cute::Int<C::kBlockN>, cute::_2>{}));
-  using Pipeline = sm90::TmaPipeline<C::kStages, 1, 128>;
+  using Pipeline = sm90::TmaPipeline<kStages, 1, 128>;
 
   struct SharedStorage {
     // 1024-byte alignment: the 128-byte swizzle repeats every 8 rows of 128 bytes and GMMA
@@ -89,6 +98,9 @@ struct QsaGatherTraits {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<LayoutK>> kv;  // O at the end
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<LayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<LayoutP>> p;
+    // FP8 tiles as copied, [slot][row][16-byte chunk] (none for 16-bit K/V).
+    alignas(128)
+        cute::uint128_t staging[kStagingSlots > 0 ? kStagingSlots : 1][kFp8 ? C::kBlockN : 1][16];
     int32_t keys[kQsaGatherMaxEntries];    // valid entries: physical key of the first token
     uint8_t counts[kQsaGatherMaxEntries];  // and the entry's valid tokens (1 .. 4)
     float red[2][4][C::kHeads];            // ColumnSoftmax's exchange
@@ -110,7 +122,7 @@ enum class GatherBarrier : uint32_t {
   kOut = 2,      // the O tile is in shared memory
 };
 
-template <typename T>
+template <typename T, typename KV>
 __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kCtasPerSm)
     qsa_gather_kernel(const __grid_constant__ SparseAttentionParams p,
                       const __grid_constant__ SparseAttentionLaunch x) {
@@ -119,7 +131,9 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   using cute::Tensor;
   using C = QsaGatherConfig;
   using Element = sm90::CutlassElement<T>;
-  using Tr = QsaGatherTraits<Element>;
+  constexpr bool kFp8 = std::is_same_v<KV, __nv_fp8_e4m3>;
+  static_assert(kFp8 || std::is_same_v<KV, T>, "K/V are the query's type or FP8 e4m3");
+  using Tr = QsaGatherTraits<Element, kFp8>;
   using Pipeline = typename Tr::Pipeline;
   extern __shared__ __align__(1024) char smem[];
   auto& ss = *reinterpret_cast<typename Tr::SharedStorage*>(smem);
@@ -202,38 +216,63 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
                  *reinterpret_cast<cute::uint128_t*>(&sQ(m, col)), live);
     }
     cutlass::arch::cpasync_barrier_arrive_noinc(reinterpret_cast<uint64_t*>(&ss.barrier_q));
-    const auto* kp = static_cast<const Element*>(p.k) + kvh * p.k_head_stride;
-    const auto* vp = static_cast<const Element*>(p.v) + kvh * p.v_head_stride;
+    using KVStored = std::conditional_t<kFp8, uint8_t, Element>;
+    const auto* kp = static_cast<const KVStored*>(p.k) + kvh * p.k_head_stride;
+    const auto* vp = static_cast<const KVStored*>(p.v) + kvh * p.v_head_stride;
     // Pages (or requests) back to back in K and V, as caches are allocated, make a physical key
     // the row index itself: no division by the page size per row.
     const int64_t outer_rows = p.kv_layout == KVLayout::kPaged ? p.page_size : p.kv_capacity;
     const bool rows_of_keys = p.k_batch_stride == outer_rows * p.k_token_stride &&
                               p.v_batch_stride == outer_rows * p.v_token_stride;
-    auto state = Pipeline::producer_start();
-    auto copy_tile = [&](const Element* base, int64_t off) {
-      pipe.producer_wait(state);
-      sm90::gather_rows16<Element, C::kBlockN>(
-          ss.kv.data() + state.index() * (C::kBlockN * C::kHeadDim), base, off, warp, lane);
-      pipe.arrive_on_copies(state);
-      ++state;
-    };
-    for (int n = 0; n < n_tiles; ++n) {
-      // Lanes 0-15: tile row 16 warp + lane % 16, its K and V element offsets (or -1).
+    // Lanes 0-15: tile n's row 16 warp + lane % 16, its K or V element offset (or -1).
+    auto row_offset = [&](int n, bool v) -> int64_t {
       const int u = n * C::kBlockN + 16 * warp + lane % 16;
-      int64_t k_off = -1, v_off = -1;
-      if (slot_valid(u)) {
-        const int32_t key = ss.keys[u / kPerEntry] + u % kPerEntry;
-        if (rows_of_keys) {
-          k_off = key * p.k_token_stride;
-          v_off = key * p.v_token_stride;
+      if (!slot_valid(u)) return -1;
+      const int32_t key = ss.keys[u / kPerEntry] + u % kPerEntry;
+      const int64_t token_stride = v ? p.v_token_stride : p.k_token_stride;
+      if (rows_of_keys) return key * token_stride;
+      const int2 at = key_coords(p, key);
+      return at.x * (v ? p.v_batch_stride : p.k_batch_stride) + at.y * token_stride;
+    };
+    auto state = Pipeline::producer_start();
+    auto stage = [&] { return ss.kv.data() + state.index() * (C::kBlockN * C::kHeadDim); };
+    if constexpr (kFp8) {
+      // Copy units K_0, V_0, K_1, ...: unit i + 1's copies are in flight while unit i is
+      // converted into its stage (each lane converts the chunks it copied, so waiting for its
+      // own copy groups is enough), then one arrival per thread publishes the stage.
+      const int n_units = 2 * n_tiles;
+      auto issue = [&](int i) {
+        const bool v = i % 2 != 0;
+        sm90::gather_rows16_fp8<C::kBlockN>(ss.staging[i % 2], v ? vp : kp, row_offset(i / 2, v),
+                                            warp, lane);
+        cute::cp_async_fence();
+      };
+      issue(0);
+      for (int i = 0; i < n_units; ++i) {
+        if (i + 1 < n_units) {
+          issue(i + 1);
         } else {
-          const int2 at = key_coords(p, key);
-          k_off = at.x * p.k_batch_stride + at.y * p.k_token_stride;
-          v_off = at.x * p.v_batch_stride + at.y * p.v_token_stride;
+          cute::cp_async_fence();  // an empty group keeps the wait count below uniform
         }
+        cute::cp_async_wait<1>();
+        pipe.producer_wait(state);
+        sm90::convert_rows16_fp8<Element, C::kBlockN>(
+            stage(), ss.staging[i % 2], warp, lane,
+            [](uint32_t w, uint32_t& even, uint32_t& odd) { fp8x4_to_pairs<T>(w, even, odd); });
+        pipe.arrive(state);
+        ++state;
       }
-      copy_tile(kp, k_off);
-      copy_tile(vp, v_off);
+    } else {
+      auto copy_tile = [&](const Element* base, int64_t off) {
+        pipe.producer_wait(state);
+        sm90::gather_rows16<Element, C::kBlockN>(stage(), base, off, warp, lane);
+        pipe.arrive_on_copies(state);
+        ++state;
+      };
+      for (int n = 0; n < n_tiles; ++n) {
+        copy_tile(kp, row_offset(n, false));
+        copy_tile(vp, row_offset(n, true));
+      }
     }
     return;
   }
@@ -322,7 +361,7 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
     CUTE_UNROLL
     for (int j = 0; j < kCols; ++j) {
       so[get<1>(co_rc(i, j)) * C::kOutPitch + get<0>(co_rc(i, j))] =
-          Element(o_rc(i, j) * inv_sum[j]);
+          Element(o_rc(i, j) * (inv_sum[j] * p.v_scale));
     }
   }
   cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kOut));
@@ -347,11 +386,12 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   }
 }
 
-template <typename T>
+template <typename T, typename KV>
 void launch_qsa_gather(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
                        cudaStream_t stream) {
-  constexpr int kSmem = QsaGatherTraits<sm90::CutlassElement<T>>::kSmemBytes;
-  constexpr auto kernel = qsa_gather_kernel<T>;
+  constexpr int kSmem =
+      QsaGatherTraits<sm90::CutlassElement<T>, std::is_same_v<KV, __nv_fp8_e4m3>>::kSmemBytes;
+  constexpr auto kernel = qsa_gather_kernel<T, KV>;
   // Two CTAs of ~112 KB per SM need the largest shared-memory carveout.
   opt_in_shared_memory<kernel>(kSmem, true);
   const int64_t ctas = p.rows * p.num_kv_heads;

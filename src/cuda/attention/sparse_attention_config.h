@@ -22,8 +22,7 @@ struct SparseAttentionConfig {
   static constexpr int kTokenGroups = 4;  // warps (or warp pairs) along a tile's tokens
   static constexpr int kWarpTokens = 16;  // tokens per group per tile: one MMA K step of P V
   static constexpr int kBlockTokens = kTokenGroups * kWarpTokens;  // 64 tokens per stage
-  static constexpr int kStages = 3;                                // ring depth (2 tiles in flight)
-  static constexpr int kChunks = kHeadDim * 2 / 16;  // 16-byte chunks per 256-element row
+  static constexpr int kQChunks = kHeadDim * 2 / 16;  // 16-byte chunks per 16-bit Q row
   static constexpr int kBlockPassEntries = 512 + 1;
   static constexpr int kMergePad = 8;    // floats of padding per merge row (banks)
   static constexpr int kMaxSplits = 64;  // heuristic's ceiling; explicit counts may exceed
@@ -47,14 +46,26 @@ struct FwdShape {
                 "a block-hint pass must fit the entry registers and the token list");
 };
 
+// The K/V ring for K/V elements of type KV: 16-bit rows are 32 chunks of 16 bytes, kept in 3
+// stages (two tiles in flight); FP8 rows are 16 chunks, kept in 6 stages, the same 192 KB with
+// five tiles in flight, since a decode CTA's gather is bounded by the bytes it keeps in flight.
+template <typename KV>
+struct KVRing {
+  static constexpr int kChunks = SparseAttentionConfig::kHeadDim * int(sizeof(KV)) / 16;
+  static constexpr int kStages = sizeof(KV) == 1 ? 6 : 3;
+  static constexpr int kChunkDims = 16 / int(sizeof(KV));  // elements per 16-byte chunk
+};
+
 // Shared memory as named buffers. A gathered row's 16-byte chunk c sits at slot c ^ (r % 8)
 // (swz), so the 8 rows an ldmatrix reads at one column hit 8 bank groups; the Q tile likewise.
+template <typename KV>
 struct SparseAttentionSmem {
   using C = SparseAttentionConfig;
   using S = FwdShape;
+  using R = KVRing<KV>;
   struct Tiles {
-    uint4 k[C::kStages][C::kBlockTokens][C::kChunks];
-    uint4 v[C::kStages][C::kBlockTokens][C::kChunks];
+    uint4 k[R::kStages][C::kBlockTokens][R::kChunks];
+    uint4 v[R::kStages][C::kBlockTokens][R::kChunks];
   };
   // The token groups' softmax states at the end; reuses the tile ring, idle by then.
   struct Merge {
@@ -70,7 +81,7 @@ struct SparseAttentionSmem {
     Tiles tiles;
     Merge merge;
   };
-  uint4 q[C::kHeadRows][C::kChunks];
+  uint4 q[C::kHeadRows][C::kQChunks];
   // Compacted valid tokens of the current index pass: (outer, token) coordinates into K/V,
   // i.e. (page, slot) for paged caches, (request, token) for padded ones, (0, row) physical.
   int2 token_loc[S::kPassTokens];

@@ -10,17 +10,35 @@
 //      shared memory, in index order; masked ids are never dereferenced;
 //   3. gather 64 compacted tokens per stage (16-byte cp.async chunks) and run S = Q K^T,
 //      online softmax and O += P V with m16n8k16 MMAs, 16 tokens per token group of 2 warps
-//      (both compute the scores, each accumulates half of D);
+//      (both compute the scores, each accumulates half of D); FP8 K/V tiles are converted to T
+//      as their fragments are loaded (below);
 //   4. merge the 4 groups' softmax states in a fixed order, then either store the output (gate
 //      applied, LSE exported) or, with SplitKV, the split's normalised FP32 partial and LSE.
+//
+// FP8 K/V (KV = __nv_fp8_e4m3, T the query's 16-bit type) stay FP8 in shared memory, which
+// halves the ring's bytes per tile. An ldmatrix of FP8 rows hands each thread 4 consecutive
+// elements of one row where a 16-bit fragment holds 2 + 2 elements 8 apart, so both MMAs run
+// on a permuted order whose pairs fp8x4_to_pairs makes in registers:
+//   - S = Q K^T: the 16 dims of a K step are permuted; every thread of one k-step position
+//     holds dims (4c, 4c + 2) where the natural order has (2c, 2c + 1), and (4c + 1, 4c + 3)
+//     for (2c + 8, 2c + 9). The Q tile is permuted alike once in shared memory (permute_q),
+//     so the dot products are unchanged.
+//   - O += P V: a transposed ldmatrix of 16 dims hands each thread dims 2n and 2n + 1 of
+//     column n, so its 16 dims make two n8 tiles, the even dims and the odd ones; the merge
+//     stores them back in natural order.
+// The dequantisation scales: k_scale comes folded into scale_log2 (sparse_attention_native.cpp),
+// v_scale multiplies the output before it is rounded (the merge's, with SplitKV; 1 for 16-bit
+// K/V).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 #include <cute/arch/copy_sm75.hpp>
 #include <cute/arch/copy_sm80.hpp>
+#include <type_traits>
 
 #include "api/qsa_attention_params.h"
 #include "cuda/attention/sparse_attention_common.cuh"
@@ -30,16 +48,38 @@
 
 namespace sparse_attn::cuda {
 
-template <typename T>
+// Reorders each 16-dim group of the Q tile (two 16-byte chunks) into the FP8 K step's order:
+// y[2c] = x[4c], y[2c + 1] = x[4c + 2], y[2c + 8] = x[4c + 1], y[2c + 9] = x[4c + 3]. One group
+// per thread of the CTA (16 rows x 16 groups).
+__device__ inline void permute_q(
+    uint4 (&q)[SparseAttentionConfig::kHeadRows][SparseAttentionConfig::kQChunks], int tid) {
+  const int hr = tid / 16, g = tid % 16;
+  uint4& a = q[hr][swz(hr, 2 * g)];
+  uint4& b = q[hr][swz(hr, 2 * g + 1)];
+  const uint32_t x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};  // element pairs (2i, 2i + 1)
+  uint32_t y[8];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    y[c] = __byte_perm(x[2 * c], x[2 * c + 1], 0x5410);      // elements 4c, 4c + 2
+    y[4 + c] = __byte_perm(x[2 * c], x[2 * c + 1], 0x7632);  // elements 4c + 1, 4c + 3
+  }
+  a = make_uint4(y[0], y[1], y[2], y[3]);
+  b = make_uint4(y[4], y[5], y[6], y[7]);
+}
+
+template <typename T, typename KV>
 __global__ void __launch_bounds__(FwdShape::kThreads, 1)
     sparse_attention_fwd_kernel(const __grid_constant__ SparseAttentionParams p,
                                 const __grid_constant__ SparseAttentionLaunch x) {
   using C = SparseAttentionConfig;
   using S = FwdShape;
+  using R = KVRing<KV>;
   using E = ElementTraits<T>;
   using Mma = typename Sm80Mma<T>::Atom;
+  constexpr bool kFp8 = std::is_same_v<KV, __nv_fp8_e4m3>;
+  static_assert(kFp8 || std::is_same_v<KV, T>, "K/V are the query's type or FP8 e4m3");
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  auto& sm = *reinterpret_cast<SparseAttentionSmem*>(smem_raw);
+  auto& sm = *reinterpret_cast<SparseAttentionSmem<KV>*>(smem_raw);
 
   // The SplitKV merge kernel is launched as a programmatic dependent of this grid and waits
   // for its completion in cudaGridDependencySynchronize, so it may be scheduled as soon as
@@ -102,8 +142,8 @@ __global__ void __launch_bounds__(FwdShape::kThreads, 1)
                  static_cast<int64_t>(kvh) * group * p.q_head_stride;
     const bool vec =
         p.q_dim_stride == 1 && p.q_head_stride % 8 == 0 && reinterpret_cast<uintptr_t>(q) % 16 == 0;
-    for (int c = tid; c < C::kHeadRows * C::kChunks; c += S::kThreads) {
-      const int hr = c / C::kChunks, chunk = c % C::kChunks;
+    for (int c = tid; c < C::kHeadRows * C::kQChunks; c += S::kThreads) {
+      const int hr = c / C::kQChunks, chunk = c % C::kQChunks;
       if (vec) {
         // Rows past the group are zero-filled; their source address (row 0) is not read.
         const T* src = q + (hr < group ? hr : 0) * p.q_head_stride + chunk * 8;
@@ -134,8 +174,8 @@ __global__ void __launch_bounds__(FwdShape::kThreads, 1)
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
 
-  const T* k_head = static_cast<const T*>(p.k) + kvh * p.k_head_stride;
-  const T* v_head = static_cast<const T*>(p.v) + kvh * p.v_head_stride;
+  const KV* k_head = static_cast<const KV*>(p.k) + kvh * p.k_head_stride;
+  const KV* v_head = static_cast<const KV*>(p.v) + kvh * p.v_head_stride;
   const int64_t col_end = ri.active ? split_end : col_begin;
   int tile_seq = 0;
 
@@ -222,32 +262,43 @@ __global__ void __launch_bounds__(FwdShape::kThreads, 1)
     }
     cute::cp_async_wait<0>();  // the Q tile's group (first pass; nothing pending after it)
     __syncthreads();
+    if constexpr (kFp8) {
+      if (c0 == col_begin) {
+        permute_q(sm.q, tid);
+        __syncthreads();
+      }
+    }
 
     // ----- gather tiles through the ring and attend ----------------------------------------
     // Tiles of every pass go through the ring in one sequence (tile_seq counts the earlier
     // passes' tiles).
     const int n_tiles = (n_valid + C::kBlockTokens - 1) / C::kBlockTokens;
-    auto stage_of = [&](int tile) { return (tile_seq + tile) % C::kStages; };
+    auto stage_of = [&](int tile) { return (tile_seq + tile) % R::kStages; };
     auto load_tile = [&](int tile) {
       const int stage = stage_of(tile);
-      // Rows past n_valid are zero-filled, so P V never meets stale bytes.
+      // A warp copies 32 / kChunks rows per step (one 16-bit row, two FP8 rows). Rows past
+      // n_valid are zero-filled, so P V never meets stale bytes.
+      constexpr int kRowsPerStep = 32 / R::kChunks;
+      const int chunk = lane % R::kChunks;
 #pragma unroll
-      for (int i = 0; i < C::kBlockTokens / S::kWarps; ++i) {
-        const int row = i * S::kWarps + warp;
+      for (int i = 0; i < C::kBlockTokens / (S::kWarps * kRowsPerStep); ++i) {
+        const int row = (i * S::kWarps + warp) * kRowsPerStep + lane / R::kChunks;
         const int n = tile * C::kBlockTokens + row;
         const bool valid = n < n_valid;
         const int2 loc = valid ? sm.token_loc[n] : make_int2(0, 0);
-        const T* ks = k_head + loc.x * p.k_batch_stride + loc.y * p.k_token_stride + lane * 8;
-        const T* vs = v_head + loc.x * p.v_batch_stride + loc.y * p.v_token_stride + lane * 8;
+        const KV* ks =
+            k_head + loc.x * p.k_batch_stride + loc.y * p.k_token_stride + chunk * R::kChunkDims;
+        const KV* vs =
+            v_head + loc.x * p.v_batch_stride + loc.y * p.v_token_stride + chunk * R::kChunkDims;
         cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
-            *reinterpret_cast<const uint4*>(ks), sm.tiles.k[stage][row][swz(row, lane)], valid);
+            *reinterpret_cast<const uint4*>(ks), sm.tiles.k[stage][row][swz(row, chunk)], valid);
         cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
-            *reinterpret_cast<const uint4*>(vs), sm.tiles.v[stage][row][swz(row, lane)], valid);
+            *reinterpret_cast<const uint4*>(vs), sm.tiles.v[stage][row][swz(row, chunk)], valid);
       }
       cute::cp_async_fence();
     };
 #pragma unroll
-    for (int s = 0; s < C::kStages - 1; ++s) {
+    for (int s = 0; s < R::kStages - 1; ++s) {
       if (s < n_tiles) {
         load_tile(s);
       } else {
@@ -257,9 +308,9 @@ __global__ void __launch_bounds__(FwdShape::kThreads, 1)
     for (int tile = 0; tile < n_tiles; ++tile) {
       const int stage = stage_of(tile);
       // The tile's data visible, and every warp done with the stage reused next.
-      cute::cp_async_wait<C::kStages - 2>();
+      cute::cp_async_wait<R::kStages - 2>();
       __syncthreads();
-      const int next = tile + C::kStages - 1;
+      const int next = tile + R::kStages - 1;
       if (next < n_tiles) {
         load_tile(next);
       } else {
@@ -274,40 +325,75 @@ __global__ void __launch_bounds__(FwdShape::kThreads, 1)
       // the next K step's fragments loaded before this step's MMAs (one warp per scheduler
       // has no other warp to hide the ldmatrix latency behind).
       float s_acc[2][2][4] = {};
-      uint32_t qa[2][4], kb[2][4];
-      auto load_qk = [&](int ks, uint32_t(&a)[4], uint32_t(&b)[4]) {
+      auto load_q = [&](int ks, uint32_t(&a)[4]) {
         const int qrow = (lane % 8) + ((lane >> 3) & 1) * 8;
         const int qchunk = ks * 2 + (lane >> 4);
         cute::SM75_U32x4_LDSM_N::copy(
             reinterpret_cast<const cute::uint128_t&>(sm.q[qrow][swz(qrow, qchunk)]), a[0], a[1],
             a[2], a[3]);
-        const int krow = tok0 + (lane % 8) + (lane >> 4) * 8;
-        const int kchunk = ks * 2 + ((lane >> 3) & 1);
-        cute::SM75_U32x4_LDSM_N::copy(
-            reinterpret_cast<const cute::uint128_t&>(sm.tiles.k[stage][krow][swz(krow, kchunk)]),
-            b[0], b[1], b[2], b[3]);
       };
-      load_qk(0, qa[0], kb[0]);
+      if constexpr (kFp8) {
+        // One ldmatrix of FP8 K covers two K steps (32 dims): matrix m is n8 tile m % 2 at
+        // chunk 2 * ks2 + m / 2, each register 4 dims of one token (the permuted order).
+        uint32_t kr[2][4];
+        auto load_k2 = [&](int ks2, uint32_t(&b)[4]) {
+          const int krow = tok0 + (lane % 8) + ((lane >> 3) & 1) * 8;
+          const int kchunk = ks2 * 2 + (lane >> 4);
+          cute::SM75_U32x4_LDSM_N::copy(
+              reinterpret_cast<const cute::uint128_t&>(sm.tiles.k[stage][krow][swz(krow, kchunk)]),
+              b[0], b[1], b[2], b[3]);
+        };
+        load_k2(0, kr[0]);
 #pragma unroll
-      for (int ks = 0; ks < C::kHeadDim / 16; ++ks) {
-        if (ks + 1 < C::kHeadDim / 16) load_qk(ks + 1, qa[(ks + 1) & 1], kb[(ks + 1) & 1]);
-        const uint32_t(&a)[4] = qa[ks & 1];
-        const uint32_t(&b)[4] = kb[ks & 1];
+        for (int ks2 = 0; ks2 < C::kHeadDim / 32; ++ks2) {
+          if (ks2 + 1 < C::kHeadDim / 32) load_k2(ks2 + 1, kr[(ks2 + 1) & 1]);
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          float* acc = s_acc[nt][ks & 1];
-          Mma::fma(acc[0], acc[1], acc[2], acc[3], a[0], a[1], a[2], a[3], b[2 * nt], b[2 * nt + 1],
-                   acc[0], acc[1], acc[2], acc[3]);
+          for (int h = 0; h < 2; ++h) {
+            uint32_t a[4];
+            load_q(2 * ks2 + h, a);
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+              uint32_t b0, b1;
+              fp8x4_to_pairs<T>(kr[ks2 & 1][2 * h + nt], b0, b1);
+              float* acc = s_acc[nt][h];
+              Mma::fma(acc[0], acc[1], acc[2], acc[3], a[0], a[1], a[2], a[3], b0, b1, acc[0],
+                       acc[1], acc[2], acc[3]);
+            }
+          }
+        }
+      } else {
+        uint32_t qa[2][4], kb[2][4];
+        auto load_qk = [&](int ks, uint32_t(&a)[4], uint32_t(&b)[4]) {
+          load_q(ks, a);
+          const int krow = tok0 + (lane % 8) + (lane >> 4) * 8;
+          const int kchunk = ks * 2 + ((lane >> 3) & 1);
+          cute::SM75_U32x4_LDSM_N::copy(
+              reinterpret_cast<const cute::uint128_t&>(sm.tiles.k[stage][krow][swz(krow, kchunk)]),
+              b[0], b[1], b[2], b[3]);
+        };
+        load_qk(0, qa[0], kb[0]);
+#pragma unroll
+        for (int ks = 0; ks < C::kHeadDim / 16; ++ks) {
+          if (ks + 1 < C::kHeadDim / 16) load_qk(ks + 1, qa[(ks + 1) & 1], kb[(ks + 1) & 1]);
+          const uint32_t(&a)[4] = qa[ks & 1];
+          const uint32_t(&b)[4] = kb[ks & 1];
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            float* acc = s_acc[nt][ks & 1];
+            Mma::fma(acc[0], acc[1], acc[2], acc[3], a[0], a[1], a[2], a[3], b[2 * nt],
+                     b[2 * nt + 1], acc[0], acc[1], acc[2], acc[3]);
+          }
         }
       }
 
       // V fragments for O += P V: the first one is loaded before the softmax, which hides its
-      // latency, and each next one before the current one's MMAs. dt counts this warp's
-      // 16-column steps from dim0.
+      // latency, and each next one before the current one's MMAs. dt counts this warp's steps
+      // of two chunks from dim0 (16 dims of 16-bit V, 32 of FP8).
+      constexpr int kVSteps = S::kWarpDims / (2 * R::kChunkDims);
       uint32_t vb[2][4];
       auto load_v = [&](int dt, uint32_t(&b)[4]) {
         const int row = tok0 + (lane % 8) + ((lane >> 3) & 1) * 8;
-        const int chunk = (dim0 / 16 + dt) * 2 + (lane >> 4);
+        const int chunk = dim0 / R::kChunkDims + 2 * dt + (lane >> 4);
         cute::SM75_U16x8_LDSM_T::copy(
             reinterpret_cast<const cute::uint128_t&>(sm.tiles.v[stage][row][swz(row, chunk)]), b[0],
             b[1], b[2], b[3]);
@@ -355,16 +441,30 @@ __global__ void __launch_bounds__(FwdShape::kThreads, 1)
         }
       }
 
-      // O += P V: 16 heads x kWarpDims dims over this warp's 16 tokens
+      // O += P V: 16 heads x kWarpDims dims over this warp's 16 tokens. Registers 2h and
+      // 2h + 1 of a step hold tokens 0-7 and 8-15 of its chunk h: an n8 tile of 16-bit V, the
+      // n8 tiles of the chunk's even and odd dims for FP8.
 #pragma unroll
-      for (int dt = 0; dt < S::kWarpDims / 16; ++dt) {
-        if (dt + 1 < S::kWarpDims / 16) load_v(dt + 1, vb[(dt + 1) & 1]);
+      for (int dt = 0; dt < kVSteps; ++dt) {
+        if (dt + 1 < kVSteps) load_v(dt + 1, vb[(dt + 1) & 1]);
         const uint32_t(&b)[4] = vb[dt & 1];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          float* acc = o_acc[2 * dt + h];
-          Mma::fma(acc[0], acc[1], acc[2], acc[3], pa[0], pa[1], pa[2], pa[3], b[2 * h],
-                   b[2 * h + 1], acc[0], acc[1], acc[2], acc[3]);
+          if constexpr (kFp8) {
+            uint32_t even0, odd0, even1, odd1;
+            fp8x4_to_pairs<T>(b[2 * h], even0, odd0);
+            fp8x4_to_pairs<T>(b[2 * h + 1], even1, odd1);
+            float* acc = o_acc[4 * dt + 2 * h];
+            Mma::fma(acc[0], acc[1], acc[2], acc[3], pa[0], pa[1], pa[2], pa[3], even0, even1,
+                     acc[0], acc[1], acc[2], acc[3]);
+            acc = o_acc[4 * dt + 2 * h + 1];
+            Mma::fma(acc[0], acc[1], acc[2], acc[3], pa[0], pa[1], pa[2], pa[3], odd0, odd1, acc[0],
+                     acc[1], acc[2], acc[3]);
+          } else {
+            float* acc = o_acc[2 * dt + h];
+            Mma::fma(acc[0], acc[1], acc[2], acc[3], pa[0], pa[1], pa[2], pa[3], b[2 * h],
+                     b[2 * h + 1], acc[0], acc[1], acc[2], acc[3]);
+          }
         }
       }
     }
@@ -400,13 +500,26 @@ __global__ void __launch_bounds__(FwdShape::kThreads, 1)
     sm.merge.l[token_group][g] = row_sum[0];
     sm.merge.l[token_group][g + 8] = row_sum[1];
   }
+  if constexpr (kFp8) {
+    // n8 tiles j and j + 1 are the even and odd dims of the 16 from dim0 + 8j: this thread's
+    // columns 2c, 2c + 1 of each are dims 4c .. 4c + 3, interleaved.
 #pragma unroll
-  for (int j = 0; j < S::kWarpDims / 8; ++j) {
-    const int col = dim0 + j * 8 + (lane % 4) * 2;
-    *reinterpret_cast<float2*>(&sm.merge.o[token_group][g][col]) =
-        make_float2(o_acc[j][0], o_acc[j][1]);
-    *reinterpret_cast<float2*>(&sm.merge.o[token_group][g + 8][col]) =
-        make_float2(o_acc[j][2], o_acc[j][3]);
+    for (int j = 0; j < S::kWarpDims / 8; j += 2) {
+      const int col = dim0 + j * 8 + (lane % 4) * 4;
+      *reinterpret_cast<float4*>(&sm.merge.o[token_group][g][col]) =
+          make_float4(o_acc[j][0], o_acc[j + 1][0], o_acc[j][1], o_acc[j + 1][1]);
+      *reinterpret_cast<float4*>(&sm.merge.o[token_group][g + 8][col]) =
+          make_float4(o_acc[j][2], o_acc[j + 1][2], o_acc[j][3], o_acc[j + 1][3]);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < S::kWarpDims / 8; ++j) {
+      const int col = dim0 + j * 8 + (lane % 4) * 2;
+      *reinterpret_cast<float2*>(&sm.merge.o[token_group][g][col]) =
+          make_float2(o_acc[j][0], o_acc[j][1]);
+      *reinterpret_cast<float2*>(&sm.merge.o[token_group][g + 8][col]) =
+          make_float2(o_acc[j][2], o_acc[j][3]);
+    }
   }
   __syncthreads();
   // Per head row, once instead of per feature: the maximum, each group's weight
@@ -443,7 +556,7 @@ __global__ void __launch_bounds__(FwdShape::kThreads, 1)
     const float lse2 = l > 0.f ? m + log2f(l) : -INFINITY;
     const int64_t h = static_cast<int64_t>(kvh) * group + hr;
     if (x.num_splits == 1) {
-      store_output<T>(p, r, h, d, attn);
+      store_output<T>(p, r, h, d, attn * p.v_scale);
       if (d == 0 && p.lse) {
         p.lse[r * p.lse_row_stride + h * p.lse_head_stride] = lse2 * 0.69314718055994531f;
       }
@@ -520,7 +633,7 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kHeadDim)
       __syncthreads();  // every thread has read this chunk's weights
     }
   }
-  store_output<T>(p, r, h, d, l > 0.f ? o / l : 0.f);
+  store_output<T>(p, r, h, d, l > 0.f ? o / l * p.v_scale : 0.f);
   if (d == 0 && p.lse) {
     p.lse[r * p.lse_row_stride + h * p.lse_head_stride] =
         l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;

@@ -44,13 +44,15 @@ inline constexpr int kQsaGatherMaxEntries = 513;
 // whose tile x.union_handled marks are left alone. Needs x.num_splits == 1, the block hint with
 // at most kQsaGatherMaxEntries entries a row (blocks and the tail), group <= 16, K/V keys that fit
 // int32, rows * Hkv that fit int32, and the union kernel's 16-byte Q and out rows
-// (sparse_attention_native.cpp decides).
-template <typename T>
+// (sparse_attention_native.cpp decides). KV is T or __nv_fp8_e4m3 (FP8 K/V, with k_scale folded
+// into p.scale_log2).
+template <typename T, typename KV>
 void launch_qsa_gather(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
                        cudaStream_t stream);
 
-// Runs the forward kernel and, when x.num_splits > 1, the merge kernel on `stream`.
-template <typename T>
+// Runs the forward kernel and, when x.num_splits > 1, the merge kernel on `stream`. KV is T
+// or __nv_fp8_e4m3 (FP8 K/V, with k_scale folded into p.scale_log2).
+template <typename T, typename KV>
 void launch_sparse_attention(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
                              cudaStream_t stream);
 

@@ -1,7 +1,10 @@
 // native_sparse_attention: the CUDA backend of qsa_sparse_attention. Validation (src/api) has
 // passed; this file picks the schedule and the workspace layout that goes with it, takes the
 // workspace from the caller (options.workspace) or else stream-ordered from the library's pool
-// (so a captured graph owns its allocation), and turns the runtime dtype into the kernel's T.
+// (so a captured graph owns its allocation), and turns the runtime dtypes into the kernel's T (and
+// KV, the K/V element type).
+#include <cuda_fp8.h>
+
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -26,12 +29,10 @@ namespace cuda {
 
 namespace {
 
-// Whether the row-tile kernel runs: one split, and on average at least a tile's worth of
-// rows per request, because only rows of one request share tokens (decode batches have one
-// row per request and go to the per-row kernel). Its union keys are one int32 per K/V row.
-bool use_row_tiles(const SparseAttentionParams& p, int num_splits) {
+// Whether every K/V row of the call has an int32 key (the row-tile, union and gather kernels
+// hold keys, the physical rows of their tokens, in 32 bits).
+bool keys_fit_int32(const SparseAttentionParams& p) {
   constexpr int64_t kMaxKey = INT32_MAX;
-  if (num_splits != 1 || p.rows < 4 * std::max<int64_t>(p.batch, 1)) return false;
   switch (p.kv_layout) {
     case KVLayout::kPaged:
       return p.num_pages * p.page_size <= kMaxKey;
@@ -42,12 +43,21 @@ bool use_row_tiles(const SparseAttentionParams& p, int num_splits) {
   }
 }
 
-// Whether the union prefill kernel runs, and the gather kernel after it on the rows it leaves
-// (instead of the row-tile kernel): the block hint (never in physical mode), a group that packs
-// 4 or 5 rows into each warpgroup's 64 M rows, at most the seed's 512 hint columns, same-dtype
-// K/V, and 16-byte rows and strides for their copies of Q and out (K and V have them already:
-// check_native's vector-load rule). Host-side facts only.
-bool use_union(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
+// Whether the row-tile kernel runs: one split, and on average at least a tile's worth of
+// rows per request, because only rows of one request share tokens (decode batches have one
+// row per request and go to the per-row or the gather kernel). It reads 16-bit K/V only.
+bool use_row_tiles(const SparseAttentionParams& p, int num_splits) {
+  if (p.kv_dtype != p.dtype) return false;
+  if (num_splits != 1 || p.rows < 4 * std::max<int64_t>(p.batch, 1)) return false;
+  return keys_fit_int32(p);
+}
+
+// Whether the gather kernel can take the call's rows: one split, the block hint (never in
+// physical mode) with at most the seed's 512 hint columns, K/V keys that fit int32, (row, KV head)
+// CTAs numbered in int32, 16-byte rows and strides for its copies of Q and out (K and V have them
+// already: check_native's vector-load rule), and a group of 12 to 16 heads (the groups its tests
+// cover; it computes 16 heads a KV head). Host-side facts only.
+bool use_gather(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
   const auto aligned = [](const void* ptr, std::initializer_list<int64_t> strides) {
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
     for (int64_t s : strides) {
@@ -55,14 +65,22 @@ bool use_union(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
     }
     return true;
   };
-  // Their rows and CTAs (one per row and KV head) are numbered in int32.
   constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
-  static_assert(QsaUnionConfig::kMaxEntries <= kQsaGatherMaxEntries);
-  return x.block_hint && p.group >= 12 && p.group <= 16 && p.rows * p.num_kv_heads <= kMaxInt &&
-         p.num_blocks <= QsaUnionConfig::kMaxEntries - 1 && p.kv_dtype == p.dtype &&
-         p.q_dim_stride == 1 && p.out_dim_stride == 1 &&
+  return x.num_splits == 1 && x.block_hint && p.num_blocks <= kQsaGatherMaxEntries - 1 &&
+         keys_fit_int32(p) && p.group >= 12 && p.group <= 16 &&
+         p.rows * p.num_kv_heads <= kMaxInt && p.q_dim_stride == 1 && p.out_dim_stride == 1 &&
          aligned(p.q, {p.q_row_stride, p.q_head_stride}) &&
          aligned(p.out, {p.out_row_stride, p.out_head_stride});
+}
+
+// Whether the union prefill kernel runs, and the gather kernel after it on the rows it leaves
+// (instead of the row-tile kernel): rows that share K/V tiles (use_row_tiles: 16-bit K/V), the
+// gather kernel's conditions, and at most the union's hint columns (its group rule is the
+// gather kernel's: 4 or 5 rows of 12 to 16 heads fill each warpgroup's 64 M rows).
+bool use_union(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
+  static_assert(QsaUnionConfig::kMaxEntries <= kQsaGatherMaxEntries);
+  return p.kv_dtype == p.dtype && use_gather(p, x) &&
+         p.num_blocks <= QsaUnionConfig::kMaxEntries - 1;
 }
 
 // Where each scratch buffer of a call lives in its workspace (byte offsets, each kAlign-aligned)
@@ -80,6 +98,7 @@ struct Schedule {
   size_t partial_slots = 0;  // num_splits * rows * Hq with SplitKV, else 0
   bool row_tiles = false;    // rows share K/V tiles: the union kernel and the gather kernel
                              // (union_rows > 0) or the row-tile kernel, not the per-row one
+  bool gather_rows = false;  // every row on the gather kernel alone (no union kernel before)
   int union_rows = 0;        // rows per CTA of the union kernel, 0 when it does not run
   int union_row_tiles = 0;   // tiles of union_rows rows
   int union_chunk = 0;       // row tiles per build + union kernel launch pair
@@ -113,6 +132,10 @@ Schedule schedule(const SparseAttentionParams& p) {
     s.union_row_tiles = static_cast<int>((p.rows + s.union_rows - 1) / s.union_rows);
     s.union_chunk = std::min(s.union_row_tiles, QsaUnionConfig::kChunkTiles);
   }
+  // Rows the union kernel does not take, with the hint and one split: decode batches that fill
+  // the GPU without SplitKV (two CTAs an SM, each with a producer warpgroup, keep more bytes in
+  // flight than the per-row kernel's one CTA), and FP8 prefill.
+  s.gather_rows = s.union_rows == 0 && use_gather(p, x);
   s.partial_slots =
       x.num_splits > 1 ? static_cast<size_t>(x.num_splits) * p.rows * p.num_q_heads : 0;
   const auto align = [](size_t n) {
@@ -148,6 +171,8 @@ void native_sparse_attention(const SparseAttentionParams& p) {
   // The kernels read the ids and the page table as int32 (their hot loops issue a pass's loads
   // together); int64 ones go through int32 copies. The schedule above depends on shapes only.
   SparseAttentionParams q = p;
+  // The kernels scale stored K values by k_scale through the softmax scale (1 unless FP8).
+  q.scale_log2 = p.scale_log2 * p.k_scale;
   cuda::NarrowedMetadata narrowed(p.device_index, stream);
   narrowed.narrow(q.token_indices, p.rows, p.width, q.token_indices_row_stride,
                   &q.token_indices_col_stride);
@@ -176,6 +201,14 @@ void native_sparse_attention(const SparseAttentionParams& p) {
   }
   cuda::dispatch_dtype(p.dtype, "qsa_sparse_attention", [&](auto tag) {
     using T = typename decltype(tag)::type;
+    if (p.kv_dtype == DType::kF8E4M3) {  // the gather or the per-row kernel (schedule())
+      if (s.gather_rows) {
+        cuda::launch_qsa_gather<T, __nv_fp8_e4m3>(q, x, stream);
+      } else {
+        cuda::launch_sparse_attention<T, __nv_fp8_e4m3>(q, x, stream);
+      }
+      return;
+    }
     // Chunks of row tiles bound the tiles' workspace: each is built, then attended.
     for (int begin = 0; begin < s.union_row_tiles; begin += s.union_chunk) {
       u.tile_begin = begin;
@@ -183,12 +216,12 @@ void native_sparse_attention(const SparseAttentionParams& p) {
       cuda::launch_qsa_union_build(u, stream);
       cuda::launch_qsa_union<T>(u, stream);
     }
-    if (s.union_rows > 0) {
-      cuda::launch_qsa_gather<T>(q, x, stream);
+    if (s.union_rows > 0 || s.gather_rows) {
+      cuda::launch_qsa_gather<T, T>(q, x, stream);
     } else if (s.row_tiles) {
       cuda::launch_sparse_attention_rows<T>(q, x, stream);
     } else {
-      cuda::launch_sparse_attention<T>(q, x, stream);
+      cuda::launch_sparse_attention<T, T>(q, x, stream);
     }
   });
 }

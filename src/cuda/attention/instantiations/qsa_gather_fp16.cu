@@ -1,6 +1,6 @@
 #include "cuda/attention/qsa_gather_kernel.cuh"
 
 namespace sparse_attn::cuda {
-template void launch_qsa_gather<__half>(const SparseAttentionParams&, const SparseAttentionLaunch&,
-                                        cudaStream_t);
+template void launch_qsa_gather<__half, __half>(const SparseAttentionParams&,
+                                                const SparseAttentionLaunch&, cudaStream_t);
 }  // namespace sparse_attn::cuda

@@ -1,6 +1,6 @@
 #include "cuda/attention/sparse_attention_launch.cuh"
 
 namespace sparse_attn::cuda {
-template void launch_sparse_attention<__half>(const SparseAttentionParams&,
-                                              const SparseAttentionLaunch&, cudaStream_t);
+template void launch_sparse_attention<__half, __half>(const SparseAttentionParams&,
+                                                      const SparseAttentionLaunch&, cudaStream_t);
 }  // namespace sparse_attn::cuda

@@ -41,4 +41,60 @@ __device__ __forceinline__ void gather_rows16(Element* stage, const Element* bas
   }
 }
 
+// FP8 rows (256 one-byte features, 16 chunks) take two steps, because GMMA reads 16-bit
+// operands: gather_rows16_fp8 copies them into a staging slot [kBlockN rows][16 chunks]
+// (cp.async, zero-filled like gather_rows16), and convert_rows16_fp8 turns the chunks this
+// lane copied, once they have landed, into the 16-bit stage at gather_rows16's addresses. Lane
+// l copies and converts chunks 8 j + l % 8 (j = 0, 1) of rows 4 g + l / 8: each lane reads
+// back only what its own copies wrote, so cp.async.wait_group is the only wait between them.
+template <int kBlockN>
+__device__ __forceinline__ void gather_rows16_fp8(cute::uint128_t (*staging)[16],
+                                                  const uint8_t* base, int64_t off, int warp,
+                                                  int lane) {
+  using Copy = cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>;
+  const int q = lane / 8, c = lane % 8;
+  CUTE_UNROLL
+  for (int g = 0; g < 4; ++g) {
+    const int i = 4 * g + q;
+    const int64_t o = __shfl_sync(0xffffffffu, off, i);
+    const uint8_t* src = base + (o >= 0 ? o + c * 16 : 0);
+    CUTE_UNROLL
+    for (int j = 0; j < 2; ++j) {
+      Copy::copy(*reinterpret_cast<const cute::uint128_t*>(src + j * 128),
+                 staging[16 * warp + i][8 * j + c], o >= 0);
+    }
+  }
+}
+
+// Element is the 16-bit type of the stage; ToPairs(w, even, odd) is fp8x4_to_pairs<T>
+// (sparse_attention_common.cuh), whose pairs (e0, e2), (e1, e3) come out in natural order
+// here because the word is permuted to e0 e2 e1 e3 first.
+template <class Element, int kBlockN, class ToPairs>
+__device__ __forceinline__ void convert_rows16_fp8(Element* stage,
+                                                   const cute::uint128_t (*staging)[16], int warp,
+                                                   int lane, ToPairs to_pairs) {
+  const int q = lane / 8, c = lane % 8;
+  CUTE_UNROLL
+  for (int g = 0; g < 4; ++g) {
+    const int i = 4 * g + q, row = 16 * warp + i;
+    CUTE_UNROLL
+    for (int j = 0; j < 2; ++j) {
+      const uint4 w = *reinterpret_cast<const uint4*>(&staging[row][8 * j + c]);
+      const uint32_t in[4] = {w.x, w.y, w.z, w.w};
+      uint32_t out[8];
+      CUTE_UNROLL
+      for (int k = 0; k < 4; ++k)
+        to_pairs(__byte_perm(in[k], 0, 0x3120), out[2 * k], out[2 * k + 1]);
+      // 16-bit chunks 2 f and 2 f + 1 of FP8 chunk f = 8 j + c: column block j, slots 2c, 2c + 1
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const int slot = (2 * c + h) % 8, block = 2 * j + (2 * c + h) / 8;
+        *reinterpret_cast<uint4*>(stage + block * (kBlockN * 64) + row * 64 +
+                                  ((slot ^ (row % 8)) * 8)) =
+            make_uint4(out[4 * h], out[4 * h + 1], out[4 * h + 2], out[4 * h + 3]);
+      }
+    }
+  }
+}
+
 }  // namespace sparse_attn::cuda::sm90

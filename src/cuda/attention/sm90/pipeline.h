@@ -52,6 +52,9 @@ struct TmaPipeline {
   __device__ void arrive_on_copies(const State& st) const {
     cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[st.index()]);
   }
+  // Producer thread that wrote the stage itself (st.shared): its arrival on "full" releases
+  // its stores (one of the kProducerArrivals).
+  __device__ void arrive(const State& st) const { FullBarrier::arrive(&s.full[st.index()]); }
   __device__ uint64_t* full_barrier(const State& st) const { return &s.full[st.index()]; }
 
   // Consumers: wait for the stage's bytes; release it once the warpgroup has read it (one
