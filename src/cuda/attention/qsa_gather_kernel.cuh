@@ -22,10 +22,12 @@
 // tile n holds slots 64 n .. 64 n + 63, zero-filled past the row's end, whose scores are
 // masked.
 //
-// FP8 K/V (KV = __nv_fp8_e4m3) keep the consumer as it is: the producer copies each FP8 tile
-// into a staging slot and converts it into the 16-bit stage itself (sm90/gather.h), exact for
-// every finite code; k_scale comes folded into scale_log2, v_scale multiplies the output.
-// Two 16-bit stages and two 16 KB staging slots keep two CTAs on an SM.
+// FP8 K/V (KV = __nv_fp8_e4m3): the producer copies each FP8 K or V tile into a ring of four
+// 16 KB staging slots, the pipeline's stages, and the consumer widens each tile into its one
+// 16-bit tile buffer just before the GEMM that reads it (sm90/gather.h; exact for every finite
+// code). The producer then never waits on its own copies, and four tiles stay in flight within
+// the two-CTAs-per-SM budget. k_scale comes folded into scale_log2, v_scale multiplies the
+// output.
 #pragma once
 
 #include <cuda_fp8.h>
@@ -63,10 +65,11 @@ struct QsaGatherConfig {
 template <class Element, bool kFp8>
 struct QsaGatherTraits {
   using C = QsaGatherConfig;
-  // The K/V ring: 16-bit K/V keep two tiles in flight while one is read; FP8 K/V keep theirs
-  // in flight in the staging slots, which leaves room for two 16-bit stages.
-  static constexpr int kStages = kFp8 ? 2 : 3;
-  static constexpr int kStagingSlots = kFp8 ? 2 : 0;
+  // The pipeline's stages: 16-bit K/V tiles (two in flight while one is read), or FP8 tiles in
+  // staging slots (kPipeStages) and one 16-bit tile buffer the consumer fills (kStages).
+  static constexpr int kStages = kFp8 ? 1 : 3;
+  static constexpr int kStagingSlots = kFp8 ? 4 : 0;
+  static constexpr int kPipeStages = kFp8 ? kStagingSlots : kStages;
   using TileS = cute::Shape<cute::Int<C::kBlockN>, cute::Int<C::kHeads>, cute::Int<C::kHeadDim>>;
   using TileO = cute::Shape<cute::Int<C::kHeadDim>, cute::Int<C::kHeads>, cute::Int<C::kBlockN>>;
   // S^T = K Q^T: K stages and Q with the head dim contiguous. O^T += V^T P^T: V stages seen
@@ -90,7 +93,7 @@ struct QsaGatherTraits {
                cute::GMMA::Major::K, Element, cute::Int<C::kHeads>, cute::Int<C::kBlockN>>());
   using LayoutP = decltype(cute::tile_to_shape(
       AtomP{}, cute::Shape<cute::Int<C::kHeads>, cute::Int<C::kBlockN>, cute::_2>{}));
-  using Pipeline = sm90::TmaPipeline<kStages, 1, 128>;
+  using Pipeline = sm90::TmaPipeline<kPipeStages, 1, 128>;
 
   struct SharedStorage {
     // 1024-byte alignment: the 128-byte swizzle repeats every 8 rows of 128 bytes and GMMA
@@ -120,6 +123,7 @@ enum class GatherBarrier : uint32_t {
   kColumns = 0,  // ColumnSoftmax's exchange
   kP = 1,        // P^T of the tile is in shared memory
   kOut = 2,      // the O tile is in shared memory
+  kWiden = 3,    // every warp's GEMMs on the tile buffer are done; (FP8) it is widened
 };
 
 template <typename T, typename KV>
@@ -235,44 +239,20 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
       return at.x * (v ? p.v_batch_stride : p.k_batch_stride) + at.y * token_stride;
     };
     auto state = Pipeline::producer_start();
-    auto stage = [&] { return ss.kv.data() + state.index() * (C::kBlockN * C::kHeadDim); };
-    if constexpr (kFp8) {
-      // Copy units K_0, V_0, K_1, ...: unit i + 1's copies are in flight while unit i is
-      // converted into its stage (each lane converts the chunks it copied, so waiting for its
-      // own copy groups is enough), then one arrival per thread publishes the stage.
-      const int n_units = 2 * n_tiles;
-      auto issue = [&](int i) {
-        const bool v = i % 2 != 0;
-        sm90::gather_rows16_fp8<C::kBlockN>(ss.staging[i % 2], v ? vp : kp, row_offset(i / 2, v),
-                                            warp, lane);
-        cute::cp_async_fence();
-      };
-      issue(0);
-      for (int i = 0; i < n_units; ++i) {
-        if (i + 1 < n_units) {
-          issue(i + 1);
-        } else {
-          cute::cp_async_fence();  // an empty group keeps the wait count below uniform
-        }
-        cute::cp_async_wait<1>();
-        pipe.producer_wait(state);
-        sm90::convert_rows16_fp8<Element, C::kBlockN>(
-            stage(), ss.staging[i % 2], warp, lane,
-            [](uint32_t w, uint32_t& even, uint32_t& odd) { fp8x4_to_pairs<T>(w, even, odd); });
-        pipe.arrive(state);
-        ++state;
+    auto copy_tile = [&](const KVStored* base, int64_t off) {
+      pipe.producer_wait(state);
+      if constexpr (kFp8) {
+        sm90::gather_rows16_fp8<C::kBlockN>(ss.staging[state.index()], base, off, warp, lane);
+      } else {
+        sm90::gather_rows16<Element, C::kBlockN>(
+            ss.kv.data() + state.index() * (C::kBlockN * C::kHeadDim), base, off, warp, lane);
       }
-    } else {
-      auto copy_tile = [&](const Element* base, int64_t off) {
-        pipe.producer_wait(state);
-        sm90::gather_rows16<Element, C::kBlockN>(stage(), base, off, warp, lane);
-        pipe.arrive_on_copies(state);
-        ++state;
-      };
-      for (int n = 0; n < n_tiles; ++n) {
-        copy_tile(kp, row_offset(n, false));
-        copy_tile(vp, row_offset(n, true));
-      }
+      pipe.arrive_on_copies(state);
+      ++state;
+    };
+    for (int n = 0; n < n_tiles; ++n) {
+      copy_tile(kp, row_offset(n, false));
+      copy_tile(vp, row_offset(n, true));
     }
     return;
   }
@@ -308,11 +288,26 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   clear(tOrO);
   if (n_tiles > 0) ss.barrier_q.wait(0);
   typename Pipeline::State read;
+  // The 16-bit tile a GEMM reads: a stage of the ring, or (FP8) the tile buffer, once every
+  // warp's GEMMs on it are done, widened from the staging slot.
+  auto tile_stage = [&]() -> int {
+    if constexpr (kFp8) {
+      cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kWiden));
+      sm90::convert_rows16_fp8<Element, C::kBlockN>(
+          ss.kv.data(), ss.staging[read.index()], ct / 32, lane,
+          [](uint32_t w, uint32_t& even, uint32_t& odd) { fp8x4_to_pairs<T>(w, even, odd); });
+      cutlass::arch::fence_view_async_shared();  // generic stores, then GMMA reads
+      cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kWiden));
+      return 0;
+    } else {
+      cutlass::arch::fence_view_async_shared();  // cp.async lands through the generic proxy
+      return read.index();
+    }
+  };
   for (int n = 0; n < n_tiles; ++n) {
     // ----- S^T = K_n Q^T ----------------------------------------------------------------------
     pipe.consumer_wait(read);
-    cutlass::arch::fence_view_async_shared();  // cp.async lands through the generic proxy
-    sm90::warpgroup_gemm<true, 0>(mma_s, tSrK(_, _, _, read.index()), tSrQ, tSrS);
+    sm90::warpgroup_gemm<true, 0>(mma_s, tSrK(_, _, _, tile_stage()), tSrQ, tSrS);
     pipe.consumer_release(read);
     ++read;
     // Slots without a token are masked.
@@ -346,8 +341,7 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
     cutlass::arch::fence_view_async_shared();  // generic stores, then GMMA reads
     cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kP));
     pipe.consumer_wait(read);
-    cutlass::arch::fence_view_async_shared();
-    sm90::warpgroup_gemm<false, 0>(mma_o, tOrVt(_, _, _, read.index()), tOrP(_, _, _, n % 2), tOrO);
+    sm90::warpgroup_gemm<false, 0>(mma_o, tOrVt(_, _, _, tile_stage()), tOrP(_, _, _, n % 2), tOrO);
     pipe.consumer_release(read);
     ++read;
   }
@@ -355,6 +349,9 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   // ----- epilogue: normalise, O [heads, features] through an idle stage to global -----------
   float inv_sum[kCols], lse[kCols];
   softmax.finalize(cs_rc, inv_sum, lse);
+  // The first stage holds the O tile: every warp's GEMMs on it (the last V tile's, for FP8)
+  // are done first.
+  cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kWiden));
   Element* so = ss.kv.data();
   CUTE_UNROLL
   for (int i = 0; i < size<0>(o_rc); ++i) {

@@ -43,10 +43,10 @@ __device__ __forceinline__ void gather_rows16(Element* stage, const Element* bas
 
 // FP8 rows (256 one-byte features, 16 chunks) take two steps, because GMMA reads 16-bit
 // operands: gather_rows16_fp8 copies them into a staging slot [kBlockN rows][16 chunks]
-// (cp.async, zero-filled like gather_rows16), and convert_rows16_fp8 turns the chunks this
-// lane copied, once they have landed, into the 16-bit stage at gather_rows16's addresses. Lane
-// l copies and converts chunks 8 j + l % 8 (j = 0, 1) of rows 4 g + l / 8: each lane reads
-// back only what its own copies wrote, so cp.async.wait_group is the only wait between them.
+// (cp.async, zero-filled like gather_rows16; lane l copies chunks 8 j + l % 8, j = 0, 1, of rows
+// 4 g + l / 8 of its warp's 16), and convert_rows16_fp8, once the slot's copies have landed
+// (the pipeline's barrier), widens a warp's 16 rows of it into a 16-bit stage at
+// gather_rows16's addresses.
 template <int kBlockN>
 __device__ __forceinline__ void gather_rows16_fp8(cute::uint128_t (*staging)[16],
                                                   const uint8_t* base, int64_t off, int warp,
@@ -85,13 +85,17 @@ __device__ __forceinline__ void convert_rows16_fp8(Element* stage,
       CUTE_UNROLL
       for (int k = 0; k < 4; ++k)
         to_pairs(__byte_perm(in[k], 0, 0x3120), out[2 * k], out[2 * k + 1]);
-      // 16-bit chunks 2 f and 2 f + 1 of FP8 chunk f = 8 j + c: column block j, slots 2c, 2c + 1
+      // 16-bit chunks 2 f and 2 f + 1 of FP8 chunk f = 8 j + c: column block 2j + c / 4,
+      // slots 2c % 8 and 2c % 8 + 1. Lanes c >= 4 store theirs in the other order, so the 8
+      // lanes of a row hit 8 different slots (bank groups) with each store.
+      const uint4 lo = make_uint4(out[0], out[1], out[2], out[3]);
+      const uint4 hi = make_uint4(out[4], out[5], out[6], out[7]);
       CUTE_UNROLL
-      for (int h = 0; h < 2; ++h) {
+      for (int hh = 0; hh < 2; ++hh) {
+        const int h = c < 4 ? hh : 1 - hh;
         const int slot = (2 * c + h) % 8, block = 2 * j + (2 * c + h) / 8;
         *reinterpret_cast<uint4*>(stage + block * (kBlockN * 64) + row * 64 +
-                                  ((slot ^ (row % 8)) * 8)) =
-            make_uint4(out[4 * h], out[4 * h + 1], out[4 * h + 2], out[4 * h + 3]);
+                                  ((slot ^ (row % 8)) * 8)) = h == 0 ? lo : hi;
       }
     }
   }
