@@ -729,10 +729,11 @@ INSTANTIATE_TEST_SUITE_P(Fp8, GpuSparseAttention, ::testing::ValuesIn(fp8_cases(
 // own, by id), so its output is that token's V, exact in the output type with v_scale 1 (the
 // sign of a zero is not kept: the weighted sum starts from +0), and
 // head h's query is one-hot at dim d(r, h), so its LSE is scale x K[r, d(r, h)]. K and V hold
-// the 254 finite codes in patterns that put every code under some checked (row, dim).
+// the 254 finite codes in patterns that put every code under some checked (row, dim); the last
+// row's token holds the two NaN codes in V's dims 0 and 1, which must come out NaN.
 TEST(GpuSparseAttentionFp8, EveryFiniteCodeReadsExactly) {
   SPARSE_ATTN_REQUIRE_GPU();
-  constexpr int64_t kHq = 24, kHkv = 2, kRows = 254, kPage = 64, kPages = 4;
+  constexpr int64_t kHq = 24, kHkv = 2, kRows = 255, kPage = 64, kPages = 4;
   std::vector<uint8_t> finite;
   for (int code = 0; code < 256; ++code) {
     if ((code & 0x7f) != 0x7f) finite.push_back(static_cast<uint8_t>(code));
@@ -755,6 +756,13 @@ TEST(GpuSparseAttentionFp8, EveryFiniteCodeReadsExactly) {
       }
     }
   }
+  for (int64_t kvh = 0; kvh < kHkv; ++kvh) {
+    v.data_as<uint8_t>()[(254 * kHkv + kvh) * kD + 0] = 0x7f;
+    v.data_as<uint8_t>()[(254 * kHkv + kvh) * kD + 1] = 0xff;
+  }
+  auto v_value = [&](int64_t t, int64_t kvh, int64_t d) {
+    return fp8_e4m3_to_float(v.data_as<uint8_t>()[(t * kHkv + kvh) * kD + d]);
+  };
   std::vector<bool> checked(256, false);
   for (DType dtype : {DType::kBF16, DType::kF16}) {
     Tensor q = Tensor::empty({kRows, kHq, kD}, dtype);
@@ -791,12 +799,13 @@ TEST(GpuSparseAttentionFp8, EveryFiniteCodeReadsExactly) {
       for (int64_t h = 0; h < kHq; ++h) {
         const int64_t kvh = h / (kHq / kHkv), dk_at = q_dim(r, h);
         for (int64_t d = 0; d < kD; ++d) {
-          const float want = fp8_e4m3_to_float(v_code(r, kvh, d));
+          const float want = v_value(r, kvh, d);
           const float got = load_as_float(ho.data(), dtype, (r * kHq + h) * kD + d);
-          if (want != got && ++bad_out <= 5) {
+          const bool same = std::isnan(want) ? std::isnan(got) : want == got;
+          if (!same && ++bad_out <= 5) {
             ADD_FAILURE() << dtype_name(dtype) << " out[" << r << ", " << h << ", " << d
-                          << "] = " << got << ", V code 0x" << std::hex << int(v_code(r, kvh, d))
-                          << " is " << want;
+                          << "] = " << got << ", V code 0x" << std::hex
+                          << int(v.data_as<uint8_t>()[(r * kHkv + kvh) * kD + d]) << " is " << want;
           }
         }
         const uint8_t kc = k_code(r, kvh, dk_at);

@@ -23,11 +23,11 @@
 // masked.
 //
 // FP8 K/V (KV = __nv_fp8_e4m3): the producer copies each FP8 K or V tile into a ring of four
-// 16 KB staging slots, the pipeline's stages, and the consumer widens each tile into its one
-// 16-bit tile buffer just before the GEMM that reads it (sm90/gather.h; exact for every finite
-// code). The producer then never waits on its own copies, and four tiles stay in flight within
-// the two-CTAs-per-SM budget. k_scale comes folded into scale_log2, v_scale multiplies the
-// output.
+// 16 KB staging slots, the pipeline's stages, and both warpgroups widen each tile, half the
+// rows each, into one 16-bit tile buffer just before the GEMM that reads it (sm90/gather.h;
+// exact for every finite code): the widening's instructions, not the bytes, bound an FP8 tile,
+// and the producer's warps are otherwise idle. Four tiles stay in flight within the
+// two-CTAs-per-SM budget. k_scale comes folded into scale_log2, v_scale multiplies the output.
 #pragma once
 
 #include <cuda_fp8.h>
@@ -118,12 +118,15 @@ struct QsaGatherTraits {
                 "the epilogue's O tile fits one idle stage");
 };
 
-// Named barriers of the consumer warpgroup (after CUTLASS's reserved ones).
+// Named barriers (after CUTLASS's reserved ones): the consumer warpgroup's, then (FP8) the
+// CTA's around each widening.
 enum class GatherBarrier : uint32_t {
-  kColumns = 0,  // ColumnSoftmax's exchange
-  kP = 1,        // P^T of the tile is in shared memory
-  kOut = 2,      // the O tile is in shared memory
-  kWiden = 3,    // every warp's GEMMs on the tile buffer are done; (FP8) it is widened
+  kColumns = 0,     // ColumnSoftmax's exchange
+  kP = 1,           // P^T of the tile is in shared memory
+  kOut = 2,         // the O tile is in shared memory
+  kGemmsDone = 3,   // every consumer warp's GEMMs on the first stage are done (the epilogue)
+  kBufferFree = 4,  // 256 threads: the tile buffer's last GEMMs are done
+  kBufferFull = 5,  // 256 threads: the tile buffer is widened
 };
 
 template <typename T, typename KV>
@@ -204,6 +207,18 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   // Slot u holds a token: inside the row's slots, and not one its entry lost from its end.
   auto slot_valid = [&](int u) { return u < n_slots && u % kPerEntry < ss.counts[u / kPerEntry]; };
   Pipeline pipe{ss.pipeline, 0};
+  // FP8: staging slot st widened into the tile buffer by all 256 threads, 8 rows a warp from
+  // first_row: once every consumer warp's GEMMs on the buffer are done and the slot's copies
+  // have landed; then published to GMMA.
+  auto widen = [&](const typename Pipeline::State& st, int first_row) {
+    cutlass::arch::NamedBarrier::sync(256, static_cast<uint32_t>(GatherBarrier::kBufferFree));
+    pipe.consumer_wait(st);
+    sm90::convert_rows_fp8<Element, C::kBlockN, 8>(
+        ss.kv.data(), ss.staging[st.index()], first_row, lane,
+        [](uint32_t w, uint32_t& lo, uint32_t& hi) { fp8x4_to_natural<T>(w, lo, hi); });
+    cutlass::arch::fence_view_async_shared();  // generic stores, then GMMA reads
+    cutlass::arch::NamedBarrier::sync(256, static_cast<uint32_t>(GatherBarrier::kBufferFull));
+  };
 
   if (warp < 4) {
     // ----- producer: Q once, then K_n and V_n of every tile into the ring --------------------
@@ -250,9 +265,24 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
       pipe.arrive_on_copies(state);
       ++state;
     };
-    for (int n = 0; n < n_tiles; ++n) {
-      copy_tile(kp, row_offset(n, false));
-      copy_tile(vp, row_offset(n, true));
+    if constexpr (kFp8) {
+      // Copy units K_0, V_0, K_1, ... run kPipeStages - 1 ahead of the unit being widened (the
+      // slot a copy waits for is freed by the GEMM after the previous widening).
+      constexpr int kAhead = Tr::kPipeStages - 1;
+      const int n_units = 2 * n_tiles;
+      auto issue = [&](int i) { copy_tile(i % 2 ? vp : kp, row_offset(i / 2, i % 2 != 0)); };
+      for (int i = 0; i < kAhead && i < n_units; ++i) issue(i);
+      typename Pipeline::State st;
+      for (int i = 0; i < n_units; ++i) {
+        if (i + kAhead < n_units) issue(i + kAhead);
+        widen(st, 8 * warp);
+        ++st;
+      }
+    } else {
+      for (int n = 0; n < n_tiles; ++n) {
+        copy_tile(kp, row_offset(n, false));
+        copy_tile(vp, row_offset(n, true));
+      }
     }
     return;
   }
@@ -288,16 +318,11 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   clear(tOrO);
   if (n_tiles > 0) ss.barrier_q.wait(0);
   typename Pipeline::State read;
-  // The 16-bit tile a GEMM reads: a stage of the ring, or (FP8) the tile buffer, once every
-  // warp's GEMMs on it are done, widened from the staging slot.
+  // The 16-bit tile a GEMM reads: a stage of the ring, or (FP8) the tile buffer, widened from
+  // the staging slot (rows 32 .. 63 here, the producer's warps rows 0 .. 31).
   auto tile_stage = [&]() -> int {
     if constexpr (kFp8) {
-      cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kWiden));
-      sm90::convert_rows16_fp8<Element, C::kBlockN>(
-          ss.kv.data(), ss.staging[read.index()], ct / 32, lane,
-          [](uint32_t w, uint32_t& even, uint32_t& odd) { fp8x4_to_pairs<T>(w, even, odd); });
-      cutlass::arch::fence_view_async_shared();  // generic stores, then GMMA reads
-      cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kWiden));
+      widen(read, 32 + 8 * (ct / 32));
       return 0;
     } else {
       cutlass::arch::fence_view_async_shared();  // cp.async lands through the generic proxy
@@ -351,7 +376,7 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   softmax.finalize(cs_rc, inv_sum, lse);
   // The first stage holds the O tile: every warp's GEMMs on it (the last V tile's, for FP8)
   // are done first.
-  cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kWiden));
+  cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kGemmsDone));
   Element* so = ss.kv.data();
   CUTE_UNROLL
   for (int i = 0; i < size<0>(o_rc); ++i) {

@@ -37,39 +37,40 @@ struct ElementTraits<__half> {
   __device__ static __half from_float(float x) { return __float2half_rn(x); }
 };
 
-// FP8 e4m3 K/V in the MMA fragments. A 32-bit word of four consecutive e4m3 codes e0..e3 becomes
-// two words of T pairs, (e0, e2) and (e1, e3): the pairing one ldmatrix of FP8 rows hands a
-// thread, for the kernels' permuted fragment order (sparse_attention_kernel.cuh). Both
-// conversions are exact for every finite code (e4m3 has 3 mantissa bits and exponents 2^-9 ..
-// 2^8, inside both 16-bit formats).
+// FP8 e4m3 K/V widened to the 16-bit type T of the MMAs, exact for every finite code (e4m3
+// has 3 mantissa bits and exponents 2^-9 .. 2^8, inside both 16-bit formats).
+// fp8x4_to_natural: a 32-bit word of four consecutive codes e0..e3 becomes the T pairs
+// (e0, e1) and (e2, e3). The hardware converts two codes to FP16 in one instruction; BF16 takes
+// the FP32 detour from there (no e4m3 -> bf16 conversion exists on sm_90): 8 instructions a
+// word, where placing the bits and one exact HMUL2 by 2^120 took 10 with the byte permute.
 template <typename T>
-__device__ inline void fp8x4_to_pairs(uint32_t w, uint32_t& even, uint32_t& odd);
+__device__ inline void fp8x4_to_natural(uint32_t w, uint32_t& lo, uint32_t& hi);
 
-// BF16: the code's sign, exponent and mantissa moved into bf16 bit positions s.0000eeee.mmm0000
-// give the e4m3 value times 2^-120 (e4m3 subnormals land on bf16 subnormals, which bf16
-// arithmetic keeps), and one exact multiply by 2^120 restores it; there is no e4m3 -> bf16
-// conversion instruction. The two NaN codes (0x7f, 0xff) read as +-480, not NaN.
 template <>
-__device__ inline void fp8x4_to_pairs<__nv_bfloat16>(uint32_t w, uint32_t& even, uint32_t& odd) {
-  const uint32_t w8 = w << 8;  // e0 and e2 in the high bytes of the two halves
-  const uint32_t lo = (w8 & 0x80008000u) | ((w8 & 0x7f007f00u) >> 4);
-  const uint32_t hi = (w & 0x80008000u) | ((w & 0x7f007f00u) >> 4);
-  const __nv_bfloat162 bias = __halves2bfloat162(__ushort_as_bfloat16(0x7b80),  // 2^120
-                                                 __ushort_as_bfloat16(0x7b80));
-  const __nv_bfloat162 e = __hmul2(reinterpret_cast<const __nv_bfloat162&>(lo), bias);
-  const __nv_bfloat162 o = __hmul2(reinterpret_cast<const __nv_bfloat162&>(hi), bias);
-  even = reinterpret_cast<const uint32_t&>(e);
-  odd = reinterpret_cast<const uint32_t&>(o);
+__device__ inline void fp8x4_to_natural<__half>(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\t"
+      "cvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(w));
 }
 
-// FP16: the hardware conversion of two codes at a time, after one byte permute.
 template <>
-__device__ inline void fp8x4_to_pairs<__half>(uint32_t w, uint32_t& even, uint32_t& odd) {
-  const uint32_t t = __byte_perm(w, 0, 0x3120);  // e0 e2 e1 e3
-  asm("{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\t"
-      "cvt.rn.f16x2.e4m3x2 %0, lo;\n\tcvt.rn.f16x2.e4m3x2 %1, hi;\n\t}"
-      : "=r"(even), "=r"(odd)
-      : "r"(t));
+__device__ inline void fp8x4_to_natural<__nv_bfloat16>(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  uint32_t h01, h23;
+  fp8x4_to_natural<__half>(w, h01, h23);
+  const float2 f01 = __half22float2(reinterpret_cast<const __half2&>(h01));
+  const float2 f23 = __half22float2(reinterpret_cast<const __half2&>(h23));
+  const __nv_bfloat162 b01 = __floats2bfloat162_rn(f01.x, f01.y);
+  const __nv_bfloat162 b23 = __floats2bfloat162_rn(f23.x, f23.y);
+  lo = reinterpret_cast<const uint32_t&>(b01);
+  hi = reinterpret_cast<const uint32_t&>(b23);
+}
+
+// The pairs (e0, e2) and (e1, e3) instead: the pairing one ldmatrix of FP8 rows hands a thread,
+// for the per-row kernel's permuted fragment order (sparse_attention_kernel.cuh).
+template <typename T>
+__device__ inline void fp8x4_to_pairs(uint32_t w, uint32_t& even, uint32_t& odd) {
+  fp8x4_to_natural<T>(__byte_perm(w, 0, 0x3120), even, odd);  // e0 e2 e1 e3
 }
 
 struct RowInfo {

@@ -44,9 +44,9 @@ __device__ __forceinline__ void gather_rows16(Element* stage, const Element* bas
 // FP8 rows (256 one-byte features, 16 chunks) take two steps, because GMMA reads 16-bit
 // operands: gather_rows16_fp8 copies them into a staging slot [kBlockN rows][16 chunks]
 // (cp.async, zero-filled like gather_rows16; lane l copies chunks 8 j + l % 8, j = 0, 1, of rows
-// 4 g + l / 8 of its warp's 16), and convert_rows16_fp8, once the slot's copies have landed
-// (the pipeline's barrier), widens a warp's 16 rows of it into a 16-bit stage at
-// gather_rows16's addresses.
+// 4 g + l / 8 of its warp's 16), and convert_rows_fp8, once the slot's copies have landed
+// (the pipeline's barrier), widens rows of it into a 16-bit stage at gather_rows16's
+// addresses.
 template <int kBlockN>
 __device__ __forceinline__ void gather_rows16_fp8(cute::uint128_t (*staging)[16],
                                                   const uint8_t* base, int64_t off, int warp,
@@ -66,25 +66,25 @@ __device__ __forceinline__ void gather_rows16_fp8(cute::uint128_t (*staging)[16]
   }
 }
 
-// Element is the 16-bit type of the stage; ToPairs(w, even, odd) is fp8x4_to_pairs<T>
-// (sparse_attention_common.cuh), whose pairs (e0, e2), (e1, e3) come out in natural order
-// here because the word is permuted to e0 e2 e1 e3 first.
-template <class Element, int kBlockN, class ToPairs>
-__device__ __forceinline__ void convert_rows16_fp8(Element* stage,
-                                                   const cute::uint128_t (*staging)[16], int warp,
-                                                   int lane, ToPairs to_pairs) {
+// Widens rows first_row .. first_row + kRows - 1 (a multiple of 4) of a staging slot: lane l
+// takes chunks 8 j + l % 8 of rows first_row + 4 g + l / 8. Element is the stage's 16-bit
+// type; to_natural(w, lo, hi) is fp8x4_to_natural<T> (sparse_attention_common.cuh).
+template <class Element, int kBlockN, int kRows, class ToNatural>
+__device__ __forceinline__ void convert_rows_fp8(Element* stage,
+                                                 const cute::uint128_t (*staging)[16],
+                                                 int first_row, int lane, ToNatural to_natural) {
+  static_assert(kRows % 4 == 0, "8 lanes a row, 4 rows a pass");
   const int q = lane / 8, c = lane % 8;
   CUTE_UNROLL
-  for (int g = 0; g < 4; ++g) {
-    const int i = 4 * g + q, row = 16 * warp + i;
+  for (int g = 0; g < kRows / 4; ++g) {
+    const int row = first_row + 4 * g + q;
     CUTE_UNROLL
     for (int j = 0; j < 2; ++j) {
       const uint4 w = *reinterpret_cast<const uint4*>(&staging[row][8 * j + c]);
       const uint32_t in[4] = {w.x, w.y, w.z, w.w};
       uint32_t out[8];
       CUTE_UNROLL
-      for (int k = 0; k < 4; ++k)
-        to_pairs(__byte_perm(in[k], 0, 0x3120), out[2 * k], out[2 * k + 1]);
+      for (int k = 0; k < 4; ++k) to_natural(in[k], out[2 * k], out[2 * k + 1]);
       // 16-bit chunks 2 f and 2 f + 1 of FP8 chunk f = 8 j + c: column block 2j + c / 4,
       // slots 2c % 8 and 2c % 8 + 1. Lanes c >= 4 store theirs in the other order, so the 8
       // lanes of a row hit 8 different slots (bank groups) with each store.
