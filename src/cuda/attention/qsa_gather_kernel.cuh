@@ -211,6 +211,9 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   // first_row: once every consumer warp's GEMMs on the buffer are done and the slot's copies
   // have landed; then published to GMMA.
   auto widen = [&](const typename Pipeline::State& st, int first_row) {
+    // The lanes leave the pipeline's spin waits one by one: reconverge before the aligned
+    // barrier (synccheck reports a divergent warp otherwise).
+    __syncwarp();
     cutlass::arch::NamedBarrier::sync(256, static_cast<uint32_t>(GatherBarrier::kBufferFree));
     pipe.consumer_wait(st);
     sm90::convert_rows_fp8<Element, C::kBlockN, 8>(
