@@ -66,7 +66,8 @@ template <class Element, bool kFp8>
 struct QsaGatherTraits {
   using C = QsaGatherConfig;
   // The pipeline's stages: 16-bit K/V tiles (two in flight while one is read), or FP8 tiles in
-  // staging slots (kPipeStages) and one 16-bit tile buffer the consumer fills (kStages).
+  // staging slots (kPipeStages) and one 16-bit tile buffer that both warpgroups widen them
+  // into (kStages).
   static constexpr int kStages = kFp8 ? 1 : 3;
   static constexpr int kStagingSlots = kFp8 ? 4 : 0;
   static constexpr int kPipeStages = kFp8 ? kStagingSlots : kStages;
