@@ -3,8 +3,6 @@
 // workspace from the caller (options.workspace) or else stream-ordered from the library's pool
 // (so a captured graph owns its allocation), and turns the runtime dtypes into the kernel's T (and
 // KV, the K/V element type).
-#include <cuda_fp8.h>
-
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -201,28 +199,24 @@ void native_sparse_attention(const SparseAttentionParams& p) {
   }
   cuda::dispatch_dtype(p.dtype, "qsa_sparse_attention", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    if (p.kv_dtype == DType::kF8E4M3) {  // the gather or the per-row kernel (schedule())
-      if (s.gather_rows) {
-        cuda::launch_qsa_gather<T, __nv_fp8_e4m3>(q, x, stream);
-      } else {
-        cuda::launch_sparse_attention<T, __nv_fp8_e4m3>(q, x, stream);
+    cuda::dispatch_kv_dtype<T>(p.dtype, p.kv_dtype, "qsa_sparse_attention", [&](auto kv_tag) {
+      using KV = typename decltype(kv_tag)::type;
+      // Chunks of row tiles bound the tiles' workspace: each is built, then attended. The union
+      // and row-tile kernels read 16-bit K/V: schedule() gives them no FP8 call.
+      for (int begin = 0; begin < s.union_row_tiles; begin += s.union_chunk) {
+        u.tile_begin = begin;
+        u.chunk_tiles = std::min(s.union_chunk, s.union_row_tiles - begin);
+        cuda::launch_qsa_union_build(u, stream);
+        cuda::launch_qsa_union<T>(u, stream);
       }
-      return;
-    }
-    // Chunks of row tiles bound the tiles' workspace: each is built, then attended.
-    for (int begin = 0; begin < s.union_row_tiles; begin += s.union_chunk) {
-      u.tile_begin = begin;
-      u.chunk_tiles = std::min(s.union_chunk, s.union_row_tiles - begin);
-      cuda::launch_qsa_union_build(u, stream);
-      cuda::launch_qsa_union<T>(u, stream);
-    }
-    if (s.union_rows > 0 || s.gather_rows) {
-      cuda::launch_qsa_gather<T, T>(q, x, stream);
-    } else if (s.row_tiles) {
-      cuda::launch_sparse_attention_rows<T>(q, x, stream);
-    } else {
-      cuda::launch_sparse_attention<T, T>(q, x, stream);
-    }
+      if (s.union_rows > 0 || s.gather_rows) {
+        cuda::launch_qsa_gather<T, KV>(q, x, stream);
+      } else if (s.row_tiles) {
+        cuda::launch_sparse_attention_rows<T>(q, x, stream);
+      } else {
+        cuda::launch_sparse_attention<T, KV>(q, x, stream);
+      }
+    });
   });
 }
 
