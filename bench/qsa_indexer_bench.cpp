@@ -1,10 +1,12 @@
 // Benchmarks of the native QSA indexer kernels on the shapes of issue 6:
-//   prefill (qsa_mqa_prefill): 4K, 16K, 64K tokens; rows = tokens, keys = tokens / 4, causal
-//     row intervals [0, (r + 1) / 4). Floor: max(compute over the visible 128 x 64 tiles at
-//     the GEMM ceiling, bytes (output write + Q + K) at the copy ceiling). Goal: >= 80%.
+//   prefill (qsa_mqa_prefill): 4K, 16K, 64K tokens, bf16 or FP8 keys; rows = tokens, keys =
+//     tokens / 4, causal row intervals [0, (r + 1) / 4). Floor: max(compute over the visible
+//     128 x 64 tiles at the GEMM ceiling, bytes (output write + Q + K) at the copy ceiling).
+//     Goal: >= 80%.
 //   decode (qsa_mqa_decode): B = 1, 32, 128 requests of 8K..128K tokens (uniform), page
-//     sizes 16 and 64, max_model_len = 128K / 4. Floor: K read + output write (+ Q, page
-//     table) at the copy ceiling. Goal: >= 80% for B >= 32.
+//     sizes 16, 64 and 200, bf16 or FP8 keys, 1, 2 or 4 query rows per request,
+//     max_model_len = 128K / 4. Floor: K read + output write (+ Q, page table) at the copy
+//     ceiling. Goal: >= 80% for B >= 32.
 //   selection helpers (qsa_topk_blocks with k = 512, then qsa_expand_blocks with the block
 //     hint) on native qsa_mqa_prefill scores of random inputs, every row seeing the complete
 //     blocks before its position: prefill 16K and 64K (row r at position r), the last 4K
@@ -55,10 +57,14 @@ Tensor int32_device(const std::vector<int32_t>& v, const Shape& shape) {
 
 constexpr double kFlopPerScore = 2.0 * 4 * 128;  // 4 heads x 128 features, multiply + add
 
-Result bench_prefill(Timer& timer, const Ceilings& c, int64_t tokens) {
+// Key bytes per element: bfloat16 or FP8 e4m3 keys.
+double key_bytes(DType k) { return k == DType::kF8E4M3 ? 1.0 : 2.0; }
+std::string key_tag(DType k) { return k == DType::kF8E4M3 ? "_fp8" : ""; }
+
+Result bench_prefill(Timer& timer, const Ceilings& c, int64_t tokens, DType kdt) {
   const int64_t rows = tokens, keys = tokens / 4;
   Tensor q = random_device({rows, 4, 128}, DType::kBF16, 11);
-  Tensor k = random_device({keys, 128}, DType::kBF16, 12);
+  Tensor k = random_device({keys, 128}, kdt, 12);
   std::vector<int32_t> starts(rows, 0), ends(rows);
   for (int64_t r = 0; r < rows; ++r) ends[r] = static_cast<int32_t>((r + 1) / 4);
   Tensor ds = int32_device(starts, {rows}), de = int32_device(ends, {rows});
@@ -74,11 +80,12 @@ Result bench_prefill(Timer& timer, const Ceilings& c, int64_t tokens) {
     const int64_t max_end = ends[std::min(rows, r0 + 128) - 1];
     tile_scores += double((max_end + 63) / 64) * 128 * 64;
   }
-  const double bytes = 4.0 * rows * keys + 2.0 * rows * 512 + 2.0 * keys * 128 + 8.0 * rows;
+  const double bytes =
+      4.0 * rows * keys + 2.0 * rows * 512 + key_bytes(kdt) * keys * 128 + 8.0 * rows;
   const double compute_ms = kFlopPerScore * tile_scores / (c.gemm_tflops * 1e12) * 1e3;
   const double memory_ms = bytes / (c.copy_tbps * 1e12) * 1e3;
   const double s = t.median_ms * 1e-3;
-  return {fmt::format("prefill_{}k", tokens / 1024),
+  return {fmt::format("prefill_{}k{}", tokens / 1024, key_tag(kdt)),
           t.median_ms,
           kFlopPerScore * visible / s / 1e12,
           bytes / s / 1e12,
@@ -89,8 +96,16 @@ Result bench_prefill(Timer& timer, const Ceilings& c, int64_t tokens) {
           memory_ms};
 }
 
-Result bench_decode(Timer& timer, const Ceilings& c, int64_t batch, int64_t page_size) {
-  const int64_t max_model_len = 131072 / 4, max_pages = max_model_len / page_size;
+// R query rows per request (multi-token decode) share the request's keys: every row sees them.
+std::string decode_name(int64_t batch, int64_t page_size, DType kdt, int64_t rows) {
+  return fmt::format("decode_b{}_page{}{}{}", batch, page_size, key_tag(kdt),
+                     rows > 1 ? fmt::format("_rows{}", rows) : "");
+}
+
+Result bench_decode(Timer& timer, const Ceilings& c, int64_t batch, int64_t page_size, DType kdt,
+                    int64_t rows) {
+  const int64_t max_model_len = 131072 / 4;
+  const int64_t max_pages = (max_model_len + page_size - 1) / page_size;
   std::mt19937_64 rng(1000 * batch + page_size);
   std::uniform_int_distribution<int64_t> tokens(8192, 131072);
   std::vector<int32_t> lens(batch);
@@ -108,28 +123,31 @@ Result bench_decode(Timer& timer, const Ceilings& c, int64_t batch, int64_t page
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t p = 0; p < (lens[b] + page_size - 1) / page_size; ++p)
       table[b * max_pages + p] = perm[next++];
-  Tensor q = random_device({batch, 4, 128}, DType::kBF16, 21);
-  Tensor cache = random_device({pool, page_size, 1, 128}, DType::kBF16, 22);
-  Tensor dt = int32_device(table, {batch, max_pages}), dl = int32_device(lens, {batch});
-  Tensor out = Tensor::empty({batch, max_model_len}, DType::kF32, Device::cuda());
+  Tensor q = random_device({batch, rows, 4, 128}, DType::kBF16, 21);
+  Tensor cache = random_device({pool, page_size, 1, 128}, kdt, 22);
+  std::vector<int32_t> row_lens;
+  for (int32_t l : lens) row_lens.insert(row_lens.end(), rows, l);
+  Tensor dt = int32_device(table, {batch, max_pages});
+  Tensor dl = rows == 1 ? int32_device(lens, {batch}) : int32_device(row_lens, {batch, rows});
+  Tensor out = Tensor::empty({batch * rows, max_model_len}, DType::kF32, Device::cuda());
   const Timing t = timer.time([&](cudaStream_t s) {
     MqaScoreOptions o;
     o.stream = s;
     qsa_mqa_decode(q, cache, dt, dl, max_model_len, out, o);
   });
   const double keys = std::accumulate(lens.begin(), lens.end(), 0.0);
-  const double bytes =
-      256.0 * keys + 4.0 * batch * max_model_len + 1024.0 * batch + 4.0 * keys / page_size;
+  const double bytes = 128.0 * key_bytes(kdt) * keys + 4.0 * batch * rows * max_model_len +
+                       1024.0 * batch * rows + 4.0 * keys / page_size;
   const double s = t.median_ms * 1e-3;
   const double memory_ms = bytes / (c.copy_tbps * 1e12) * 1e3;
-  return {fmt::format("decode_b{}_page{}", batch, page_size),
+  return {decode_name(batch, page_size, kdt, rows),
           t.median_ms,
-          kFlopPerScore * keys / s / 1e12,
+          kFlopPerScore * keys * rows / s / 1e12,
           bytes / s / 1e12,
           memory_ms,
           "hbm",
           batch >= 32 ? 0.8 : 0.0,
-          kFlopPerScore * keys / (c.gemm_tflops * 1e12) * 1e3,
+          kFlopPerScore * keys * rows / (c.gemm_tflops * 1e12) * 1e3,
           memory_ms};
 }
 
@@ -179,13 +197,25 @@ int main(int argc, char** argv) {
 
   std::vector<Result> results;
   const auto wanted = [&](const std::string& name) { return only.empty() || only == name; };
-  for (int64_t tokens : {4096, 16384, 65536})
-    if (wanted(fmt::format("prefill_{}k", tokens / 1024)))
-      results.push_back(bench_prefill(timer, c, tokens));
+  for (DType kdt : {DType::kBF16, DType::kF8E4M3})
+    for (int64_t tokens : {4096, 16384, 65536})
+      if (wanted(fmt::format("prefill_{}k{}", tokens / 1024, key_tag(kdt))))
+        results.push_back(bench_prefill(timer, c, tokens, kdt));
+  // Pages of 16 and 64 keys, and 200 (an engine's 800-token attention page); FP8 keys; 2 and 4
+  // query rows per request (multi-token decode).
+  struct DecodeCase {
+    int64_t page_size;
+    DType kdt;
+    int64_t rows;
+  };
+  const DecodeCase decode_cases[] = {{16, DType::kBF16, 1},    {64, DType::kBF16, 1},
+                                     {200, DType::kBF16, 1},   {64, DType::kF8E4M3, 1},
+                                     {200, DType::kF8E4M3, 1}, {64, DType::kBF16, 2},
+                                     {64, DType::kBF16, 4}};
   for (int64_t batch : {1, 32, 128})
-    for (int64_t page_size : {16, 64})
-      if (wanted(fmt::format("decode_b{}_page{}", batch, page_size)))
-        results.push_back(bench_decode(timer, c, batch, page_size));
+    for (const DecodeCase& d : decode_cases)
+      if (wanted(decode_name(batch, d.page_size, d.kdt, d.rows)))
+        results.push_back(bench_decode(timer, c, batch, d.page_size, d.kdt, d.rows));
 
   struct SelectCase {
     std::string tag;

@@ -69,8 +69,8 @@ Shape qsa_indexer_mqa_score_shape(const TensorView& q_idx, const TensorView& blo
 // out: FP32 with the shape above, positive strides, not overlapping any input. Block b is
 // visible to a row at position p iff 4b + 3 <= p (and, paged, its page id is in
 // [0, block_keys.shape[0])); invisible blocks and rows past seq_lens_q are -inf.
-// Native: CUDA tensors, H == 4, D == 128, q_idx/block_keys in the vector-load layout, 16-bit
-// keys (FP8 keys: the reference and CPU backends).
+// Native: CUDA tensors, H == 4, D == 128, q_idx/block_keys in the vector-load layout; keys of
+// q_idx's dtype or FP8 e4m3.
 void qsa_indexer_mqa_score(const TensorView& q_idx, const TensorView& block_keys,
                            const TensorView& out, const IndexerScoreOptions& options = {});
 
@@ -83,7 +83,7 @@ struct MqaScoreOptions {
   StreamHandle stream = nullptr;
 };
 
-// k / k_cache below are q's dtype or FP8 e4m3 (see kv_cache_dtype); native: q's dtype only.
+// k / k_cache below are q's dtype or FP8 e4m3 (see kv_cache_dtype), on every backend.
 //
 // Packed prefill: q [rows, H, D], k [keys, D] or [keys, 1, D], row_starts/row_ends int32
 // [rows] (visible keys [start, end), clamped to [0, keys); start >= end is an empty row).
@@ -101,11 +101,15 @@ inline void qsa_mqa(const TensorView& q, const TensorView& k, const TensorView& 
   qsa_mqa_prefill(q, k, row_starts, row_ends, out, options);
 }
 
-// Paged decode: q [B, H, D] or [B, 1, H, D] (broadcast strides allowed), k_cache
-// [pages, page_size, 1, D] or [pages, page_size, D], page_table int [B, max_pages],
-// context_lens int [B] (compressed keys). out: FP32 [B, max_model_len], every column written:
-// -inf where c >= context_lens[b], c / page_size >= max_pages, or the page id is -1 / out of
-// range. Native: CUDA tensors, H == 4, D == 128, page_size 8, 16, 32 or 64.
+// Paged decode, R >= 1 query rows per request (multi-token decode): q [B, H, D] (R = 1) or
+// [B, R, H, D] (broadcast strides allowed), k_cache [pages, page_size, 1, D] or
+// [pages, page_size, D] (any page size), page_table int [B, max_pages], context_lens int
+// [B, R]: the compressed keys each query row sees ([B] only when R = 1; with R > 1 it is a
+// ValueError, since the rows of a request see different keys). out: FP32
+// [B * R, max_model_len] (qsa_mqa_decode_shape), request b's row r at row b * R + r, every
+// column written: -inf where c >= context_lens[b, r], c / page_size >= max_pages, or the page
+// id is -1 / out of range; a count <= 0 is a padding row, all -inf.
+// Native: CUDA tensors, H == 4, D == 128, R <= 4 (NotSupportedError naming q otherwise).
 Shape qsa_mqa_decode_shape(const TensorView& q, int64_t max_model_len);
 void qsa_mqa_decode(const TensorView& q, const TensorView& k_cache, const TensorView& page_table,
                     const TensorView& context_lens, int64_t max_model_len, const TensorView& out,

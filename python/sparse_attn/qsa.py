@@ -78,7 +78,7 @@ def qsa_indexer_mqa_score(
     is a paged cache [pages, page_size, (1,) 128]. scale multiplies (default 1/sqrt(D)),
     score_scale divides; not both. Does not select top-k (see select_topk_blocks).
     block_keys may be FP8 e4m3 (torch.float8_e4m3fn, or uint8 with kv_cache_dtype="fp8"),
-    used unscaled; native CUDA kernels read 16-bit keys only, for now."""
+    used unscaled, on every backend."""
     options = (block_table, page_size, cu_seqlens_q, token_to_req, num_requests,
                query_positions, seq_lens_q, block_size, scale, score_scale,
                _cache_dtype(kv_cache_dtype), backend)
@@ -127,24 +127,28 @@ def qsa_mqa(q, k, row_starts, row_ends, score_scale=None, *, scale=None, backend
 
 def qsa_mqa_decode(q, k_cache, page_table, context_lens, max_model_len, score_scale=None, *,
                    scale=None, backend="tilelang", out=None, kv_cache_dtype=None):
-    """Paged-decode MQA logits: FP32 [B, max_model_len]; columns at or past a request's
-    context_len and those behind a missing page (-1 or out of range) are -inf.
-    q [B, heads, dim] or [B, 1, heads, dim]; k_cache [pages, page_size, (1,) dim], q's dtype
-    or FP8 e4m3 (as in qsa_indexer_mqa_score)."""
+    """Paged-decode MQA logits: FP32 [B * R, max_model_len] (request b's query row r is row
+    b * R + r); columns at or past the row's context_len and those behind a missing page (-1
+    or out of range) are -inf. q [B, heads, dim] (R = 1) or [B, R, heads, dim] (multi-token
+    decode; native CUDA takes R <= 4); context_lens [B, R], one count per query row, or [B]
+    when R = 1; k_cache [pages, page_size, (1,) dim], q's dtype or FP8 e4m3 (as in
+    qsa_indexer_mqa_score)."""
     kv_cache_dtype = _cache_dtype(kv_cache_dtype)
     if out is None:
         fast = (type(q) is rt._Tensor and type(max_model_len) is int and max_model_len >= 0
                 and q.dim() in (3, 4))
         if not fast:
-            # A negative width goes to the C++ shape function, which names it.
-            if _rank(q) in (3, 4) and _is_int(max_model_len) and max_model_len >= 0:
-                shape = (q.shape[0], max_model_len)
+            # A negative width or an empty row axis goes to the C++ shape function, which names
+            # it.
+            if (_rank(q) in (3, 4) and _is_int(max_model_len) and max_model_len >= 0
+                    and (_rank(q) == 3 or q.shape[1] >= 1)):
+                shape = (_decode_out_rows(q), max_model_len)
             else:
                 shape = _C.qsa_mqa_decode_shape(q, max_model_len)
         try:
             if fast:
                 # Eager torch, the serving path (0.4 us less than the general one).
-                out = _empty(q.shape[0], max_model_len, dtype=_F32, device=q.device)
+                out = _empty(_decode_out_rows(q), max_model_len, dtype=_F32, device=q.device)
             else:
                 out = rt.empty(shape, q, "q", "float32")
         except rt.ALLOCATION_ERRORS as e:
@@ -155,6 +159,11 @@ def qsa_mqa_decode(q, k_cache, page_table, context_lens, max_model_len, score_sc
            (q, k_cache, page_table, context_lens, max_model_len, out, score_scale, scale,
             kv_cache_dtype, backend))
     return out
+
+
+def _decode_out_rows(q):
+    # B * R output rows: a [B, heads, dim] query is one row per request.
+    return q.shape[0] if len(q.shape) == 3 else q.shape[0] * q.shape[1]
 
 
 def qsa_sparse_attention(

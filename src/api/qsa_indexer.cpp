@@ -91,20 +91,14 @@ void check_out(const TensorView& out, const Shape& shape, std::string_view what,
   }
 }
 
-// What every native indexer kernel on CUDA requires of a call.
-void check_native(const char* op, const TensorView& q, const char* q_name, const TensorView& k,
-                  const char* k_name) {
+// What every native indexer kernel on CUDA requires of a call (keys of q's dtype or FP8 e4m3
+// alike).
+void check_native(const char* op, const TensorView& q, const char* q_name) {
   if (q.size(-2) != kNativeHeads || q.size(-1) != kNativeDim) {
     throw_not_supported(
         "{}: backend 'native' supports heads == {} and dim == {}, got {} of shape "
         "{}; pass backend='reference'",
         op, kNativeHeads, kNativeDim, q_name, q.shape_str());
-  }
-  if (k.dtype() == DType::kF8E4M3) {
-    throw_not_supported(
-        "{}: backend 'native' does not read FP8 keys (float8_e4m3fn) on CUDA yet; pass "
-        "backend='reference', or CPU tensors for the CPU backend",
-        k_name);
   }
 }
 
@@ -362,10 +356,9 @@ detail::MqaPrefillParams prefill_params(const TensorView& q, const TensorView& k
 // qsa_mqa_decode
 // ---------------------------------------------------------------------------------------
 
-// Native decode kernels are specialised for these page sizes (the seed's set).
-bool native_decode_page_size(int64_t page_size) {
-  return page_size == 8 || page_size == 16 || page_size == 32 || page_size == 64;
-}
+// The native decode kernels score up to this many query rows of a request (multi-token decode:
+// the speculative tokens of one step) against each key tile they load.
+constexpr int64_t kNativeDecodeRows = 4;
 
 // The output width: a compressed key per column. Checked before context_lens are seen (the
 // shape function has no context_lens), so the bound is the library's, not the dtype's: 2^31 - 1
@@ -378,11 +371,33 @@ void check_max_model_len(int64_t max_model_len) {
   }
 }
 
+// Requests, query rows per request and the output shape of a decode call (shared with its shape
+// function): q [B, H, D] is R = 1 row per request, q [B, R, H, D] R >= 1 rows; out is
+// [B * R, max_model_len].
+struct DecodeLayout {
+  int64_t batch;
+  int64_t rows;
+  Shape out_shape;
+};
+
+DecodeLayout check_decode_layout(const TensorView& q, int64_t max_model_len) {
+  detail::check_rank(q, "q", {3, 4});
+  DecodeLayout l{q.size(0), q.dim() == 4 ? q.size(1) : 1, {}};
+  if (l.rows < 1) {
+    throw_value_error(
+        "q: expected at least one query row per request (shape[1] >= 1), got shape {}",
+        q.shape_str());
+  }
+  check_max_model_len(max_model_len);
+  // B * R overflows only for a q without elements (H or D of 0): an error, not a wrapped size.
+  l.out_shape = {detail::checked_size_product(l.batch, l.rows, "q", "q.shape[0] * q.shape[1]"),
+                 max_model_len};
+  return l;
+}
+
 // Returns k_cache as its bytes are read (resolve_cache_dtype).
 TensorView check_decode_inputs(const TensorView& q, const TensorView& k_stored,
-                               int64_t max_model_len, const std::optional<DType>& kv_cache_dtype) {
-  detail::check_rank(q, "q", {3, 4});
-  if (q.dim() == 4) detail::check_size(q, "q", 1, 1, "one decode row per request");
+                               const std::optional<DType>& kv_cache_dtype) {
   detail::check_rank(k_stored, "k_cache", {3, 4});
   const TensorView k_cache = detail::resolve_cache_dtype(k_stored, "k_cache", kv_cache_dtype);
   if (k_cache.dim() == 4) detail::check_size(k_cache, "k_cache", 2, 1, "the shared key head");
@@ -391,26 +406,49 @@ TensorView check_decode_inputs(const TensorView& q, const TensorView& k_stored,
     throw_value_error("k_cache: expected a positive page size (shape[1]), got shape {}",
                       k_cache.shape_str());
   }
-  check_max_model_len(max_model_len);
   return k_cache;
 }
 
-detail::MqaDecodeParams decode_params(const TensorView& q4, const TensorView& k4,
+// context_lens: one count per query row, [B, R]; a [B] tensor only when R == 1. Several rows of
+// a request see different keys (row r of a multi-token step sees the blocks its own token
+// completes), so a single count per request cannot describe them.
+void check_context_lens(const TensorView& context_lens, const DecodeLayout& l, Device device) {
+  detail::check_metadata_dtype(context_lens, "context_lens");
+  if (context_lens.dim() == 1 && l.rows > 1) {
+    throw_value_error(
+        "context_lens: expected shape [B, R] = {}: each query row of multi-token decode sees its "
+        "own number of compressed keys (a [B] count cannot say which keys the later rows see), "
+        "got {}",
+        shape_str(Shape{l.batch, l.rows}), context_lens.shape_str());
+  }
+  if (context_lens.dim() == 1) {
+    detail::check_shape(context_lens, "context_lens", {l.batch}, "q.shape[0]");
+  } else {
+    detail::check_shape(context_lens, "context_lens", {l.batch, l.rows},
+                        "[B, R]: a count per query row of q");
+  }
+  detail::check_device(context_lens, "context_lens", device, "q");
+  detail::check_data(context_lens, "context_lens");
+}
+
+detail::MqaDecodeParams decode_params(const TensorView& q, const TensorView& k4,
                                       const TensorView& page_table, const TensorView& context_lens,
                                       int64_t max_model_len, const TensorView& out, float scale,
                                       StreamHandle stream) {
-  const TensorView q = q4.dim() == 4 ? drop_axis(q4, 1) : q4;
+  const bool multi_row = q.dim() == 4;
   const TensorView k = k4.dim() == 4 ? drop_axis(k4, 2) : k4;
   detail::MqaDecodeParams p{};
   p.dtype = q.dtype();
   p.k_dtype = k.dtype();
   p.batch = q.size(0);
-  p.heads = q.size(1);
-  p.dim = q.size(2);
+  p.rows = multi_row ? q.size(1) : 1;
+  p.heads = q.size(-2);
+  p.dim = q.size(-1);
   p.q = q.data();
   p.q_batch_stride = q.stride(0);
-  p.q_head_stride = q.stride(1);
-  p.q_dim_stride = q.stride(2);
+  p.q_row_stride = multi_row ? q.stride(1) : 0;
+  p.q_head_stride = q.stride(-2);
+  p.q_dim_stride = q.stride(-1);
   p.k_cache = k.data();
   p.k_page_stride = k.stride(0);
   p.k_slot_stride = k.stride(1);
@@ -422,11 +460,12 @@ detail::MqaDecodeParams decode_params(const TensorView& q4, const TensorView& k4
   p.page_table_page_stride = page_table.stride(1);
   p.max_pages = page_table.size(1);
   p.context_lens = meta_ptr(context_lens);
-  p.context_lens_stride = context_lens.stride(0);
+  p.context_lens_batch_stride = context_lens.stride(0);
+  p.context_lens_row_stride = context_lens.dim() == 2 ? context_lens.stride(1) : 0;
   p.max_model_len = max_model_len;
   p.scale = scale;
   p.out = out.data_as<float>();
-  p.out_batch_stride = out.stride(0);
+  p.out_row_stride = out.stride(0);
   p.out_col_stride = out.stride(1);
   p.stream = stream;
   return p;
@@ -461,7 +500,7 @@ void qsa_indexer_mqa_score(const TensorView& q_idx, const TensorView& block_keys
     return;
   }
   if (o.backend == Backend::kNative) {
-    check_native("qsa_indexer_mqa_score", q_idx, "q_idx", block_keys, "block_keys");
+    check_native("qsa_indexer_mqa_score", q_idx, "q_idx");
     detail::check_vector_load_layout(q_idx, "q_idx");
     detail::check_vector_load_layout(block_keys, "block_keys");
     detail::native_mqa_score(score_params(l, q_idx, block_keys, out, o, scale));
@@ -501,7 +540,7 @@ void qsa_mqa_prefill(const TensorView& q, const TensorView& k_stored, const Tens
     return;
   }
   if (o.backend == Backend::kNative) {
-    check_native("qsa_mqa_prefill", q, "q", k, "k");
+    check_native("qsa_mqa_prefill", q, "q");
     detail::check_vector_load_layout(q, "q");
     detail::check_vector_load_layout(k, "k");
     detail::native_mqa_prefill(prefill_params(q, k, row_starts, row_ends, out, scale, o.stream));
@@ -518,25 +557,23 @@ void qsa_mqa_prefill(const TensorView& q, const TensorView& k_stored, const Tens
 }
 
 Shape qsa_mqa_decode_shape(const TensorView& q, int64_t max_model_len) {
-  detail::check_rank(q, "q", {3, 4});
-  check_max_model_len(max_model_len);
-  return {q.size(0), max_model_len};
+  return check_decode_layout(q, max_model_len).out_shape;
 }
 
 void qsa_mqa_decode(const TensorView& q, const TensorView& k_stored, const TensorView& page_table,
                     const TensorView& context_lens, int64_t max_model_len, const TensorView& out,
                     const MqaScoreOptions& o) {
-  const TensorView k_cache = check_decode_inputs(q, k_stored, max_model_len, o.kv_cache_dtype);
+  const DecodeLayout l = check_decode_layout(q, max_model_len);
+  const TensorView k_cache = check_decode_inputs(q, k_stored, o.kv_cache_dtype);
   const Device dev = q.device();
-  const int64_t batch = q.size(0);
   detail::check_metadata_dtype(page_table, "page_table");
   detail::check_rank(page_table, "page_table", {2});
-  detail::check_size(page_table, "page_table", 0, batch, "q.shape[0]");
+  detail::check_size(page_table, "page_table", 0, l.batch, "q.shape[0]");
   detail::check_device(page_table, "page_table", dev, "q");
   detail::check_data(page_table, "page_table");
-  check_metadata(context_lens, "context_lens", {batch}, "q.shape[0]", dev, "q");
+  check_context_lens(context_lens, l, dev);
   const float scale = resolve_scale(o.scale, o.score_scale, q.size(-1));
-  check_out(out, {batch, max_model_len}, "[q.shape[0], max_model_len]", dev, "q",
+  check_out(out, l.out_shape, "qsa_mqa_decode_shape: [B * R, max_model_len]", dev, "q",
             {{&q, "q"},
              {&k_cache, "k_cache"},
              {&page_table, "page_table"},
@@ -547,12 +584,12 @@ void qsa_mqa_decode(const TensorView& q, const TensorView& k_stored, const Tenso
     return;
   }
   if (o.backend == Backend::kNative) {
-    check_native("qsa_mqa_decode", q, "q", k_cache, "k_cache");
-    if (!native_decode_page_size(k_cache.size(1))) {
+    check_native("qsa_mqa_decode", q, "q");
+    if (l.rows > kNativeDecodeRows) {
       throw_not_supported(
-          "k_cache: backend 'native' supports page sizes 8, 16, 32 and 64, got "
-          "page size {} (k_cache.shape[1]); pass backend='reference'",
-          k_cache.size(1));
+          "q: backend 'native' takes at most {} query rows per request, got R = {} (q of shape "
+          "{}); pass backend='reference'",
+          kNativeDecodeRows, l.rows, q.shape_str());
     }
     detail::native_mqa_decode(
         decode_params(q, k_cache, page_table, context_lens, max_model_len, out, scale, o.stream));

@@ -28,7 +28,7 @@ namespace sparse_attn::detail {
 //         addressed through block_table (num_blocks = max_pages * page_size).
 struct MqaScoreParams {
   DType dtype;    // of q: kBF16 or kF16
-  DType k_dtype;  // of k: `dtype`, or kF8E4M3 (reference and CPU only; used unscaled)
+  DType k_dtype;  // of k: `dtype`, or kF8E4M3 (used unscaled)
 
   // --- queries ---
   bool varlen;    // false: padded q [batch, q_len, heads, dim]; true: q [q_len, heads, dim]
@@ -93,7 +93,7 @@ struct MqaScoreParams {
 //   [max(row_starts[r], 0), min(row_ends[r], keys)), -inf elsewhere (empty when start >= end).
 struct MqaPrefillParams {
   DType dtype;    // of q: kBF16 or kF16
-  DType k_dtype;  // of k: `dtype`, or kF8E4M3 (reference and CPU only; used unscaled)
+  DType k_dtype;  // of k: `dtype`, or kF8E4M3 (used unscaled)
   int64_t rows;
   int64_t heads;
   int64_t dim;
@@ -121,20 +121,23 @@ struct MqaPrefillParams {
   StreamHandle stream;
 };
 
-// qsa_mqa_decode:
-//   out[b, c] = scale * sum_h ReLU(q[b, h, :] . k_cache[page, c % page_size, :]) with
-//   page = page_table[b, c / page_size], for every c in [0, max_model_len); -inf when
-//   c >= context_lens[b], c / page_size >= max_pages, or page < 0 or >= num_pages.
+// qsa_mqa_decode, row r < rows of request b:
+//   out[b * rows + r, c] = scale * sum_h ReLU(q[b, r, h, :] . k_cache[page, c % page_size, :])
+//   with page = page_table[b, c / page_size], for every c in [0, max_model_len); -inf when
+//   c >= context_lens[b, r], c / page_size >= max_pages, or page < 0 or >= num_pages.
 struct MqaDecodeParams {
   DType dtype;    // of q: kBF16 or kF16
-  DType k_dtype;  // of k_cache: `dtype`, or kF8E4M3 (reference and CPU only; used unscaled)
+  DType k_dtype;  // of k_cache: `dtype`, or kF8E4M3 (used unscaled)
   int64_t batch;
+  int64_t rows;  // query rows per request R (multi-token decode); native: 1..4
   int64_t heads;
   int64_t dim;
-  // [batch, heads, dim] (a [batch, 1, heads, dim] input has axis 1 dropped). Any stride may be 0:
-  // decode accepts broadcast queries, so the native path must not assume unit/aligned strides.
+  // [batch, rows, heads, dim] (a [batch, heads, dim] input has rows == 1 and q_row_stride 0).
+  // Any stride may be 0: decode accepts broadcast queries, so the native path must not assume
+  // unit/aligned strides.
   const void* q;
   int64_t q_batch_stride;
+  int64_t q_row_stride;
   int64_t q_head_stride;
   int64_t q_dim_stride;
 
@@ -143,21 +146,24 @@ struct MqaDecodeParams {
   int64_t k_slot_stride;
   int64_t k_dim_stride;
   int64_t num_pages;
-  int64_t page_size;  // native: 8, 16, 32 or 64 (checked at the API)
+  int64_t page_size;  // any positive size
 
   MetaPtr page_table;  // [batch, max_pages], -1 = no page
   int64_t page_table_batch_stride;
   int64_t page_table_page_stride;
   int64_t max_pages;
 
-  MetaPtr context_lens;  // [batch], visible compressed keys per request
-  int64_t context_lens_stride;
+  // [batch] (rows == 1) or [batch, rows]: visible compressed keys of each query row; <= 0 is a
+  // padding row (all -inf, no key read).
+  MetaPtr context_lens;
+  int64_t context_lens_batch_stride;
+  int64_t context_lens_row_stride;  // 0 for a [batch] tensor
 
   int64_t max_model_len;  // output width; every column is written
   float scale;            // multiplier
 
-  float* out;  // [batch, max_model_len], FP32
-  int64_t out_batch_stride;
+  float* out;  // [batch * rows, max_model_len], FP32: request b's row r is out row b * rows + r
+  int64_t out_row_stride;
   int64_t out_col_stride;
 
   StreamHandle stream;
@@ -166,8 +172,7 @@ struct MqaDecodeParams {
 // Native (CUDA) entry points. A CUDA build defines them in src/cuda; a CPU-only build defines
 // them to raise NotSupportedError (src/api/qsa_indexer_native_cpu_only.cpp). The API has already
 // checked everything the native path requires of the *call* (CUDA tensors, heads == 4,
-// dim == 128, keys of q's dtype, the vector-load layout of score/prefill inputs, decode page
-// size); the launchers
+// dim == 128, the vector-load layout of score/prefill inputs, decode rows <= 4); the launchers
 // must accept every params value those checks let through, including each form of
 // MqaScoreParams (padded/varlen queries, logical/paged keys) and zero-sized dimensions.
 void native_mqa_score(const MqaScoreParams& params);

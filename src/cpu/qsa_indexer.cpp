@@ -212,19 +212,33 @@ void MqaPrefill(const MqaPrefillParams& p) {
 }
 
 void MqaDecode(const MqaDecodeParams& p) {
+  // An empty out has nothing to write, and its rows are bounded by no memory (q may broadcast).
+  if (p.max_model_len == 0) return;
   const float inf = std::numeric_limits<float>::infinity();
   const int64_t dp = padded_dim(p.dim);
+  // A row sees the columns below its context length, within the output and the page table.
+  const int64_t visible = std::min(p.max_model_len, p.max_pages * p.page_size);
 #pragma omp parallel
   {
     RowScratch sc(p.heads, dp);
+    std::vector<int64_t> keys_of(static_cast<size_t>(p.rows));  // per row of the request
+    std::vector<int64_t> live;                                  // rows that see a key
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < p.batch; ++b) {
-      float* out = p.out + b * p.out_batch_stride;
-      for (int64_t c = 0; c < p.max_model_len; ++c) out[c * p.out_col_stride] = -inf;
-      const int64_t keys =
-          std::clamp<int64_t>(p.context_lens[b * p.context_lens_stride], 0,
-                              std::min(p.max_model_len, p.max_pages * p.page_size));
-      if (keys == 0) continue;
+      auto out_row = [&](int64_t r) { return p.out + (b * p.rows + r) * p.out_row_stride; };
+      // The request's rows share its keys: the tiles up to its longest context are filled once.
+      int64_t keys = 0;
+      live.clear();
+      for (int64_t r = 0; r < p.rows; ++r) {
+        float* out = out_row(r);
+        for (int64_t c = 0; c < p.max_model_len; ++c) out[c * p.out_col_stride] = -inf;
+        keys_of[r] = std::clamp<int64_t>(
+            p.context_lens[b * p.context_lens_batch_stride + r * p.context_lens_row_stride], 0,
+            visible);
+        if (keys_of[r] > 0) live.push_back(r);
+        keys = std::max(keys, keys_of[r]);
+      }
+      if (live.empty()) continue;
       auto page_of = [&](int64_t c) {
         return p.page_table[b * p.page_table_batch_stride +
                             (c / p.page_size) * p.page_table_page_stride];
@@ -236,14 +250,22 @@ void MqaDecode(const MqaDecodeParams& p) {
         if (page < 0 || page >= p.num_pages) return -1;
         return page * p.k_page_stride + (c % p.page_size) * p.k_slot_stride;
       });
-      score_chunk(
-          p.q, p.dtype, p.q_head_stride, p.q_dim_stride, p.heads, p.dim, 1,
-          [&](int64_t) { return b * p.q_batch_stride; }, kt, 0, kt.tiles, p.scale, sc,
-          [&](int64_t, int64_t c, float v) {
-            if (c >= keys) return;
-            const int64_t page = page_of(c);
-            if (page >= 0 && page < p.num_pages) out[c * p.out_col_stride] = v;
-          });
+      const auto n_live = static_cast<int64_t>(live.size());
+      for (int64_t first = 0; first < n_live; first += kRowChunk) {
+        const int64_t n = std::min(kRowChunk, n_live - first);
+        int64_t chunk_keys = 0;
+        for (int64_t i = 0; i < n; ++i) chunk_keys = std::max(chunk_keys, keys_of[live[first + i]]);
+        score_chunk(
+            p.q, p.dtype, p.q_head_stride, p.q_dim_stride, p.heads, p.dim, n,
+            [&](int64_t i) { return b * p.q_batch_stride + live[first + i] * p.q_row_stride; }, kt,
+            0, (chunk_keys + kTile - 1) / kTile, p.scale, sc,
+            [&](int64_t i, int64_t c, float v) {
+              const int64_t r = live[first + i];
+              if (c >= keys_of[r]) return;
+              const int64_t page = page_of(c);
+              if (page >= 0 && page < p.num_pages) out_row(r)[c * p.out_col_stride] = v;
+            });
+      }
     }
   }
 }

@@ -172,12 +172,16 @@ void reference_mqa_prefill(const MqaPrefillParams& p) {
 }
 
 void reference_mqa_decode(const MqaDecodeParams& p) {
+  // An empty out has nothing to write, and its rows are bounded by no memory (q may broadcast).
+  if (p.max_model_len == 0) return;
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t b = 0; b < p.batch; ++b) {
-    const int64_t context_len = p.context_lens[b * p.context_lens_stride];
-    const void* q_row = offset(p.q, p.dtype, b * p.q_batch_stride);
+  for (int64_t i = 0; i < p.batch * p.rows; ++i) {
+    const int64_t b = i / p.rows, r = i % p.rows;  // query row i: row r of request b
+    const int64_t context_len =
+        p.context_lens[b * p.context_lens_batch_stride + r * p.context_lens_row_stride];
+    const void* q_row = offset(p.q, p.dtype, b * p.q_batch_stride + r * p.q_row_stride);
     for (int64_t c = 0; c < p.max_model_len; ++c) {
-      float& dst = p.out[b * p.out_batch_stride + c * p.out_col_stride];
+      float& dst = p.out[i * p.out_row_stride + c * p.out_col_stride];
       dst = kNegInf;
       if (c >= context_len || c / p.page_size >= p.max_pages) continue;
       const int64_t page = p.page_table[b * p.page_table_batch_stride +

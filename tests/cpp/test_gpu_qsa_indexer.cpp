@@ -68,7 +68,25 @@ void expect_matches(const Tensor& native, const std::vector<double>& expected,
       << "native vs reference backend";
 }
 
-class GpuIndexer : public ::testing::TestWithParam<DType> {};
+// The query's element type and the keys' (the query's, or FP8 e4m3, read unscaled).
+struct Elements {
+  DType q;
+  bool fp8_keys;
+  // Random keys of `shape`: FP8 codes of magnitude <= 1 (every finite code that small, zeros
+  // and subnormals included), or uniform 16-bit values.
+  Tensor keys(const Shape& shape, std::mt19937_64& rng) const {
+    return fp8_keys ? testing::random_fp8(shape, rng, 1.f) : random_tensor(shape, q, rng);
+  }
+};
+
+const std::vector<Elements> kElements{
+    {DType::kBF16, false}, {DType::kF16, false}, {DType::kBF16, true}, {DType::kF16, true}};
+
+std::string elements_name(const Elements& e) {
+  return std::string(e.q == DType::kBF16 ? "bf16" : "fp16") + (e.fp8_keys ? "_fp8keys" : "");
+}
+
+class GpuIndexer : public ::testing::TestWithParam<Elements> {};
 
 // ---------------------------------------------------------------------------------------
 // qsa_mqa_prefill
@@ -87,11 +105,11 @@ std::vector<double> prefill_expected(const Tensor& q, const Tensor& k, const Ten
   return out;
 }
 
-void check_prefill(DType dtype, int64_t rows, int64_t keys, const Tensor& starts,
-                   const Tensor& ends, std::optional<double> scale = std::nullopt) {
+void check_prefill(Elements e, int64_t rows, int64_t keys, const Tensor& starts, const Tensor& ends,
+                   std::optional<double> scale = std::nullopt) {
   auto rng = make_rng();
-  Tensor q = random_tensor({rows, H, D}, dtype, rng);
-  Tensor k = random_tensor({keys, D}, dtype, rng);
+  Tensor q = random_tensor({rows, H, D}, e.q, rng);
+  Tensor k = e.keys({keys, D}, rng);
   Tensor dq = to_device(q), dk = to_device(k), ds = to_device(starts), de = to_device(ends);
   MqaScoreOptions o;
   o.scale = scale;
@@ -131,8 +149,10 @@ TEST(GpuIndexerPrefill, SlidingWindowRowsAndSingleKey) {
     s[r] = static_cast<int32_t>(2 * r);
     e[r] = static_cast<int32_t>(2 * r + 90);
   }
-  check_prefill(DType::kBF16, rows, keys, int32_tensor({rows}, s), int32_tensor({rows}, e));
-  check_prefill(DType::kF16, 3, 1, int32_tensor({3}, {0, 1, -1}), int32_tensor({3}, {1, 1, 5}));
+  check_prefill({DType::kBF16, false}, rows, keys, int32_tensor({rows}, s),
+                int32_tensor({rows}, e));
+  check_prefill({DType::kF16, true}, 3, 1, int32_tensor({3}, {0, 1, -1}),
+                int32_tensor({3}, {1, 1, 5}));
 }
 
 TEST(GpuIndexerPrefill, StridedOutputLeavesSurroundingsUntouched) {
@@ -202,8 +222,8 @@ TEST_P(GpuIndexer, ScorePaddedPositionsAndSeqLens) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = make_rng();
   const int64_t B = 3, Q = 150, NB = 97;  // 150 rows per request: tiles straddle requests
-  Tensor q = random_tensor({B, Q, H, D}, GetParam(), rng);
-  Tensor k = random_tensor({B, NB, D}, GetParam(), rng);
+  Tensor q = random_tensor({B, Q, H, D}, GetParam().q, rng);
+  Tensor k = GetParam().keys({B, NB, D}, rng);
   Tensor pos = random_int32({B, Q}, rng, -3, 4 * NB + 10);
   Tensor seq = int32_tensor({B}, {150, 0, 77});
   Tensor dpos = to_device(pos), dseq = to_device(seq);
@@ -225,8 +245,8 @@ TEST_P(GpuIndexer, ScorePaddedDefaultPositions) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = make_rng();
   const int64_t B = 2, Q = 300, NB = 75;
-  Tensor q = random_tensor({B, Q, H, D}, GetParam(), rng);
-  Tensor k = random_tensor({B, NB, D}, GetParam(), rng);
+  Tensor q = random_tensor({B, Q, H, D}, GetParam().q, rng);
+  Tensor k = GetParam().keys({B, NB, D}, rng);
   IndexerScoreOptions o;
   o.score_scale = 3.0;
   std::vector<ScoreRow> rows;
@@ -242,8 +262,8 @@ TEST_P(GpuIndexer, ScoreVarlenCuSeqlens) {
   auto rng = make_rng();
   const std::vector<int32_t> cu{0, 50, 50, 230, 237};  // request 1 is empty
   const int64_t total = cu.back(), NB = 60;
-  Tensor q = random_tensor({total, H, D}, GetParam(), rng);
-  Tensor k = random_tensor({4, NB, D}, GetParam(), rng);
+  Tensor q = random_tensor({total, H, D}, GetParam().q, rng);
+  Tensor k = GetParam().keys({4, NB, D}, rng);
   Tensor dcu = to_device(int32_tensor({5}, cu));
   IndexerScoreOptions o;
   o.cu_seqlens_q = dcu.view();
@@ -263,8 +283,8 @@ TEST_P(GpuIndexer, ScoreVarlenTokenToReqPaddingRows) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = make_rng();
   const int64_t total = 300, NB = 80, B = 3000;
-  Tensor q = random_tensor({total, H, D}, GetParam(), rng);
-  Tensor k = random_tensor({B, NB, D}, GetParam(), rng);
+  Tensor q = random_tensor({total, H, D}, GetParam().q, rng);
+  Tensor k = GetParam().keys({B, NB, D}, rng);
   const std::vector<int32_t> ids{-1, 0, 7, 2047, 2048, 2999};
   std::uniform_int_distribution<size_t> pick(0, ids.size() - 1);
   std::vector<int32_t> t2r(total);
@@ -285,17 +305,19 @@ TEST_P(GpuIndexer, ScoreVarlenTokenToReqPaddingRows) {
                   1.0 / std::sqrt(128.0)));
 }
 
-class GpuScorePaged : public ::testing::TestWithParam<int64_t> {};
+// (page size, FP8 keys)
+class GpuScorePaged : public ::testing::TestWithParam<std::tuple<int64_t, bool>> {};
 
 TEST_P(GpuScorePaged, VarlenQueriesMissingAndOutOfRangePages) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = make_rng();
-  const int64_t page_size = GetParam(), pages = 9, B = 2, max_pages = 5;
+  const auto [page_size, fp8] = GetParam();
+  const int64_t pages = 9, B = 2, max_pages = 5;
   const int64_t NB = max_pages * page_size;
   const std::vector<int32_t> cu{0, 140, 260};
   const int64_t total = cu.back();
   Tensor q = random_tensor({total, H, D}, DType::kBF16, rng);
-  Tensor cache = random_tensor({pages, page_size, 1, D}, DType::kBF16, rng);
+  Tensor cache = Elements{DType::kBF16, fp8}.keys({pages, page_size, 1, D}, rng);
   // -1 and >= pages give -inf columns.
   Tensor table = int32_tensor({B, max_pages}, {3, -1, 0, 8, 9, 7, 2, 100, 5, 1});
   Tensor pos = random_int32({total}, rng, 0, int32_t(4 * NB + 3));
@@ -315,107 +337,148 @@ TEST_P(GpuScorePaged, VarlenQueriesMissingAndOutOfRangePages) {
   check_score(q, cache, o, score_expected(q, cache, rows, NB, key_of, 1.0 / std::sqrt(128.0)));
 }
 
-INSTANTIATE_TEST_SUITE_P(PageSizes, GpuScorePaged, ::testing::Values(8, 16, 64),
-                         [](const auto& info) { return "page" + std::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(PageSizes, GpuScorePaged,
+                         ::testing::Combine(::testing::Values(8, 16, 64, 212), ::testing::Bool()),
+                         [](const auto& info) {
+                           return "page" + std::to_string(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_fp8keys" : "");
+                         });
 
 // ---------------------------------------------------------------------------------------
 // qsa_mqa_decode
 // ---------------------------------------------------------------------------------------
 
 struct DecodeCase {
-  Tensor q;      // host [B, H, D]
-  Tensor cache;  // host [pages, page_size, 1, D]
+  Tensor q;      // host [B, R, H, D]
+  Tensor cache;  // host [pages, page_size, 1, D], the query's dtype or FP8
   Tensor table;  // host [B, max_pages]
-  Tensor lens;   // host [B]
+  Tensor lens;   // host [B] (R == 1) or [B, R]
   int64_t max_model_len;
 };
 
+int64_t rows_of(const DecodeCase& c) { return c.q.shape()[1]; }
+
 std::vector<double> decode_expected(const DecodeCase& c, double scale) {
   const Flat fq(c.q), fk(c.cache);
-  const int64_t B = c.q.shape()[0], pages = c.cache.shape()[0], ps = c.cache.shape()[1];
-  const int64_t max_pages = c.table.shape()[1];
+  const int64_t B = c.q.shape()[0], R = rows_of(c), pages = c.cache.shape()[0];
+  const int64_t ps = c.cache.shape()[1], max_pages = c.table.shape()[1];
+  const std::vector<double> lens = to_vector(c.lens.view());
   std::vector<double> out;
   for (int64_t b = 0; b < B; ++b) {
-    for (int64_t col = 0; col < c.max_model_len; ++col) {
-      const int64_t pi = col / ps;
-      const int64_t page =
-          pi < max_pages ? c.table.data_as<int32_t>()[b * max_pages + pi] : int64_t{-1};
-      const bool ok = col < c.lens.data_as<int32_t>()[b] && page >= 0 && page < pages;
-      out.push_back(ok ? score(fq.at(b * H * D), fk.at((page * ps + col % ps) * D), scale) : -kInf);
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t col = 0; col < c.max_model_len; ++col) {
+        const int64_t pi = col / ps;
+        const int64_t page =
+            pi < max_pages ? c.table.data_as<int32_t>()[b * max_pages + pi] : int64_t{-1};
+        const bool ok = col < lens[b * R + r] && page >= 0 && page < pages;
+        out.push_back(
+            ok ? score(fq.at((b * R + r) * H * D), fk.at((page * ps + col % ps) * D), scale)
+               : -kInf);
+      }
     }
   }
   return out;
 }
 
-DecodeCase random_decode(DType dtype, int64_t B, int64_t page_size, int64_t pages,
+// R query rows per request, each with its own context length (some past the page table,
+// some 0: a padding row); page ids include -1 and == pages.
+DecodeCase random_decode(Elements e, int64_t B, int64_t R, int64_t page_size, int64_t pages,
                          int64_t max_pages, int64_t max_model_len, std::mt19937_64& rng) {
-  DecodeCase c{random_tensor({B, H, D}, dtype, rng),
-               random_tensor({pages, page_size, 1, D}, dtype, rng),
-               random_int32({B, max_pages}, rng, -1, int32_t(pages)),  // -1 and == pages occur
-               random_int32({B}, rng, 0, int32_t(max_pages * page_size + 20)), max_model_len};
+  const Shape lens = R == 1 ? Shape{B} : Shape{B, R};
+  DecodeCase c{random_tensor({B, R, H, D}, e.q, rng), e.keys({pages, page_size, 1, D}, rng),
+               random_int32({B, max_pages}, rng, -1, int32_t(pages)),
+               random_int32(lens, rng, 0, int32_t(max_pages * page_size + 20)), max_model_len};
   return c;
 }
-
 Tensor run_decode(const DecodeCase& c, const TensorView& dq, const TensorView& dk,
                   Backend backend) {
   Tensor dt = to_device(c.table), dl = to_device(c.lens);
   MqaScoreOptions o;
   o.backend = backend;
-  return run_native({c.q.shape()[0], c.max_model_len}, [&](const TensorView& out) {
+  return run_native({c.q.shape()[0] * rows_of(c), c.max_model_len}, [&](const TensorView& out) {
     qsa_mqa_decode(dq, dk, dt, dl, c.max_model_len, out, o);
   });
 }
 
-class GpuDecode : public ::testing::TestWithParam<std::tuple<DType, int64_t>> {};
+// (elements, page size, query rows per request)
+class GpuDecode : public ::testing::TestWithParam<std::tuple<Elements, int64_t, int64_t>> {};
 
 TEST_P(GpuDecode, MasksContextMissingAndOutOfRangePages) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = make_rng();
-  const auto [dtype, page_size] = GetParam();
+  const auto [elements, page_size, R] = GetParam();
   const int64_t max_pages = 600 / page_size + 1;
   // max_model_len cuts inside the page table; 5 requests, 40 pages.
-  DecodeCase c = random_decode(dtype, 5, page_size, 40, max_pages, 557, rng);
+  DecodeCase c = random_decode(elements, 5, R, page_size, 40, max_pages, 557, rng);
   Tensor dq = to_device(c.q), dk = to_device(c.cache);
   expect_matches(run_decode(c, dq, dk, Backend::kNative),
                  decode_expected(c, 1.0 / std::sqrt(128.0)),
                  run_decode(c, dq, dk, Backend::kReference));
 }
 
+INSTANTIATE_TEST_SUITE_P(Forms, GpuDecode,
+                         ::testing::Combine(::testing::ValuesIn(kElements),
+                                            ::testing::Values(8, 64, 200, 212),
+                                            ::testing::Values(1, 2, 3, 4)),
+                         [](const auto& info) {
+                           return elements_name(std::get<0>(info.param)) + "_page" +
+                                  std::to_string(std::get<1>(info.param)) + "_rows" +
+                                  std::to_string(std::get<2>(info.param));
+                         });
+
+// A [B, H, D] query, and the engine layout of a key cache: K as a strided view of one
+// [pages, page, 1, 2 * D] allocation (keys and something else side by side), long pages.
+TEST(GpuIndexerDecode, ThreeDimensionalQueryAndStridedLongPages) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = make_rng();
+  for (bool fp8 : {false, true}) {
+    const Elements e{DType::kBF16, fp8};
+    const int64_t pages = 6, page_size = 400, B = 3;
+    DecodeCase c = random_decode(e, B, 1, page_size, pages, 4, 1700, rng);
+    Tensor wide = e.keys({pages, page_size, 1, 2 * D}, rng);
+    const Shape strides{page_size * 2 * D, 2 * D, 2 * D, 1};
+    const TensorView view = wide.view().as_strided({pages, page_size, 1, D}, strides);
+    c.cache = Tensor::to_host(view);
+    Tensor dwide = to_device(wide);
+    const TensorView dk = dwide.view().as_strided({pages, page_size, 1, D}, strides);
+    Tensor dq = to_device(Tensor::to_host(c.q.view().select(1, 0)));
+    expect_matches(run_decode(c, dq, dk, Backend::kNative),
+                   decode_expected(c, 1.0 / std::sqrt(128.0)),
+                   run_decode(c, dq, dk, Backend::kReference));
+  }
+}
+
 TEST(GpuIndexerDecode, KeyCacheWithFeatureStrideTwoIsGathered) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = make_rng();
   const int64_t pages = 10, page_size = 16;
-  DecodeCase c = random_decode(DType::kF16, 3, page_size, pages, 8, 130, rng);
-  // Every other feature of a wider cache: no 16-byte vector loads possible.
-  Tensor wide = random_tensor({pages, page_size, 1, 2 * D}, DType::kF16, rng);
-  const Shape strides{page_size * 2 * D, 2 * D, 2 * D, 2};
-  c.cache = Tensor::to_host(wide.view().as_strided({pages, page_size, 1, D}, strides));
-  Tensor dwide = to_device(wide), dq = to_device(c.q);
-  const TensorView dk = dwide.view().as_strided({pages, page_size, 1, D}, strides);
-  expect_matches(run_decode(c, dq, dk, Backend::kNative),
-                 decode_expected(c, 1.0 / std::sqrt(128.0)),
-                 run_decode(c, dq, dk, Backend::kReference));
+  for (bool fp8 : {false, true}) {
+    const Elements e{DType::kF16, fp8};
+    DecodeCase c = random_decode(e, 3, 2, page_size, pages, 8, 130, rng);
+    // Every other feature of a wider cache: no 16-byte vector loads possible.
+    Tensor wide = e.keys({pages, page_size, 1, 2 * D}, rng);
+    const Shape strides{page_size * 2 * D, 2 * D, 2 * D, 2};
+    c.cache = Tensor::to_host(wide.view().as_strided({pages, page_size, 1, D}, strides));
+    Tensor dwide = to_device(wide), dq = to_device(c.q);
+    const TensorView dk = dwide.view().as_strided({pages, page_size, 1, D}, strides);
+    expect_matches(run_decode(c, dq, dk, Backend::kNative),
+                   decode_expected(c, 1.0 / std::sqrt(128.0)),
+                   run_decode(c, dq, dk, Backend::kReference));
+  }
 }
-
-INSTANTIATE_TEST_SUITE_P(DtypesAndPageSizes, GpuDecode,
-                         ::testing::Combine(::testing::Values(DType::kBF16, DType::kF16),
-                                            ::testing::Values(8, 16, 32, 64)),
-                         [](const auto& info) {
-                           return std::string(std::get<0>(info.param) == DType::kBF16 ? "bf16"
-                                                                                      : "fp16") +
-                                  "_page" + std::to_string(std::get<1>(info.param));
-                         });
 
 TEST(GpuIndexerDecode, BroadcastQueryAndWidthPastThePageTable) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = make_rng();
-  const int64_t B = 4, page_size = 16;
-  DecodeCase c = random_decode(DType::kBF16, B, page_size, 12, 6, 200, rng);  // 96 < 200
-  // One query row broadcast to every request: [B, 1, H, D] with batch stride 0.
-  Tensor q1 = random_tensor({1, H, D}, DType::kBF16, rng);
-  for (int64_t b = 0; b < B; ++b) copy_into(c.q.view().select(0, b), q1.view().select(0, 0));
+  const int64_t B = 4, R = 3, page_size = 16;
+  DecodeCase c =
+      random_decode({DType::kBF16, false}, B, R, page_size, 12, 6, 200, rng);  // 96 < 200
+  // One query row broadcast to every row of every request: [B, R, H, D], strides 0.
+  Tensor q1 = random_tensor({H, D}, DType::kBF16, rng);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t r = 0; r < R; ++r) copy_into(c.q.view().select(0, b).select(0, r), q1.view());
   Tensor dq1 = to_device(q1);
-  const TensorView broadcast = dq1.view().as_strided({B, 1, H, D}, {0, 0, D, 1});
+  const TensorView broadcast = dq1.view().as_strided({B, R, H, D}, {0, 0, D, 1});
   Tensor dk = to_device(c.cache);
   expect_matches(run_decode(c, broadcast, dk, Backend::kNative),
                  decode_expected(c, 1.0 / std::sqrt(128.0)),
@@ -481,7 +544,7 @@ TEST(GpuIndexerScore, Int64MetadataMatchesInt32) {
   Tensor t2r = random_int32({B * Q}, rng, -1, 1);
   Tensor kp = to_device(random_tensor({200, D}, DType::kBF16, rng));
   Tensor starts = random_int32({B * Q}, rng, -5, 150), ends = random_int32({B * Q}, rng, 0, 230);
-  DecodeCase c = random_decode(DType::kBF16, 5, 16, 40, 30, 300, rng);
+  DecodeCase c = random_decode({DType::kBF16, false}, 5, 1, 16, 40, 30, 300, rng);
   Tensor dq = to_device(c.q), dk = to_device(c.cache);
   for (Backend backend : {Backend::kNative, Backend::kReference}) {
     both([&](bool wide) {
@@ -588,7 +651,7 @@ TEST(GpuIndexerGraph, ScoreReplayReadsCurrentPositions) {
 TEST(GpuIndexerGraph, DecodeReplayReadsCurrentLengthsAndPages) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = make_rng();
-  DecodeCase c = random_decode(DType::kBF16, 6, 32, 20, 8, 256, rng);
+  DecodeCase c = random_decode({DType::kBF16, false}, 6, 1, 32, 20, 8, 256, rng);
   Tensor dq = to_device(c.q), dk = to_device(c.cache), dt = to_device(c.table),
          dl = to_device(c.lens);
   Tensor out = testing::poisoned_device({6, 256}, DType::kF32);
@@ -607,10 +670,8 @@ TEST(GpuIndexerGraph, DecodeReplayReadsCurrentLengthsAndPages) {
                         decode_expected(c, 1.0 / std::sqrt(128.0)), kAtol, kRtol));
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, GpuIndexer, ::testing::Values(DType::kBF16, DType::kF16),
-                         [](const auto& info) {
-                           return std::string(info.param == DType::kBF16 ? "bf16" : "fp16");
-                         });
+INSTANTIATE_TEST_SUITE_P(Elements, GpuIndexer, ::testing::ValuesIn(kElements),
+                         [](const auto& info) { return elements_name(info.param); });
 
 }  // namespace
 }  // namespace sparse_attn

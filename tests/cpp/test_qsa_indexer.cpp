@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <optional>
@@ -595,28 +596,35 @@ TEST(IndexerPrefill, StridedInputsAndOutputView) {
 // qsa_mqa_decode
 // ---------------------------------------------------------------------------------------
 
+// Expected decode scores in output order (request b's query row r is row b * R + r): q
+// [B, H, D] (R = 1) or [B, R, H, D], context_lens [B] (R = 1) or [B, R].
 std::vector<double> expected_decode(const TensorView& q, const TensorView& cache,
                                     const TensorView& table, const TensorView& context_lens,
                                     int64_t max_model_len, double scale) {
   const int64_t page_size = cache.size(1);
+  const int64_t rows = q.dim() == 4 ? q.size(1) : 1;
   std::vector<double> out;
   for (int64_t b = 0; b < q.size(0); ++b) {
-    for (int64_t c = 0; c < max_model_len; ++c) {
-      const int64_t logical_page = c / page_size;
-      if (c >= get(context_lens, {b}) || logical_page >= table.size(1)) {
-        out.push_back(-kInf);
-        continue;
+    for (int64_t r = 0; r < rows; ++r) {
+      const double context_len =
+          context_lens.dim() == 2 ? get(context_lens, {b, r}) : get(context_lens, {b});
+      for (int64_t c = 0; c < max_model_len; ++c) {
+        const int64_t logical_page = c / page_size;
+        if (c >= context_len || logical_page >= table.size(1)) {
+          out.push_back(-kInf);
+          continue;
+        }
+        const auto page = static_cast<int64_t>(get(table, {b, logical_page}));
+        if (page < 0 || page >= cache.size(0)) {
+          out.push_back(-kInf);
+          continue;
+        }
+        std::vector<int64_t> ki{page, c % page_size};
+        if (cache.dim() == 4) ki.push_back(0);
+        std::vector<int64_t> qi{b};
+        if (q.dim() == 4) qi.push_back(r);
+        out.push_back(scale * relu_head_sum(q, qi, cache, ki));
       }
-      const auto page = static_cast<int64_t>(get(table, {b, logical_page}));
-      if (page < 0 || page >= cache.size(0)) {
-        out.push_back(-kInf);
-        continue;
-      }
-      std::vector<int64_t> ki{page, c % page_size};
-      if (cache.dim() == 4) ki.push_back(0);
-      std::vector<int64_t> qi{b};
-      if (q.dim() == 4) qi.push_back(0);
-      out.push_back(scale * relu_head_sum(q, qi, cache, ki));
     }
   }
   return out;
@@ -672,6 +680,58 @@ TEST(IndexerDecode, BroadcastQueryRankFourAndNarrowWidth) {
                         kAtol, kRtol));
   for (int64_t b = 0; b < B; ++b) EXPECT_TRUE(std::isnan(get(big, {b, 0})));
 }
+
+// Multi-token decode: R query rows per request, each with its own context length (consecutive
+// counts as a speculative step has them, 0 and negative padding rows, counts past the table and
+// past the output), pages of any size, int32 and int64 counts, q's rows strided (q is a view of
+// a [R, B, H, D] buffer). Both host backends match the double expectation, and the CPU backend
+// (which tiles a request's keys once for all of its rows) the reference bit for bit.
+class DecodeMultiRow : public ::testing::TestWithParam<std::tuple<int64_t, int64_t, DType>> {};
+
+TEST_P(DecodeMultiRow, EachRowSeesItsOwnContext) {
+  const auto [R, page_size, meta] = GetParam();
+  auto rng = make_rng();
+  const int64_t B = 3, H = 4, D = 128, pages = 7, max_pages = 3;
+  const int64_t cap = max_pages * page_size;
+  const int64_t max_model_len = cap + 5;
+  Tensor q_rows_first = random_tensor({R, B, H, D}, DType::kBF16, rng);
+  const TensorView q = q_rows_first.view().as_strided({B, R, H, D}, {H * D, B * H * D, D, 1});
+  Tensor cache = random_tensor({pages, page_size, 1, D}, DType::kBF16, rng);
+  Tensor table = int32_tensor({B, max_pages}, {6, 0, 3, -1, 2, 7, 5, 1, -1});
+  const std::vector<std::vector<int64_t>> per_row = {
+      {cap - 5, cap - 4, cap - 3, cap - 2, cap - 1, cap},
+      {0, cap + 4, 1, -2, cap / 2 + 1, 7},
+      {max_model_len + 9, 2, 0, cap / 3, page_size + 1, 0}};
+  std::vector<int64_t> lens;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t r = 0; r < R; ++r) lens.push_back(per_row[b][r % 6]);
+  }
+  const Tensor context = meta == DType::kI64
+                             ? int64_tensor({B, R}, lens)
+                             : int32_tensor({B, R}, std::vector<int32_t>(lens.begin(), lens.end()));
+  const std::vector<double> want =
+      expected_decode(q, cache, table, context, max_model_len, 1.0 / std::sqrt(128.0));
+  EXPECT_EQ(qsa_mqa_decode_shape(q, max_model_len), (Shape{B * R, max_model_len}));
+  Tensor ref = Tensor::empty({B * R, max_model_len}, DType::kF32);
+  Tensor cpu = Tensor::empty({B * R, max_model_len}, DType::kF32);
+  poison(ref);
+  poison(cpu);
+  qsa_mqa_decode(q, cache, table, context, max_model_len, ref, reference_mqa());
+  qsa_mqa_decode(q, cache, table, context, max_model_len, cpu, MqaScoreOptions{});
+  EXPECT_TRUE(all_close(ref, want, kAtol, kRtol)) << "reference";
+  EXPECT_TRUE(all_close(cpu, want, kAtol, kRtol)) << "cpu";
+  EXPECT_EQ(std::memcmp(cpu.data(), ref.data(), cpu.numel() * sizeof(float)), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(RowsPagesMeta, DecodeMultiRow,
+                         ::testing::Combine(::testing::Values<int64_t>(1, 2, 3, 4, 6),
+                                            ::testing::Values<int64_t>(5, 16, 200, 212),
+                                            ::testing::Values(DType::kI32, DType::kI64)),
+                         [](const auto& info) {
+                           return "rows" + std::to_string(std::get<0>(info.param)) + "_page" +
+                                  std::to_string(std::get<1>(info.param)) + "_" +
+                                  dtype_name(std::get<2>(info.param));
+                         });
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, IndexerDtype, ::testing::Values(DType::kBF16, DType::kF16),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
@@ -1214,12 +1274,12 @@ std::vector<ValidationCase> validation_cases() {
       "decode_q_rank", [=] { decode(dq.select(0, 0), cache, table, ctx, 20, dout); }, Kind::kValue,
       "q");
   add(
-      "decode_q_second_axis",
+      "decode_q_zero_rows",
       [=] {
-        Tensor t = Tensor::empty({2, 2, 4, 128}, DType::kBF16);
+        Tensor t = Tensor::empty({2, 0, 4, 128}, DType::kBF16);
         decode(t, cache, table, ctx, 20, dout);
       },
-      Kind::kValue, "q");
+      Kind::kValue, "q: expected at least one query row per request");
   add(
       "decode_q_dtype",
       [=] {
@@ -1269,6 +1329,30 @@ std::vector<ValidationCase> validation_cases() {
       "decode_context_lens_shape", [=] { decode(dq, cache, table, ctx.narrow(0, 0, 1), 20, dout); },
       Kind::kValue, "context_lens");
   add(
+      "decode_context_lens_per_request_with_three_rows",
+      [=] {
+        Tensor t = Tensor::empty({2, 3, 4, 128}, DType::kBF16);
+        Tensor o = Tensor::empty({6, 20}, DType::kF32);
+        decode(t, cache, table, ctx, 20, o);
+      },
+      Kind::kValue,
+      "context_lens: expected shape [B, R] = [2, 3]: each query row of multi-token decode sees "
+      "its own number of compressed keys");
+  add(
+      "decode_context_lens_rows",
+      [=] {
+        Tensor t = Tensor::empty({2, 3, 4, 128}, DType::kBF16);
+        Tensor o = Tensor::empty({6, 20}, DType::kF32);
+        decode(t, cache, table, int32_tensor({2, 2}, {9, 9, 16, 16}), 20, o);
+      },
+      Kind::kValue, "context_lens: expected shape [2, 3]");
+  add(
+      "decode_context_lens_rank",
+      [=] {
+        decode(dq, cache, table, int32_tensor({2, 1, 1}, {9, 16}), 20, dout);
+      },
+      Kind::kValue, "context_lens: expected shape [2, 1]");
+  add(
       "decode_context_lens_dtype",
       [=] {
         Tensor t = Tensor::empty({2}, DType::kF32);
@@ -1289,6 +1373,13 @@ std::vector<ValidationCase> validation_cases() {
   add(
       "decode_out_shape", [=] { decode(dq, cache, table, ctx, 21, dout); }, Kind::kValue, "out");
   add(
+      "decode_out_one_row_per_request_with_two_rows",
+      [=] {
+        Tensor t = Tensor::empty({2, 2, 4, 128}, DType::kBF16);
+        decode(t, cache, table, int32_tensor({2, 2}, {9, 9, 16, 16}), 20, dout);
+      },
+      Kind::kValue, "out: expected shape [4, 20]");
+  add(
       "decode_out_elements_overlap",
       [=] {
         decode(dq, cache, table, ctx, 20, dout.as_strided(dout.shape(), {1, 1}));
@@ -1302,13 +1393,15 @@ std::vector<ValidationCase> validation_cases() {
       },
       Kind::kValue, "overlaps context_lens");
   add(
-      "decode_native_page_size",
+      "decode_native_rows",
       [=] {
-        Tensor t = Tensor::empty({3, 3, 128}, DType::kBF16);
-        decode(on_cuda(dq), on_cuda(t), on_cuda(table), on_cuda(ctx), 20, on_cuda(dout),
+        Tensor t = Tensor::empty({2, 5, 4, 128}, DType::kBF16);
+        Tensor c = int32_tensor({2, 5}, {9, 9, 9, 9, 9, 16, 16, 16, 16, 16});
+        Tensor o = Tensor::empty({10, 20}, DType::kF32);
+        decode(on_cuda(t), on_cuda(cache), on_cuda(table), on_cuda(c), 20, on_cuda(o),
                MqaScoreOptions{});
       },
-      Kind::kNotSupported, "k_cache");
+      Kind::kNotSupported, "q: backend 'native' takes at most 4 query rows per request, got R = 5");
   add(
       "decode_native_heads_dim",
       [=] {
@@ -1325,6 +1418,18 @@ std::vector<ValidationCase> validation_cases() {
       [=] {
         TensorView bq = dq.as_strided({2, 4, 128}, {0, 0, 1});
         decode(on_cuda(bq), on_cuda(cache), on_cuda(table), on_cuda(ctx), 20, on_cuda(dout),
+               MqaScoreOptions{});
+      },
+      Kind::kNotSupported, "CUDA build");
+  // So do four query rows per request and page sizes other than powers of two.
+  add(
+      "decode_native_four_rows_needs_cuda_build",
+      [=] {
+        Tensor t = Tensor::empty({2, 4, 4, 128}, DType::kBF16);
+        Tensor kc = Tensor::empty({3, 200, 128}, DType::kBF16);
+        Tensor c = int32_tensor({2, 4}, {9, 9, 9, 9, 16, 16, 16, 16});
+        Tensor o = Tensor::empty({8, 20}, DType::kF32);
+        decode(on_cuda(t), on_cuda(kc), on_cuda(table), on_cuda(c), 20, on_cuda(o),
                MqaScoreOptions{});
       },
       Kind::kNotSupported, "CUDA build");

@@ -515,29 +515,34 @@ def mqa_decode_case(draw):
     dt = draw(st.sampled_from([BF16, F16]))
     H, D = draw_indexer_geometry(draw)
     B = draw(st.integers(0, 4))
-    page_size = draw(st.sampled_from([1, 3, 8, 16]))
+    page_size = draw(st.sampled_from([1, 3, 8, 12, 16]))
     pages, max_pages = draw(st.integers(1, 4)), draw(st.integers(1, 3))
-    q_layout = draw(st.sampled_from(["rank3", "rank4", "broadcast"]))
+    # multi_row: multi-token decode, R query rows per request (native CUDA takes R <= 4).
+    q_layout = draw(st.sampled_from(["rank3", "rank4", "broadcast", "multi_row"]))
+    R = draw(st.integers(2, 5)) if q_layout == "multi_row" else 1
     if q_layout == "broadcast":
         q = rng.randn((1, H, D), dt).expand(B, H, D)  # stride 0 on the batch axis
     else:
-        q = rng.randn((B, H, D) if q_layout == "rank3" else (B, 1, H, D), dt)
+        q = rng.randn({"rank3": (B, H, D), "rank4": (B, 1, H, D)}.get(q_layout, (B, R, H, D)),
+                      dt)
         q = maybe_strided(draw, q)
     cache = rng.randn((pages, page_size, D), dt)
     cache_rank4 = draw(st.booleans())
     k_cache = cache[:, :, None] if cache_rank4 else maybe_strided(draw, cache)
     table = rng.randint(-1, pages + 2, (B, max_pages))
-    lens = rng.randint(0, max_pages * page_size + 3, (B,))
+    # One count per query row; a single row's may also come as [B].
+    per_row = R > 1 or draw(st.booleans())
+    lens = rng.randint(-1, max_pages * page_size + 3, (B, R) if per_row else (B,))
     width = draw(st.integers(0, max_pages * page_size + 4))
     kw = dict(q=q, k_cache=k_cache, page_table=maybe_strided(draw, table),
               context_lens=maybe_strided(draw, lens), max_model_len=width)
     scale = draw_scale(draw, kw, D=D)
     kw["backend"] = "reference"
-    kw["out"] = out_arg(draw, (B, width), F32)
+    kw["out"] = out_arg(draw, (B * R, width), F32)
 
     def check(result, kw):
         check_out_identity(result, kw.get("out"))
-        assert to_torch(result).shape == (B, width)
+        assert to_torch(result).shape == (B * R, width)
         assert_close(to_torch(result), ref_mqa_decode(q, cache, table, lens, width, scale),
                      **SCORE_TOL)
 
@@ -547,18 +552,21 @@ def mqa_decode_case(draw):
         "q": Arg((dt,), (3, 4), pinned=(0, -1) + ((1,) if q_rank == 4 else ())),
         "k_cache": Arg((dt,), (3, 4), pinned=(-1,) + ((2,) if cache_rank4 else ())),
         "page_table": Arg(META, (2,), pinned=(0,)),
-        "context_lens": Arg(META, (1,), pinned=(0,)),
+        "context_lens": Arg(META, (1, 2) if R == 1 else (2,), pinned=tuple(range(lens.dim()))),
         "max_model_len": Value(kind=INT_KIND + [None],
                                value=[-1, 2**63, -2**63] + ([width + 1] if given_out else [])
                                + ([2**62] if B else [])),
         "backend": BACKEND,
         "out": Arg((F32,), (2,), pinned=(0, 1), out=True, required=False,
-                   make=lambda: torch.empty((B, width), dtype=F32)),
+                   make=lambda: torch.empty((B * R, width), dtype=F32)),
         **scale_args(),
     }
     extras = [("scale and score_scale", setting(scale=0.5, score_scale=2.0))]
+    if R > 1:
+        extras.append(("one context_len per request for R rows",
+                       setting(context_lens=lens[:, 0].contiguous())))
     return Case(sparse_attn.qsa_mqa_decode, kw, args, check, written=lambda result, kw: [result],
-                extras=extras, native=(H, D) == (4, 128) and page_size in (8, 16, 32, 64))
+                extras=extras, native=(H, D) == (4, 128) and R <= 4)
 
 
 # --------------------------------------------------------------------------------------------

@@ -117,19 +117,27 @@ def ref_mqa_prefill(q, k, row_starts, row_ends, scale):
 
 
 def ref_mqa_decode(q, k_cache, page_table, context_lens, max_model_len, scale):
-    q3 = q.reshape(q.shape[0], q.shape[-2], q.shape[-1])
+    """[B * R, max_model_len]: request b's query row r (q [B, H, D] is R = 1, or
+    [B, R, H, D]) is row b * R + r and sees context_lens[b, r] compressed keys (context_lens
+    [B, R], or [B] when R = 1)."""
+    B, H, D = q.shape[0], q.shape[-2], q.shape[-1]
+    R = q.shape[1] if q.dim() == 4 else 1
+    q4 = q.reshape(B, R, H, D)
+    lens = context_lens.long().cpu().reshape(B, R)
     pages, page_size = k_cache.shape[:2]
     kc = k_cache.reshape(pages, page_size, -1)
-    out = torch.full((q.shape[0], max_model_len), -math.inf, dtype=torch.float64)
+    out = torch.full((B * R, max_model_len), -math.inf, dtype=torch.float64)
     pt = page_table.long().cpu()
-    for b in range(q.shape[0]):
-        for c in range(min(max_model_len, int(context_lens[b]))):
-            if c // page_size >= pt.shape[1]:
-                continue
-            page = int(pt[b, c // page_size])
-            if page < 0 or page >= pages:
-                continue
-            out[b, c] = ref_relu_scores(q3[b], kc[page, c % page_size][None], scale)[0]
+    for b in range(B):
+        for r in range(R):
+            for c in range(min(max_model_len, int(lens[b, r]))):
+                if c // page_size >= pt.shape[1]:
+                    continue
+                page = int(pt[b, c // page_size])
+                if page < 0 or page >= pages:
+                    continue
+                out[b * R + r, c] = ref_relu_scores(q4[b, r], kc[page, c % page_size][None],
+                                                    scale)[0]
     return out
 
 

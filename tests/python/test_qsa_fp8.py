@@ -1,8 +1,8 @@
 """FP8 e4m3 caches (docs/qsa.md, "FP8 caches"): torch.float8_e4m3fn K/V and indexer keys, and
 uint8 views of them with kv_cache_dtype named, on the reference and CPU backends against
 float64 oracles on the dequantised values (stored value x scale, the product in FP32); the
-argument errors; native CUDA FP8 attention against the reference, and the native CUDA indexer's
-refusal of FP8 keys."""
+argument errors; native CUDA FP8 attention against the reference, and the native CUDA indexer
+ops with FP8 keys against the same oracles."""
 
 import inspect
 import math
@@ -252,13 +252,34 @@ def test_native_cuda_fp8_attention_matches_the_reference(form, dtype, shape):
 
 @needs_cuda
 @pytest.mark.parametrize("form", ["float8", "fp8"])
-def test_native_cuda_indexer_refuses_fp8_keys_until_its_kernels_exist(form):
-    q = randn((3, 4, 128), BF16, "cuda")
-    keys, fmt = stored(fp8_randn((5, 128)).to("cuda"), form)
-    rows = torch.zeros(3, dtype=I32, device="cuda")
-    with pytest.raises(sparse_attn.NotSupportedError,
-                       match=r"^k: backend 'native' does not read FP8 keys"):
-        sparse_attn.qsa_mqa_prefill(q, keys, rows, rows, backend="native", kv_cache_dtype=fmt)
+def test_native_cuda_indexer_reads_fp8_keys_unscaled(form):
+    h, d, dev = 4, 128, "cuda"
+    scale = 1 / math.sqrt(d)
+    q_idx = randn((2, 9, h, d), BF16, dev)
+    block_keys = fp8_randn((2, 3, d)).to(dev)
+    k, fmt = stored(block_keys, form)
+    scores = sparse_attn.qsa_indexer_mqa_score(q_idx, k, backend="native", kv_cache_dtype=fmt)
+    assert_close(scores, ref_indexer_padded(q_idx, block_keys.float(), scale), 2e-5, 2e-5)
+
+    q = randn((6, h, d), torch.float16, dev)
+    keys = fp8_randn((7, 1, d)).to(dev)
+    starts = torch.tensor([0, 1, 2, -3, 5, 4], dtype=I32, device=dev)
+    ends = torch.tensor([7, 3, 9, 2, 5, 6], dtype=I32, device=dev)
+    kk, fmt = stored(keys, form)
+    logits = sparse_attn.qsa_mqa_prefill(q, kk, starts, ends, backend="native",
+                                         kv_cache_dtype=fmt)
+    assert_close(logits, ref_mqa_prefill(q, keys.float(), starts, ends, scale), 2e-5, 2e-5)
+
+    # Multi-token decode (3 rows a request) on pages of a size other than a power of two.
+    q_dec = randn((2, 3, h, d), BF16, dev)
+    cache = fp8_randn((3, 12, 1, d)).to(dev)
+    table = torch.tensor([[2, 0], [-1, 1]], dtype=I32, device=dev)
+    lens = torch.tensor([[13, 14, 24], [0, 16, 30]], dtype=I32, device=dev)
+    c, fmt = stored(cache, form)
+    decode = sparse_attn.qsa_mqa_decode(q_dec, c, table, lens, 26, backend="native",
+                                        kv_cache_dtype=fmt)
+    assert_close(decode, ref_mqa_decode(q_dec, cache.float(), table, lens, 26, scale), 2e-5,
+                 2e-5)
 
 
 def test_kv_cache_dtype_is_a_keyword_only_extension():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import sparse_attn
+from sparse_attn import _C
 from qsa_testing import (DEVICES, FLOAT_DTYPES, assert_close, backends_for,
                          call_native_or_skip, poisoned, randn, ref_indexer_padded,
                          ref_mqa_decode, ref_mqa_prefill, strided_copy)
@@ -23,6 +24,11 @@ def cases(device):
 
 ALL_CASES = cases("cpu") + [pytest.param(*c.values, marks=DEVICES[1].marks, id=c.id)
                             for c in cases("cuda")]
+# Both backends on both devices: native on CPU tensors is the CPU backend.
+DEVICE_BACKENDS = [
+    pytest.param(device, backend, marks=() if device == "cpu" else DEVICES[1].marks,
+                 id=f"{device}-{backend}")
+    for device in ("cpu", "cuda") for backend in ("reference", "native")]
 
 
 # ------------------------------------------------------------------------------------------
@@ -76,10 +82,7 @@ def test_score_varlen(device, layout):
         start += n
 
 
-@pytest.mark.parametrize("device,backend", [
-    pytest.param(device, backend, marks=() if device == "cpu" else DEVICES[1].marks,
-                 id=f"{device}-{backend}")
-    for device in ("cpu", "cuda") for backend in ("reference", "native")])
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("mark", ["request_id", "position"])
 @pytest.mark.parametrize("meta_dtype", ["int32", "int64"])
 def test_score_padding_rows_of_a_graph_padded_batch(device, backend, mark, meta_dtype):
@@ -114,10 +117,7 @@ def test_score_padding_rows_of_a_graph_padded_batch(device, backend, mark, meta_
     assert torch.equal(out[real], run(real))
 
 
-@pytest.mark.parametrize("device,backend", [
-    pytest.param(device, backend, marks=() if device == "cpu" else DEVICES[1].marks,
-                 id=f"{device}-{backend}")
-    for device in ("cpu", "cuda") for backend in ("reference", "native")])
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 def test_score_token_to_req_needs_query_positions(device, backend):
     """A row's position is never counted from token_to_req (a padding row carrying a live id
     would shift it): without query_positions the call raises, naming them."""
@@ -202,7 +202,7 @@ def test_prefill_score_scale_positional_and_strided(device):
 # ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device,backend,dtype", ALL_CASES)
-@pytest.mark.parametrize("page_size", [8, 16, 64])
+@pytest.mark.parametrize("page_size", [5, 8, 16, 64])
 def test_decode_matches_float64(device, backend, dtype, page_size):
     dt = FLOAT_DTYPES[dtype]
     B, pages, max_pages = 3, 6, 4
@@ -229,6 +229,91 @@ def test_decode_broadcast_query_and_rank3_cache(device):
     lens = torch.tensor([16, 9, 8, 1], dtype=torch.int32, device=device)
     out = sparse_attn.qsa_mqa_decode(q, cache, table, lens, 16, scale=0.1, backend="reference")
     assert_close(out, ref_mqa_decode(q, cache, table, lens, 16, 0.1), **TOL)
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
+@pytest.mark.parametrize("rows", [2, 4, 6])
+@pytest.mark.parametrize("page_size", [16, 200])
+def test_multi_token_decode_rows_see_their_own_context(device, backend, rows, page_size):
+    """Multi-token decode: q [B, R, H, D] and one count of visible compressed keys per query row
+    (a speculative step's consecutive counts, padding rows at 0 and below, counts past the page
+    table and the output); request b's row r is output row b * R + r. Native CUDA takes up to
+    4 rows per request, the host backends any number."""
+    B, pages, max_pages = 3, 6, 3
+    cap = max_pages * page_size
+    q = randn((B, rows, H, D), torch.bfloat16, device)
+    cache = randn((pages, page_size, 1, D), torch.bfloat16, device)
+    table = torch.tensor([[0, 3, -1], [1, 2, 9], [5, 4, 0]], dtype=torch.int32, device=device)
+    per_row = [[cap - 5, cap - 4, cap - 3, cap - 2, cap - 1, cap],
+               [0, cap + 7, -1, page_size + 1, 4, 0],
+               [5, 0, 2 * page_size, 1, cap + 3, cap // 2]]
+    lens = torch.tensor([counts[:rows] for counts in per_row], dtype=torch.int64, device=device)
+    width = cap + 3
+
+    def run(backend):
+        return sparse_attn.qsa_mqa_decode(q, cache, table, lens, width, backend=backend)
+
+    if device == "cuda" and backend == "native" and rows > 4:
+        with pytest.raises(sparse_attn.NotSupportedError,
+                           match=rf"^q: backend 'native' takes at most 4 query rows per request, "
+                                 rf"got R = {rows} .*; pass backend='reference'"):
+            run(backend)
+        return
+    out = run(backend)
+    assert out.shape == (B * rows, width) and out.device == q.device
+    assert_close(out, ref_mqa_decode(q, cache, table, lens, width, 1 / math.sqrt(D)), **TOL)
+    if device == "cpu" and backend == "native":
+        assert torch.equal(out, run("reference"))  # the CPU backend sums in the reference's order
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_one_row_takes_context_lens_of_b_or_b_by_1(device):
+    q = randn((3, H, D), torch.float16, device)
+    cache = randn((4, 8, D), torch.float16, device)
+    table = torch.tensor([[0, 1], [2, -1], [3, 0]], dtype=torch.int32, device=device)
+    lens = torch.tensor([16, 5, 0], dtype=torch.int32, device=device)
+    per_request = sparse_attn.qsa_mqa_decode(q, cache, table, lens, 16, backend="reference")
+    for q_form in (q, q[:, None]):
+        per_row = sparse_attn.qsa_mqa_decode(q_form, cache, table, lens[:, None], 16,
+                                             backend="reference")
+        assert torch.equal(per_row, per_request)
+
+
+def test_decode_shape_is_b_times_r_rows():
+    q = torch.zeros((5, 3, H, D), dtype=torch.bfloat16)
+    assert tuple(_C.qsa_mqa_decode_shape(q, 17)) == (15, 17)
+    assert tuple(_C.qsa_mqa_decode_shape(q[:, 0], 17)) == (5, 17)
+    assert tuple(_C.qsa_mqa_decode_shape(q[:, :1], 17)) == (5, 17)
+    # numpy takes the wrappers' general allocation path.
+    out = sparse_attn.qsa_mqa_decode(
+        q.half().numpy(), torch.zeros((2, 4, D), dtype=torch.float16).numpy(),
+        np.zeros((5, 1), dtype=np.int32), np.ones((5, 3), dtype=np.int64), 17,
+        backend="reference")
+    assert isinstance(out, np.ndarray) and out.shape == (15, 17)
+    assert np.isinf(out[:, 1:]).all() and np.isfinite(out[:, 0]).all()
+
+
+def test_multi_token_decode_needs_a_context_len_per_row():
+    q = randn((2, 3, H, D), torch.bfloat16, "cpu")
+    cache = randn((3, 8, 1, D), torch.bfloat16, "cpu")
+    table = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32)
+
+    def decode(q, lens):
+        return sparse_attn.qsa_mqa_decode(q, cache, table, lens, 16, backend="reference")
+
+    with pytest.raises(ValueError, match=(
+            r"^context_lens: expected shape \[B, R\] = \[2, 3\]: each query row of multi-token "
+            r"decode sees its own number of compressed keys \(a \[B\] count cannot say which "
+            r"keys the later rows see\), got \[2\]$")):
+        decode(q, torch.tensor([9, 16], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^context_lens: expected shape \[2, 3\] .*got \[2, 2\]"):
+        decode(q, torch.ones((2, 2), dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^q: expected at least one query row per request"):
+        decode(q[:, :0], torch.ones((2, 0), dtype=torch.int32))
+    lens = torch.ones((2, 3), dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^out: expected shape \[6, 16\]"):
+        sparse_attn.qsa_mqa_decode(q, cache, table, lens, 16, backend="reference",
+                                   out=torch.empty((2, 16)))
 
 
 # ------------------------------------------------------------------------------------------
@@ -273,10 +358,7 @@ def test_float_metadata_is_a_type_error_naming_it():
         sparse_attn.qsa_mqa_prefill(q, k, starts, ends.float(), backend="reference")
 
 
-@pytest.mark.parametrize("device,backend", [
-    pytest.param(device, backend, marks=() if device == "cpu" else DEVICES[1].marks,
-                 id=f"{device}-{backend}")
-    for device in ("cpu", "cuda") for backend in ("reference", "native")])
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 def test_int64_metadata_gives_the_int32_scores(device, backend):
     """Engines keep metadata in int64; it is read as stored, with the int32 call's results."""
     dt = torch.bfloat16

@@ -130,6 +130,17 @@ enum class GatherBarrier : uint32_t {
   kBufferFull = 5,  // 256 threads: the tile buffer is widened
 };
 
+// All 256 threads at named barrier kId (numbered as NamedBarrier numbers them), in the
+// non-aligned form (barrier.sync): the producer's warps come from their
+// spin waits, whose lanes leave one by one, and an aligned bar.sync needs a converged warp
+// (synccheck found a divergent one at it even after a __syncwarp).
+template <GatherBarrier kId>
+__device__ __forceinline__ void cta_sync() {
+  constexpr uint32_t kHardwareId =
+      static_cast<uint32_t>(kId) + cutlass::arch::NamedBarrier::ReservedNamedBarrierCount;
+  asm volatile("barrier.sync %0, 256;" : : "n"(kHardwareId) : "memory");
+}
+
 template <typename T, typename KV>
 __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kCtasPerSm)
     qsa_gather_kernel(const __grid_constant__ SparseAttentionParams p,
@@ -212,16 +223,13 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   // first_row: once every consumer warp's GEMMs on the buffer are done and the slot's copies
   // have landed; then published to GMMA.
   auto widen = [&](const typename Pipeline::State& st, int first_row) {
-    // The lanes leave the pipeline's spin waits one by one: reconverge before the aligned
-    // barrier (synccheck reports a divergent warp otherwise).
-    __syncwarp();
-    cutlass::arch::NamedBarrier::sync(256, static_cast<uint32_t>(GatherBarrier::kBufferFree));
+    cta_sync<GatherBarrier::kBufferFree>();
     pipe.consumer_wait(st);
     sm90::convert_rows_fp8<Element, C::kBlockN, 8>(
         ss.kv.data(), ss.staging[st.index()], first_row, lane,
         [](uint32_t w, uint32_t& lo, uint32_t& hi) { fp8x4_to_natural<T>(w, lo, hi); });
     cutlass::arch::fence_view_async_shared();  // generic stores, then GMMA reads
-    cutlass::arch::NamedBarrier::sync(256, static_cast<uint32_t>(GatherBarrier::kBufferFull));
+    cta_sync<GatherBarrier::kBufferFull>();
   };
 
   if (warp < 4) {

@@ -1,6 +1,7 @@
 // Native (CUDA) entry points of the QSA indexer ops: the API's validated params become the
 // kernels' problems, and the element type becomes a template argument (the one dispatch).
-#include <bit>
+#include <algorithm>
+#include <climits>
 #include <cstdint>
 
 #include "api/qsa_indexer_params.h"
@@ -35,6 +36,17 @@ void require_vector_layout(const char* op, const void* ptr, int64_t dim_stride) 
                 ": internal: native path reached with a layout the vector loads cannot read "
                 "(vector loads require unit feature stride and 16-byte alignment)");
   }
+}
+
+// The one runtime-to-template dispatch of the rows kernel: query and key element types.
+void launch_rows(const ix::RowsProblem& r, DType dtype, DType k_dtype, const char* op,
+                 StreamHandle stream) {
+  cuda::dispatch_dtype(dtype, op, [&](auto t) {
+    using T = typename decltype(t)::type;
+    cuda::dispatch_kv_dtype<T>(dtype, k_dtype, op, [&](auto kv) {
+      ix::launch_mqa_rows<T, typename decltype(kv)::type>(r, to_stream(stream));
+    });
+  });
 }
 
 }  // namespace
@@ -78,9 +90,7 @@ void native_mqa_score(const MqaScoreParams& p) {
   r.out_batch_stride = p.out_batch_stride;
   r.out_row_stride = p.out_row_stride;
   r.out_col_stride = p.out_col_stride;
-  cuda::dispatch_dtype(p.dtype, "qsa_indexer_mqa_score", [&](auto t) {
-    ix::launch_mqa_rows<typename decltype(t)::type>(r, to_stream(p.stream));
-  });
+  launch_rows(r, p.dtype, p.k_dtype, "qsa_indexer_mqa_score", p.stream);
 }
 
 void native_mqa_prefill(const MqaPrefillParams& p) {
@@ -107,22 +117,21 @@ void native_mqa_prefill(const MqaPrefillParams& p) {
   r.out = p.out;
   r.out_row_stride = p.out_row_stride;
   r.out_col_stride = p.out_col_stride;
-  cuda::dispatch_dtype(p.dtype, "qsa_mqa_prefill", [&](auto t) {
-    ix::launch_mqa_rows<typename decltype(t)::type>(r, to_stream(p.stream));
-  });
+  launch_rows(r, p.dtype, p.k_dtype, "qsa_mqa_prefill", p.stream);
 }
 
 void native_mqa_decode(const MqaDecodeParams& p) {
   require_geometry("qsa_mqa_decode", p.heads, p.dim);
-  if (p.page_size < 8 || p.page_size > 64 || !std::has_single_bit(uint64_t(p.page_size))) {
-    throw NotSupportedError("qsa_mqa_decode: page_size " + std::to_string(p.page_size) +
-                            " is not supported by the native kernels (8, 16, 32 or 64); pass "
-                            "backend='reference'");
+  if (p.rows < 1 || p.rows > ix::kMaxDecodeRows) {
+    throw Error("qsa_mqa_decode: internal: native path reached with " + std::to_string(p.rows) +
+                " query rows per request (the kernel takes 1 to 4)");
   }
   ix::DecodeProblem d{};
   d.batch = p.batch;
+  d.rows = static_cast<int>(p.rows);
   d.q = p.q;
   d.q_batch_stride = p.q_batch_stride;
+  d.q_row_stride = p.q_row_stride;
   d.q_head_stride = p.q_head_stride;
   d.q_dim_stride = p.q_dim_stride;
   d.k_cache = p.k_cache;
@@ -130,20 +139,25 @@ void native_mqa_decode(const MqaDecodeParams& p) {
   d.k_slot_stride = p.k_slot_stride;
   d.k_dim_stride = p.k_dim_stride;
   d.num_pages = p.num_pages;
-  d.page_size_log2 = std::countr_zero(uint64_t(p.page_size));
+  // Columns are below 2^31 (max_model_len is checked), so a larger page is one page.
+  d.page_size = static_cast<int>(std::min<int64_t>(p.page_size, INT32_MAX));
   d.page_table = p.page_table;
   d.page_table_batch_stride = p.page_table_batch_stride;
   d.page_table_page_stride = p.page_table_page_stride;
   d.max_pages = p.max_pages;
   d.context_lens = p.context_lens;
-  d.context_lens_stride = p.context_lens_stride;
+  d.context_lens_batch_stride = p.context_lens_batch_stride;
+  d.context_lens_row_stride = p.context_lens_row_stride;
   d.max_model_len = p.max_model_len;
   d.scale = p.scale;
   d.out = p.out;
-  d.out_batch_stride = p.out_batch_stride;
+  d.out_row_stride = p.out_row_stride;
   d.out_col_stride = p.out_col_stride;
   cuda::dispatch_dtype(p.dtype, "qsa_mqa_decode", [&](auto t) {
-    ix::launch_mqa_decode<typename decltype(t)::type>(d, to_stream(p.stream));
+    using T = typename decltype(t)::type;
+    cuda::dispatch_kv_dtype<T>(p.dtype, p.k_dtype, "qsa_mqa_decode", [&](auto kv) {
+      ix::launch_mqa_decode<T, typename decltype(kv)::type>(d, to_stream(p.stream));
+    });
   });
 }
 

@@ -16,8 +16,9 @@
 
 namespace sparse_attn::cuda::indexer {
 
-inline constexpr int kHeads = 4;  // indexer heads: QSA's only native geometry
-inline constexpr int kDim = 128;  // features per head and per compressed key
+inline constexpr int kHeads = 4;          // indexer heads: QSA's only native geometry
+inline constexpr int kDim = 128;          // features per head and per compressed key
+inline constexpr int kMaxDecodeRows = 4;  // query rows per request in one decode call
 
 // How a flattened query row finds its request, position and visible key interval.
 enum class RowMode : int {
@@ -60,11 +61,11 @@ struct RowsProblem {
   // Keys: logical k [batch, num_keys, dim] (prefill: batch 1, batch stride 0), or, with a
   // block table, a paged cache [num_pages, page_size, dim]; pages < 0 or >= num_pages give
   // -inf columns.
-  int64_t num_keys;            // output width
-  const void* k;               // 16-byte aligned rows, unit feature stride
-  int64_t k_batch_stride;      // logical: per request; paged: per page
-  int64_t k_row_stride;        // logical: per key; paged: per slot
-  MetaPtr block_table;         // nullable: [batch, max_pages]
+  int64_t num_keys;        // output width
+  const void* k;           // of the key element type; 16-byte aligned rows, unit stride
+  int64_t k_batch_stride;  // logical: per request; paged: per page
+  int64_t k_row_stride;    // logical: per key; paged: per slot
+  MetaPtr block_table;     // nullable: [batch, max_pages]
   int64_t block_table_batch_stride;
   int64_t block_table_page_stride;
   int64_t page_size;
@@ -77,40 +78,45 @@ struct RowsProblem {
   int64_t out_col_stride;
 };
 
+// Decode: R query rows per request (multi-token decode), each against the request's paged keys.
 struct DecodeProblem {
   int64_t batch;
-  const void* q;  // [batch, heads, dim], any strides (broadcast allowed)
+  int rows;       // R, 1..kMaxDecodeRows: request b's row r is output row b * R + r
+  const void* q;  // [batch, rows, heads, dim], any strides (broadcast allowed)
   int64_t q_batch_stride;
+  int64_t q_row_stride;
   int64_t q_head_stride;
   int64_t q_dim_stride;
 
-  const void* k_cache;  // [num_pages, page_size, dim]
+  const void* k_cache;  // [num_pages, page_size, dim] of the key element type
   int64_t k_page_stride;
   int64_t k_slot_stride;
   int64_t k_dim_stride;
   int64_t num_pages;
-  int page_size_log2;  // page sizes are 8, 16, 32 or 64
+  int page_size;  // any size, clamped to INT32_MAX (columns are below 2^31: one page)
 
   MetaPtr page_table;  // [batch, max_pages], -1 = no page
   int64_t page_table_batch_stride;
   int64_t page_table_page_stride;
   int64_t max_pages;
 
-  MetaPtr context_lens;  // [batch]
-  int64_t context_lens_stride;
+  MetaPtr context_lens;  // [batch, rows] visible keys per row (row stride 0 for a [batch] one)
+  int64_t context_lens_batch_stride;
+  int64_t context_lens_row_stride;
 
   int64_t max_model_len;
   float scale;
-  float* out;  // [batch, max_model_len]
-  int64_t out_batch_stride;
+  float* out;  // [batch * rows, max_model_len]
+  int64_t out_row_stride;
   int64_t out_col_stride;
 };
 
-// T: __nv_bfloat16 or __half. Enqueue on `stream`; no host synchronisation, no allocation and
-// no read of device memory, so both are safe under CUDA graph capture.
-template <typename T>
+// T: the query's __nv_bfloat16 or __half; KV: the keys' element type, T or __nv_fp8_e4m3 (used
+// unscaled). Enqueue on `stream`; no host synchronisation, no allocation and no read of device
+// memory, so both are safe under CUDA graph capture.
+template <typename T, typename KV>
 void launch_mqa_rows(const RowsProblem& problem, cudaStream_t stream);
-template <typename T>
+template <typename T, typename KV>
 void launch_mqa_decode(const DecodeProblem& problem, cudaStream_t stream);
 
 }  // namespace sparse_attn::cuda::indexer

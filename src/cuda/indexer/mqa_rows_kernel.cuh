@@ -18,6 +18,9 @@
 // third of the time (64K prefill at 40% of its floor). The next step is wgmma with Q and K
 // in shared memory (no Q registers, MMAs overlapping the previous tile's epilogue).
 //
+// FP8 keys: the copies land FP8 tiles (half the bytes and shared memory); the CTA widens each
+// into one 16-bit tile before the warps' MMAs read it, so the compute is the 16-bit kernel's.
+//
 // Masking: only tiles that intersect a row interval are loaded and computed; everything else
 // is filled with -inf by plain vector stores. Rows of several requests in one CTA (varlen,
 // or padded rows straddling a request boundary) are handled in one pass per request, since
@@ -29,9 +32,11 @@
 #include <algorithm>
 #include <climits>
 #include <cute/arch/copy_sm80.hpp>
+#include <type_traits>
 
 #include "cuda/common/check.h"
 #include "cuda/common/device_props.h"
+#include "cuda/common/fp8.cuh"
 #include "cuda/common/mma.cuh"
 #include "cuda/indexer/mqa_problem.h"
 
@@ -52,10 +57,20 @@ inline constexpr int kChunks = kDim * 2 / 16;             // 16-byte chunks per 
 static_assert(kBlockRows <= kThreads, "one thread resolves one row of the tile");
 static_assert(kBlockKeys * kChunks % kThreads == 0, "a tile is copied in whole rounds");
 
+struct NoBuffer {};
+
+// KV: the keys' element type (16-bit, or FP8 e4m3).
+template <typename KV>
 struct SharedStorage {
-  // Key tiles; the 16-byte chunk index is XOR-swizzled with bit 2 of the key parity so that the
-  // two keys one 8-lane phase reads (keys 2i, 2i+1, same chunks) land in different banks.
-  uint4 keys[kStages][kBlockKeys][kChunks];
+  static constexpr bool kFp8 = sizeof(KV) == 1;
+  static constexpr int kStoredChunks = kDim * int(sizeof(KV)) / 16;  // 16-byte chunks per key
+  using Tile = uint4[kBlockKeys][kChunks];
+  // Key tiles as the copies land them. 16-bit: the MMAs read them; the 16-byte chunk index is
+  // XOR-swizzled with bit 2 of the key parity so that the two keys one 8-lane phase reads (keys
+  // 2i, 2i+1, same chunks) land in different banks. FP8: unswizzled, widened into `wide` (same
+  // swizzle) by the whole CTA before the MMAs: once per tile, not once per warp.
+  uint4 stages[kStages][kBlockKeys][kStoredChunks];
+  std::conditional_t<kFp8, Tile, NoBuffer> wide;
   uint8_t key_valid[kStages][kBlockKeys];  // 0: key past the range or on a missing page
   int64_t q_off[kBlockRows];               // element offset of the row's q[row, 0, 0]
   int64_t out_off[kBlockRows];             // element offset of the row's out[row, 0]
@@ -89,7 +104,8 @@ __device__ inline void warp_fill_row(float* row, int64_t a, int64_t b, int64_t s
 }
 
 // Request, row offsets and the visible interval of one flattened query row.
-__device__ inline void resolve_row(const RowsProblem& p, int64_t r, SharedStorage& s, int t) {
+template <typename Storage>
+__device__ inline void resolve_row(const RowsProblem& p, int64_t r, Storage& s, int t) {
   int32_t req = -1;
   int64_t lo = 0, hi = 0, q_off = 0, out_off = 0;
   if (r < p.num_rows) {
@@ -163,30 +179,35 @@ __device__ inline void resolve_row(const RowsProblem& p, int64_t r, SharedStorag
 }
 
 // Issues the cp.async copies of key tile [n0, n0 + kBlockKeys) of request `req` into `stage`.
-__device__ inline void load_tile(const RowsProblem& p, SharedStorage& s, int stage, int64_t n0,
+template <typename KV>
+__device__ inline void load_tile(const RowsProblem& p, SharedStorage<KV>& s, int stage, int64_t n0,
                                  int64_t col1, int32_t req, int tid) {
-  const auto* k = static_cast<const uint16_t*>(p.k);
+  using S = SharedStorage<KV>;
+  constexpr int kPerChunk = 16 / sizeof(KV);  // elements
+  const auto* k = static_cast<const std::conditional_t<S::kFp8, uint8_t, uint16_t>*>(p.k);
 #pragma unroll
-  for (int i = 0; i < kBlockKeys * kChunks / kThreads; ++i) {
+  for (int i = 0; i < kBlockKeys * S::kStoredChunks / kThreads; ++i) {
     const int idx = tid + i * kThreads;
-    const int key = idx / kChunks, chunk = idx % kChunks;
+    const int key = idx / S::kStoredChunks, chunk = idx % S::kStoredChunks;
     const int64_t n = n0 + key;
     bool valid = n < col1;
-    const uint16_t* src = k;
+    const auto* src = k;
     if (valid) {
       if (!p.block_table) {
-        src = k + req * p.k_batch_stride + n * p.k_row_stride + chunk * 8;
+        src = k + req * p.k_batch_stride + n * p.k_row_stride + chunk * kPerChunk;
       } else {
         const int64_t page = p.block_table[req * p.block_table_batch_stride +
                                            (n / p.page_size) * p.block_table_page_stride];
         valid = page >= 0 && page < p.num_pages;
         if (valid)
-          src = k + page * p.k_batch_stride + (n % p.page_size) * p.k_row_stride + chunk * 8;
+          src =
+              k + page * p.k_batch_stride + (n % p.page_size) * p.k_row_stride + chunk * kPerChunk;
       }
     }
     // Invalid keys are zero-filled (no global read) and marked, so they become -inf.
-    cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
-        *reinterpret_cast<const uint4*>(src), s.keys[stage][key][swizzle(key, chunk)], valid);
+    uint4& dst = s.stages[stage][key][S::kFp8 ? chunk : swizzle(key, chunk)];
+    cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(*reinterpret_cast<const uint4*>(src), dst,
+                                                       valid);
     if (chunk == 0) s.key_valid[stage][key] = valid;
   }
 }
@@ -204,11 +225,27 @@ __device__ __forceinline__ void store_pair(float* dst, int64_t stride, bool pair
   if (kc + 1 < lim) dst[stride] = v1;
 }
 
+// FP8: the landed stage widened into the 16-bit tile, by the whole CTA (between barriers).
 template <typename T>
+__device__ inline void widen_tile(SharedStorage<__nv_fp8_e4m3>& s, int stage, int tid) {
+  using S = SharedStorage<__nv_fp8_e4m3>;
+#pragma unroll
+  for (int i = 0; i < kBlockKeys * S::kStoredChunks / kThreads; ++i) {
+    const int idx = tid + i * kThreads;
+    const int key = idx / S::kStoredChunks, chunk = idx % S::kStoredChunks;
+    uint4 lo, hi;
+    fp8x16_to_natural<T>(s.stages[stage][key][chunk], lo, hi);
+    s.wide[key][swizzle(key, 2 * chunk)] = lo;
+    s.wide[key][swizzle(key, 2 * chunk + 1)] = hi;
+  }
+}
+
+template <typename T, typename KV>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     mqa_rows_kernel(const RowsProblem p, int64_t keys_per_cta) {
+  using S = SharedStorage<KV>;
   extern __shared__ uint4 smem_raw[];
-  SharedStorage& s = *reinterpret_cast<SharedStorage*>(smem_raw);
+  S& s = *reinterpret_cast<S*>(smem_raw);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
   // Row tiles in zig-zag order (last, first, second last, second, ...): in a causal prefill
   // neighbouring CTAs then pair a heavy tile with a light, mostly -inf one, so SMs mix MMA
@@ -318,6 +355,17 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 
       const int stage = int((t - t0) % kStages);
       const int64_t n0 = col0 + t * kBlockKeys;
+      if constexpr (S::kFp8) {
+        widen_tile<T>(s, stage, tid);
+        __syncthreads();
+      }
+      const uint4(*tile)[kChunks] = [&] {
+        if constexpr (S::kFp8) {
+          return s.wide;
+        } else {
+          return s.stages[stage];
+        }
+      }();
       if (!warp_owns) continue;
       // A warp whose rows see nothing of this tile writes -inf without computing.
       const bool compute = n0 < whi && wlo < n0 + kBlockKeys;
@@ -336,7 +384,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 #pragma unroll
             for (int jj = 0; jj < 2; ++jj) {
               const int key = 8 * (j + jj) + g;
-              kf[jj] = s.keys[stage][key][swizzle(key, 4 * pp + c)];
+              kf[jj] = tile[key][swizzle(key, 4 * pp + c)];
             }
             // S = Q K^T, one m16 tile per head
 #pragma unroll
@@ -397,12 +445,12 @@ inline int64_t rows_keys_per_cta(int64_t row_tiles, int64_t num_keys, int sms) {
 
 namespace sparse_attn::cuda::indexer {
 
-template <typename T>
+template <typename T, typename KV>
 void launch_mqa_rows(const RowsProblem& p, cudaStream_t stream) {
   using namespace rows;
   if (p.num_rows == 0 || p.num_keys == 0) return;
-  const auto kernel = mqa_rows_kernel<T>;
-  constexpr int kSmem = sizeof(SharedStorage);
+  const auto kernel = mqa_rows_kernel<T, KV>;
+  constexpr int kSmem = sizeof(SharedStorage<KV>);
   SPARSE_ATTN_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   int device = 0;

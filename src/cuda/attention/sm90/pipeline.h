@@ -57,10 +57,14 @@ struct TmaPipeline {
   __device__ void arrive(const State& st) const { FullBarrier::arrive(&s.full[st.index()]); }
   __device__ uint64_t* full_barrier(const State& st) const { return &s.full[st.index()]; }
 
-  // Consumers: wait for the stage's bytes; release it once the warpgroup has read it (one
-  // thread per warpgroup arrives, after the warpgroup's GEMMs on the stage completed).
+  // Consumers (whole warpgroups): wait for the stage's bytes; release it once the warpgroup has
+  // read it (one thread per warpgroup arrives, after the warpgroup's GEMMs on the stage
+  // completed). The lanes leave the spin wait one by one: the warp reconverges before the
+  // aligned instructions that follow (wgmma, bar.sync; synccheck reports a divergent warp at a
+  // bar.sync otherwise).
   __device__ void consumer_wait(const State& st) const {
     FullBarrier::wait(&s.full[st.index()], st.phase());
+    __syncwarp();
   }
   __device__ void consumer_release(const State& st) const {
     if (threadIdx.x % 128 == 0) EmptyBarrier::arrive(&s.empty[st.index()]);

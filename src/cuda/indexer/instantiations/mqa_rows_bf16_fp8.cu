@@ -1,0 +1,5 @@
+// One explicit instantiation per file, so the kernels compile in parallel.
+#include "cuda/indexer/mqa_rows_kernel.cuh"
+
+template void sparse_attn::cuda::indexer::launch_mqa_rows<__nv_bfloat16, __nv_fp8_e4m3>(
+    const sparse_attn::cuda::indexer::RowsProblem&, cudaStream_t);
