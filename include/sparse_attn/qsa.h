@@ -199,8 +199,8 @@ size_t qsa_sparse_attention_workspace_size(const TensorView& query, const Tensor
                                            const std::optional<TensorView>& token_indices,
                                            const SparseAttentionOptions& options = {});
 
-// key/value: the query's dtype, or both FP8 e4m3 with k_scale / v_scale (native: the query's
-// dtype only, for now). token_indices: int [B, Q, W] (padded query) or [total_q, W],
+// key/value: the query's dtype, or both FP8 e4m3 with k_scale / v_scale (every backend).
+// token_indices: int [B, Q, W] (padded query) or [total_q, W],
 // request-local ids, -1 pads;
 // nullopt only with options.selected_kv_indices. out: the query's shape and dtype, any
 // non-overlapping positive-stride view. lse: optional FP32 query.shape[:-1]; written when
