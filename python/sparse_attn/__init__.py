@@ -29,6 +29,7 @@ from .qsa import (  # noqa: E402
     qsa_sparse_attention_workspace_size,
 )
 from .compress import qsa_compress_block_keys  # noqa: E402
+from .merge import merge_attention_states  # noqa: E402
 from .select import QSA_TOPK_BLOCKS, qsa_expand_blocks, qsa_topk_blocks  # noqa: E402
 from .xattn import (  # noqa: E402
     Xattention_prefill,
@@ -49,6 +50,7 @@ __all__ = [
     "block_sparse_attn_paged_func",
     "built_with_cuda",
     "find_blocks_chunked",
+    "merge_attention_states",
     "qsa_compress_block_keys",
     "qsa_indexer_mqa_score",
     "qsa_mqa",

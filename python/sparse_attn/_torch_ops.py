@@ -98,6 +98,11 @@ def _register():
         _C.qsa_expand_blocks(block_ids, query_positions, token_indices, block_indices,
                              rt.torch_stream(block_ids))
 
+    def merge_attention_states(partial_out: Tensor, partial_lse: Tensor, out: Tensor,
+                               lse_out: Optional[Tensor], backend: str) -> None:
+        _C.merge_attention_states(partial_out, partial_lse, out, lse_out, backend,
+                                  rt.torch_stream(partial_out))
+
     def xattn_estimate(
         query: Tensor, key: Tensor, attn_sums: Tensor, block_mask: Tensor, threshold: float,
         head_thresholds: Optional[List[float]], causal: bool, keep_sink: bool,
@@ -162,6 +167,7 @@ def _register():
     define("qsa_compress_block_keys", ("out",), qsa_compress_block_keys)
     define("qsa_topk_blocks", ("out",), qsa_topk_blocks)
     define("qsa_expand_blocks", ("token_indices", "block_indices"), qsa_expand_blocks)
+    define("merge_attention_states", ("out", "lse_out"), merge_attention_states)
     define("xattn_estimate", ("attn_sums", "block_mask"), xattn_estimate)
     define("find_blocks_chunked", ("block_mask",), find_blocks_chunked)
     define("block_sparse_attention", ("out", "lse"), block_sparse_attention)

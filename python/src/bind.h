@@ -17,6 +17,7 @@ void def(nanobind::module_& m, const char* name, Func&& f, Names... arg_names) {
 void bind_qsa(nanobind::module_& m);
 void bind_compress(nanobind::module_& m);
 void bind_select(nanobind::module_& m);
+void bind_merge(nanobind::module_& m);
 void bind_xattn(nanobind::module_& m);
 
 }  // namespace sparse_attn::python

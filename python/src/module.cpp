@@ -64,5 +64,6 @@ NB_MODULE(_C, m) {
   bind_qsa(m);
   bind_select(m);
   bind_compress(m);
+  bind_merge(m);
   bind_xattn(m);
 }

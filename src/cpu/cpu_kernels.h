@@ -4,6 +4,7 @@
 // FP32 accumulation; the reference stays the spec.
 #pragma once
 
+#include "api/merge_params.h"
 #include "api/qsa_attention_params.h"
 #include "api/qsa_indexer_params.h"
 #include "api/xattn_params.h"
@@ -30,5 +31,9 @@ void cpu_mqa_decode(const detail::MqaDecodeParams& params);
 // on these sums: sorting a row of block sums is not where the time goes, and its masks must
 // match the reference's bit for bit anyway.
 void cpu_xattn_estimate_sums(const XAttnEstimateParams& params);
+
+// Writes out (every element) and, when params.lse_out is set, lse_out, as
+// reference_merge_attention_states does (FP32 instead of FP64). Host memory.
+void cpu_merge_attention_states(const detail::MergeParams& params);
 
 }  // namespace sparse_attn

@@ -149,8 +149,11 @@ std::vector<double> to_vector(const TensorView& view) {
   return out;
 }
 
-::testing::AssertionResult all_close(const TensorView& actual, const std::vector<double>& expected,
-                                     double atol, double rtol) {
+namespace {
+
+// all_close, and with nan_expected all_close_or_nan.
+::testing::AssertionResult compare(const TensorView& actual, const std::vector<double>& expected,
+                                   double atol, double rtol, bool nan_expected) {
   const std::vector<double> a = to_vector(actual);
   if (a.size() != expected.size()) {
     return ::testing::AssertionFailure()
@@ -172,6 +175,12 @@ std::vector<double> to_vector(const TensorView& view) {
   for (size_t i = 0; i < a.size(); ++i) {
     const double x = a[i];
     const double e = expected[i];
+    if (nan_expected && std::isnan(e)) {
+      if (!std::isnan(x)) {
+        return ::testing::AssertionFailure() << "expected NaN at " << index_of(i) << ", got " << x;
+      }
+      continue;
+    }
     if (std::isnan(x)) {
       return ::testing::AssertionFailure() << "NaN at " << index_of(i) << " (expected " << e << ")";
     }
@@ -194,6 +203,19 @@ std::vector<double> to_vector(const TensorView& view) {
            << ", expected " << expected[worst_i] << " (atol " << atol << ", rtol " << rtol << ")";
   }
   return ::testing::AssertionSuccess();
+}
+
+}  // namespace
+
+::testing::AssertionResult all_close(const TensorView& actual, const std::vector<double>& expected,
+                                     double atol, double rtol) {
+  return compare(actual, expected, atol, rtol, false);
+}
+
+::testing::AssertionResult all_close_or_nan(const TensorView& actual,
+                                            const std::vector<double>& expected, double atol,
+                                            double rtol) {
+  return compare(actual, expected, atol, rtol, true);
 }
 
 AttentionExpectation expected_physical_attention(const TensorView& q, const TensorView& k,

@@ -9,9 +9,11 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "sparse_attn/dtype.h"
+#include "sparse_attn/errors.h"
 #include "sparse_attn/tensor.h"
 
 namespace sparse_attn::testing {
@@ -49,6 +51,10 @@ std::vector<double> to_vector(const TensorView& view);
 // Reports the worst element and its index on failure.
 ::testing::AssertionResult all_close(const TensorView& actual, const std::vector<double>& expected,
                                      double atol, double rtol);
+// The same, except that `actual` must be NaN exactly where `expected` is NaN.
+::testing::AssertionResult all_close_or_nan(const TensorView& actual,
+                                            const std::vector<double>& expected, double atol,
+                                            double rtol);
 
 // Double-precision attention in physical-id mode, the oracle of the selected_kv_indices tests:
 // q [rows, Hq, D], k/v [total, Hkv, D] (any strides), ids [rows, width] row-major. Ids < 0 or
@@ -62,6 +68,26 @@ AttentionExpectation expected_physical_attention(const TensorView& q, const Tens
                                                  const TensorView& v,
                                                  const std::vector<int32_t>& ids, int64_t width,
                                                  double scale);
+
+// Runs f and expects exactly the error kind E (a ValueError expectation rejects the
+// NotSupportedError subclass) with a message that starts by naming `argument`.
+template <typename E, typename F>
+void expect_error(F&& f, const std::string& argument) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one naming " << argument;
+  } catch (const E& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.rfind(argument + ":", 0), 0u)
+        << "message does not start with '" << argument << ":': " << msg;
+    if constexpr (std::is_same_v<E, ValueError>) {
+      EXPECT_EQ(dynamic_cast<const NotSupportedError*>(&e), nullptr)
+          << "NotSupportedError where a ValueError was expected: " << msg;
+    }
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "wrong error kind for " << argument << ": " << e.what();
+  }
+}
 
 // Tolerances for an output stored in `dtype` (accumulated in FP32).
 double default_atol(DType dtype);

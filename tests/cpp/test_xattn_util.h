@@ -156,24 +156,6 @@ inline std::vector<std::vector<AttnRow>> expected_attention(const AttnSequence& 
   return res;
 }
 
-// Runs f and expects exactly the error kind E (a ValueError expectation rejects the
-// NotSupportedError subclass) with a message that starts by naming `argument`.
-template <typename E, typename F>
-void expect_error(F&& f, const std::string& argument) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one naming " << argument;
-  } catch (const E& e) {
-    const std::string msg = e.what();
-    EXPECT_EQ(msg.rfind(argument + ":", 0), 0u)
-        << "message does not start with '" << argument << ":': " << msg;
-    if constexpr (std::is_same_v<E, ValueError>) {
-      EXPECT_EQ(dynamic_cast<const NotSupportedError*>(&e), nullptr)
-          << "NotSupportedError where a ValueError was expected: " << msg;
-    }
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "wrong error kind for " << argument << ": " << e.what();
-  }
-}
+using testing::expect_error;
 
 }  // namespace sparse_attn::xattn_testing

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import sparse_attn
 from qsa_testing import assert_close, expand_blocks, paged_kv_of, padded_kv_of, \
-    ref_attention_rows, ref_mqa_decode, ref_mqa_prefill, ref_relu_scores, strided_copy
+    ref_attention_rows, ref_merge, ref_mqa_decode, ref_mqa_prefill, ref_relu_scores, strided_copy
 from compress_testing import assert_keys_close, ref_compress
 from xattn_testing import cdiv, ref_block_sparse, ref_estimate_sums, ref_select
 
@@ -1014,6 +1014,61 @@ def expand_case(draw):
 
 
 # --------------------------------------------------------------------------------------------
+# merge_attention_states
+# --------------------------------------------------------------------------------------------
+
+@st.composite
+def merge_case(draw):
+    rng = Rng(draw)
+    dt = draw(st.sampled_from([F32, BF16, F16]))
+    n, rows, heads, dim = (draw(st.integers(1, 6)), draw(st.integers(0, 5)),
+                           draw(st.integers(0, 3)), draw(st.integers(0, 20)))
+    po = rng.randn((n, rows, heads, dim), dt)
+    lse = rng.rand((n, rows, heads)) * 10 - 4
+    special = rng.rand((n, rows, heads))
+    po[special < 0.25] = NAN  # empty partials: never read
+    lse[special < 0.25] = -INF
+    lse[special > 0.97] = NAN
+    lse[(special > 0.95) & (special <= 0.97)] = INF
+    kw = dict(partial_out=maybe_strided(draw, po), partial_lse=maybe_strided(draw, lse))
+    kw["out"] = out_arg(draw, (rows, heads, dim), draw(st.sampled_from([F32, BF16, F16])))
+    return_lse = draw(st.booleans())
+    if not return_lse or draw(st.booleans()):
+        kw["return_lse"] = return_lse
+    kw["lse_out"] = out_arg(draw, (rows, heads), F32) if draw(st.booleans()) else None
+    kw["backend"] = "reference"
+
+    def outputs(result, kw):
+        return result if return_lse else (result, kw.get("lse_out"))
+
+    def check(result, kw):
+        out, merged_lse = outputs(result, kw)
+        check_out_identity(out, kw.get("out"))
+        if return_lse:
+            check_out_identity(merged_lse, kw.get("lse_out"))
+        out_dtype = dt if kw.get("out") is None else kw["out"].dtype
+        assert out.dtype == out_dtype and tuple(out.shape) == (rows, heads, dim)
+        ref_out, ref_lse = ref_merge(po, lse)
+        assert_close(to_torch(out), ref_out, **OUT_TOL[out_dtype])
+        if merged_lse is not None:
+            assert_close(to_torch(merged_lse), ref_lse, **LSE_TOL)
+
+    args = {
+        "partial_out": Arg((F32, BF16, F16), (4,), pinned=(0, 1, 2) +
+                           ((3,) if kw["out"] is not None else ())),
+        "partial_lse": Arg((F32,), (3,), pinned=(0, 1, 2)),
+        "out": Arg((F32, BF16, F16), (3,), pinned=(0, 1, 2), out=True, required=False,
+                   make=lambda: torch.empty((rows, heads, dim), dtype=dt)),
+        "lse_out": Arg((F32,), (2,), pinned=(0, 1), out=True, required=False,
+                       make=lambda: torch.empty((rows, heads), dtype=F32)),
+        "return_lse": Value(kind=BOOL_KIND),
+        "backend": BACKEND,
+    }
+    return Case(sparse_attn.merge_attention_states, kw, args, check,
+                written=lambda r, kw: [t for t in outputs(r, kw) if t is not None], native=True)
+
+
+# --------------------------------------------------------------------------------------------
 # qsa_compress_block_keys
 # --------------------------------------------------------------------------------------------
 
@@ -1537,6 +1592,7 @@ BUILDERS = {
     "qsa_compress_block_keys": compress_case,
     "qsa_topk_blocks": topk_case,
     "qsa_expand_blocks": expand_case,
+    "merge_attention_states": merge_case,
     "xattn_estimate": estimate_case,
     "find_blocks_chunked": find_blocks_case,
     "block_sparse_attn_func": block_sparse_case,

@@ -232,3 +232,23 @@ def expand_blocks(blocks, positions):
         toks = [4 * b + t for b in ids for t in range(4)] + list(tail)
         tokens[r, :len(toks)] = torch.tensor(toks, dtype=torch.int32)
     return tokens, kept
+
+
+def ref_merge(partial_out, partial_lse):
+    """docs/merge.md in float64: partial_out [N, rows, heads, dim], partial_lse [N, rows, heads]
+    -> (out [rows, heads, dim], lse [rows, heads]). Partials with LSE -inf are not read (their
+    out may be NaN); a row with no finite LSE gives 0 and -inf; a NaN or +inf LSE gives NaN."""
+    po = torch.as_tensor(partial_out).detach().to("cpu", torch.float64)
+    lse = torch.as_tensor(partial_lse).detach().to("cpu", torch.float64)
+    live = torch.isfinite(lse)
+    m = torch.where(live, lse, -math.inf).amax(0)
+    empty = m == -math.inf
+    w = torch.where(live, torch.exp(lse - torch.where(empty, 0.0, m)), 0.0)
+    z = w.sum(0)
+    out = (w[..., None] * torch.where(live[..., None], po, 0.0)).sum(0) / \
+        torch.where(empty, 1.0, z)[..., None]
+    merged = torch.where(empty, -math.inf, m + torch.log(torch.where(empty, 1.0, z)))
+    poisoned = (torch.isnan(lse) | (lse == math.inf)).any(0)
+    out[poisoned] = math.nan
+    merged[poisoned] = math.nan
+    return out, merged

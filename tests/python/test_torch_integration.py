@@ -11,8 +11,9 @@ import sparse_attn
 from qsa_testing import call_native_or_skip, needs_cuda, randn
 
 OPS = ["qsa_indexer_mqa_score", "qsa_mqa_prefill", "qsa_mqa_decode", "qsa_sparse_attention",
-       "qsa_topk_blocks", "qsa_expand_blocks", "xattn_estimate", "find_blocks_chunked",
-       "block_sparse_attention", "block_sparse_attention_paged", "xattention_prefill"]
+       "qsa_topk_blocks", "qsa_expand_blocks", "merge_attention_states", "xattn_estimate",
+       "find_blocks_chunked", "block_sparse_attention", "block_sparse_attention_paged",
+       "xattention_prefill"]
 
 
 def decode_inputs(device, backend):

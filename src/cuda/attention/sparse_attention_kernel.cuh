@@ -41,6 +41,7 @@
 #include <type_traits>
 
 #include "api/qsa_attention_params.h"
+#include "cuda/attention/merge.cuh"
 #include "cuda/attention/sparse_attention_common.cuh"
 #include "cuda/attention/sparse_attention_config.h"
 #include "cuda/attention/sparse_attention_launch.h"
@@ -568,20 +569,16 @@ __global__ void __launch_bounds__(FwdShape::kThreads, 1)
   }
 }
 
-// SplitKV merge: out = sum_s w_s o_s / sum_s w_s with w_s = exp2(lse_s - max lse), in split
-// order, then the gate. One CTA per (query row, head), one thread per feature, so a decode
-// batch of one request still spreads over Hq CTAs. The LSEs are read once per CTA (thread t
-// reads split t: one round trip for up to 256 splits) and their weights shared through shared
-// memory; each thread then reads its feature's partials kUnroll at a time, all in flight
-// together. Few registers, so that many merge CTAs stay resident beside the forward grid.
+// SplitKV merge (merge.cuh, in split order), then the gate. One CTA per (query row, head), one
+// thread per feature, so a decode batch of one request still spreads over Hq CTAs. Few
+// registers (six CTAs an SM: at most 42), so that merge CTAs launched early (programmatic
+// dependent launch) take little from the forward grid they wait for.
 template <typename T>
-__global__ void __launch_bounds__(SparseAttentionConfig::kHeadDim)
+__global__ void __launch_bounds__(SparseAttentionConfig::kHeadDim, 6)
     sparse_attention_merge_kernel(const __grid_constant__ SparseAttentionParams p,
                                   const __grid_constant__ SparseAttentionLaunch x) {
-  constexpr int D = SparseAttentionConfig::kHeadDim;  // threads: one per feature or split
-  constexpr int kUnroll = 16;
-  __shared__ float weight[D];
-  __shared__ float warp_max[D / 32];
+  constexpr int D = SparseAttentionConfig::kHeadDim;  // threads: one per feature
+  __shared__ LseMergeSmem<D> sm;
   const int64_t r = blockIdx.x, h = blockIdx.y;
   const int d = threadIdx.x;
   if (p.gate_kind != GateKind::kNone) {
@@ -594,49 +591,14 @@ __global__ void __launch_bounds__(SparseAttentionConfig::kHeadDim)
   cudaGridDependencySynchronize();  // the forward grid's partials are complete and visible
   const int64_t stride = p.rows * p.num_q_heads;  // between splits, in (row, head) slots
   const float* lse = x.lse_partial + r * p.num_q_heads + h;
-  const float* part = x.o_partial + (r * p.num_q_heads + h) * D + d;
-  const int n = x.num_splits;
-
-  // The maximum LSE over the splits (exact in any order).
-  float m = -INFINITY;
-  for (int s = d; s < n; s += D) m = fmaxf(m, lse[s * stride]);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-  if (d % 32 == 0) warp_max[d / 32] = m;
-  __syncthreads();
-  m = warp_max[0];
-#pragma unroll
-  for (int w = 1; w < D / 32; ++w) m = fmaxf(m, warp_max[w]);
-
-  float l = 0.f, o = 0.f;
-  if (m != -INFINITY) {  // uniform over the CTA
-    for (int s0 = 0; s0 < n; s0 += D) {
-      const int count = min(D, n - s0);
-      // An empty split has LSE -inf and weight 0; its partial holds 0, not data.
-      if (d < count) weight[d] = exp2f(lse[(s0 + d) * stride] - m);
-      __syncthreads();
-      for (int i0 = 0; i0 < count; i0 += kUnroll) {
-        float pv[kUnroll];
-#pragma unroll
-        for (int i = 0; i < kUnroll; ++i) {
-          pv[i] = i0 + i < count ? part[(s0 + i0 + i) * stride * D] : 0.f;
-        }
-#pragma unroll
-        for (int i = 0; i < kUnroll; ++i) {
-          if (i0 + i < count) {
-            const float w = weight[i0 + i];
-            l += w;
-            o += w * pv[i];
-          }
-        }
-      }
-      __syncthreads();  // every thread has read this chunk's weights
-    }
-  }
-  store_output<T>(p, r, h, d, l > 0.f ? o / l * p.v_scale : 0.f);
+  const float* part = x.o_partial + (r * p.num_q_heads + h) * D;
+  float o[1];
+  const float lse2 = merge_lse_partials<D, 1>(
+      x.num_splits, 0, D, [&](int s) { return lse[s * stride]; },
+      [&](int s, int f) { return part[s * stride * D + f]; }, o, sm);
+  store_output<T>(p, r, h, d, o[0] * p.v_scale);
   if (d == 0 && p.lse) {
-    p.lse[r * p.lse_row_stride + h * p.lse_head_stride] =
-        l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
+    p.lse[r * p.lse_row_stride + h * p.lse_head_stride] = lse2 * 0.69314718055994531f;
   }
 }
 
