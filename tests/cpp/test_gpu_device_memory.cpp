@@ -3,6 +3,7 @@
 
 #include "gpu_test_util.h"
 #include "sparse_attn/errors.h"
+#include "sparse_attn/qsa_select.h"
 #include "sparse_attn/tensor.h"
 #include "test_util.h"
 
@@ -72,6 +73,14 @@ TEST(GpuDeviceMemory, FailedAllocationNamesTheCallAndLocation) {
     EXPECT_NE(msg.find("device_memory.cpp"), std::string::npos) << msg;
     EXPECT_NE(msg.find("cudaErrorMemoryAllocation"), std::string::npos) << msg;
   }
+  // The failure was reported once: the next native op launches and checks its launch cleanly.
+  Tensor scores = Tensor::empty({2, 8}, DType::kF32, Device::cuda(0));
+  Tensor host = Tensor::empty({2, 8}, DType::kF32);
+  for (int64_t i = 0; i < host.numel(); ++i) host.data_as<float>()[i] = static_cast<float>(i);
+  copy_into(scores.view(), host.view());
+  Tensor ids = Tensor::empty({2, 4}, DType::kI32, Device::cuda(0));
+  EXPECT_NO_THROW(qsa_topk_blocks(scores.view(), 4, ids.view()));
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cfloat>
 #include <cstring>
 #include <functional>
@@ -102,6 +103,7 @@ enum class Scores {
   kDistinct,   // uniform floats: ties rare
   kCausal,     // quantised, row r sees a prefix of about r / rows of the blocks (row 0: none)
   kConstant,   // every score equal: the whole selection is decided by the tie rule
+  kBits,       // every 32-bit pattern alike: NaN payloads of both signs, denormals, infinities
 };
 
 float quantised(std::mt19937_64& rng) {
@@ -118,11 +120,13 @@ void fill_scores(const TensorView& view, Scores kind, std::mt19937_64& rng) {
   const int64_t nb = view.size(-1), q = view.size(-2);
   const int64_t rows = nb == 0 ? 0 : view.numel() / nb;
   std::uniform_real_distribution<float> uniform(-8.f, 8.f);
+  std::uniform_int_distribution<uint32_t> bits;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t visible = kind == Scores::kCausal ? r * nb / rows : nb;
     for (int64_t j = 0; j < nb; ++j) {
       float s = kind == Scores::kDistinct   ? uniform(rng)
                 : kind == Scores::kConstant ? 1.f
+                : kind == Scores::kBits     ? std::bit_cast<float>(bits(rng))
                                             : quantised(rng);
       if (j >= visible) s = -kInf;
       if (view.dim() == 3) {
@@ -183,6 +187,8 @@ std::vector<TopkCase> topk_cases() {
       {"b3_q5_nb777_k100_strided", {3, 5, 777}, 100, S::kQuantised, true},
       {"rows9_nb2500_k300_strided_distinct", {9, 2500}, 300, S::kDistinct, true},
       {"rows3000_nb64_k8_many_rows", {3000, 64}, 8, S::kQuantised, false},
+      {"rows16_nb32768_k512_random_bits", {16, 32768}, 512, S::kBits, false},
+      {"rows3_nb40000_k20000_global_sort_random_bits", {3, 40000}, 20000, S::kBits, false},
       {"rows3_nb40000_k20000_global_sort", {3, 40000}, 20000, S::kDistinct, false},
       {"rows3_nb40000_k20000_global_sort_quantised", {3, 40000}, 20000, S::kQuantised, false},
       {"rows3_nb20000_k30000_global_sort_k_above_nb", {3, 20000}, 30000, S::kCausal, false},
