@@ -2,9 +2,6 @@
 // them), the merge of merge.cuh over its partials. Bound by the partials' bytes; the element types
 // are read and written through a switch on the dtype (uniform over the grid), not templates: one
 // kernel serves every combination.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <algorithm>
 #include <climits>
 
@@ -13,36 +10,13 @@
 #include "cuda/common/check.h"
 #include "cuda/common/device_guard.h"
 #include "cuda/common/device_props.h"
+#include "cuda/common/elements.cuh"
 
 namespace sparse_attn::cuda {
 namespace {
 
 constexpr int kThreads = 128;
 constexpr int kPerThread = 2;  // features a thread merges per pass: 256 a CTA pass
-
-__device__ inline float load_element(const void* base, DType dtype, int64_t offset) {
-  switch (dtype) {
-    case DType::kBF16:
-      return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[offset]);
-    case DType::kF16:
-      return __half2float(static_cast<const __half*>(base)[offset]);
-    default:
-      return static_cast<const float*>(base)[offset];
-  }
-}
-
-__device__ inline void store_element(void* base, DType dtype, int64_t offset, float v) {
-  switch (dtype) {
-    case DType::kBF16:
-      static_cast<__nv_bfloat16*>(base)[offset] = __float2bfloat16_rn(v);
-      break;
-    case DType::kF16:
-      static_cast<__half*>(base)[offset] = __float2half_rn(v);
-      break;
-    default:
-      static_cast<float*>(base)[offset] = v;
-  }
-}
 
 __global__ void __launch_bounds__(kThreads)
     merge_attention_states_kernel(const __grid_constant__ detail::MergeParams p) {
@@ -55,8 +29,8 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t part0 = r * p.po_row_stride + h * p.po_head_stride;
     const auto lse2 = [&](int s) { return lse[s * p.pl_part_stride] * kLog2e; };
     const auto part = [&](int s, int d) {
-      return load_element(p.partial_out, p.partial_dtype,
-                          part0 + s * p.po_part_stride + d * p.po_dim_stride);
+      return load_float(p.partial_out, p.partial_dtype,
+                        part0 + s * p.po_part_stride + d * p.po_dim_stride);
     };
     // One pass at least: with dim 0 the LSE is still written.
     for (int d0 = 0; d0 == 0 || d0 < p.dim; d0 += kThreads * kPerThread) {
@@ -67,8 +41,8 @@ __global__ void __launch_bounds__(kThreads)
       for (int j = 0; j < kPerThread; ++j) {
         const int64_t d = d0 + threadIdx.x + j * kThreads;
         if (d < p.dim) {
-          store_element(p.out, p.out_dtype,
-                        r * p.out_row_stride + h * p.out_head_stride + d * p.out_dim_stride, o[j]);
+          store_float(p.out, p.out_dtype,
+                      r * p.out_row_stride + h * p.out_head_stride + d * p.out_dim_stride, o[j]);
         }
       }
       if (d0 == 0 && threadIdx.x == 0 && p.lse_out) {

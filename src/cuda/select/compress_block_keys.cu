@@ -15,6 +15,7 @@
 #include "cuda/common/check.h"
 #include "cuda/common/device_guard.h"
 #include "cuda/common/device_props.h"
+#include "cuda/common/elements.cuh"
 
 namespace sparse_attn {
 namespace cuda::select {
@@ -29,25 +30,6 @@ constexpr int64_t kBlockTokens = detail::kCompressBlockTokens;
 // Requests go on grid.y; more than this many loop over it.
 constexpr int64_t kMaxGridY = 65535;
 static_assert(kRopeDim == 2 * 32, "a rotate_half pair (i, i + 32) is dims 0 and 1 of one lane");
-
-__device__ __forceinline__ float load_float(const void* p, DType dtype, int64_t i) {
-  switch (dtype) {
-    case DType::kBF16:
-      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    case DType::kF16:
-      return __half2float(static_cast<const __half*>(p)[i]);
-    default:
-      return static_cast<const float*>(p)[i];
-  }
-}
-
-__device__ __forceinline__ void store_float(void* p, DType dtype, int64_t i, float v) {
-  if (dtype == DType::kBF16) {
-    static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
-  } else {
-    static_cast<__half*>(p)[i] = __float2half_rn(v);
-  }
-}
 
 __device__ __forceinline__ int64_t floor_div4(int64_t a) {
   return a >= 0 ? a / kBlockTokens : -((-a + kBlockTokens - 1) / kBlockTokens);
