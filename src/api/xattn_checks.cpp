@@ -98,6 +98,25 @@ void check_native_block_sparse(
   }
 }
 
+void check_native_estimate(const TensorView& query, const TensorView& key,
+                           const XAttnEstimateParams& p, std::string_view op) {
+  check_native_block_sparse({{&query, "query"}, {&key, "key"}}, p.num_q_heads, op);
+  const int64_t groups = p.block_size / p.stride;
+  if (groups != 8 && groups != 16 && groups != 32) {
+    throw_not_supported(
+        "block_size: backend 'native' of {} takes block_size / stride of 8, 16 or 32 (block 128 "
+        "with stride 16, 8 or 4), got block_size {} and stride {}",
+        op, p.block_size, p.stride);
+  }
+  constexpr int64_t kMaxLen = int64_t{1} << 30;
+  if (p.q_len > kMaxLen || p.k_len > kMaxLen) {
+    throw_not_supported(
+        "query: backend 'native' of {} takes at most 2^30 query rows and keys, got Lq = {} and "
+        "Lk = {}",
+        op, p.q_len, p.k_len);
+  }
+}
+
 void copy_strides(const TensorView& t, int64_t* out, int n) {
   for (int d = 0; d < n; ++d) out[d] = t.stride(d);
 }

@@ -46,6 +46,13 @@ void check_native_block_sparse(
     std::initializer_list<std::pair<const TensorView*, const char*>> tensors, int64_t num_q_heads,
     std::string_view op);
 
+// NotSupportedError unless the native estimate takes this problem: the block-sparse kernel's
+// tensor rules for query and key, block_size / stride of 8, 16 or 32 (the key groups of a key
+// block that one quad of threads reduces), and at most 2^30 query rows and keys (the kernels'
+// 32-bit row arithmetic).
+void check_native_estimate(const TensorView& query, const TensorView& key,
+                           const XAttnEstimateParams& p, std::string_view op);
+
 // Checks query [B, Hq, Lq, D], key [B, Hkv, Lk, D] and the estimation options (not the
 // thresholds); returns the estimate params with sizes and scalars decided, no pointers.
 XAttnEstimateParams check_estimate_inputs(const TensorView& query, const TensorView& key,

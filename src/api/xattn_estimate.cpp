@@ -180,6 +180,7 @@ void xattn_estimate(const TensorView& query, const TensorView& key, const Tensor
     return;
   }
   if (options.backend == Backend::kNative) {
+    detail::check_native_estimate(query, key, p, "xattn_estimate");
     detail::fill_estimate_pointers(p, query, key, attn_sums, block_mask);
     native_xattn_estimate(p);
     return;

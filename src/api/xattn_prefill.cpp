@@ -132,6 +132,7 @@ void xattention_prefill(const TensorView& query, const TensorView& key, const Te
     detail::check_native_block_sparse(
         {{&query, "query"}, {&key, "key"}, {&value, "value"}, {&out, "out"}}, e.num_q_heads,
         "xattention_prefill");
+    detail::check_native_estimate(query, key, e, "xattention_prefill");
     detail::fill_estimate_pointers(e, query, key, attn_sums, block_mask);
     fill_attention(a, v);
     native_xattn_estimate(e);

@@ -16,6 +16,7 @@
 #include "cuda/common/device_guard.h"
 #include "cuda/common/device_props.h"
 #include "cuda/common/narrow_metadata.h"
+#include "cuda/common/tensor_map.h"
 #include "cuda/common/workspace_pool.h"
 #include "cuda/xattn/block_sparse_fwd.h"
 #include "sparse_attn/errors.h"
@@ -27,53 +28,12 @@ void launch_block_sparse_fwd(const BlockSparseFwdParams& p, int64_t tiles, cudaS
 
 namespace {
 
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// cuTensorMapEncodeTiled through the runtime's entry-point lookup, so the library does not link
-// the driver library (a CPU-only machine loads it without one).
-EncodeTiled encode_tiled() {
-  static const EncodeTiled fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    SPARSE_ATTN_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
-                                                            cudaEnableDefault, &found));
-    if (found != cudaDriverEntryPointSuccess || ptr == nullptr) {
-      throw Error("block_sparse_attention: the CUDA driver has no cuTensorMapEncodeTiled");
-    }
-    return reinterpret_cast<EncodeTiled>(ptr);
-  }();
-  return fn;
-}
-
-// A 4-D tiled TMA descriptor (head dim, row, head, outer) with 128-byte swizzle. `stride` is in
-// elements for the row, head and outer axes; an axis of size 1 takes any legal stride (it is
-// never stepped). Out-of-range boxes read zeros.
+// A 4-D descriptor (head dim, row, head, outer); `stride` in elements for the row, head and
+// outer axes.
 CUtensorMap tensor_map(const void* base, DType dtype, const int64_t (&size)[4],
                        const int64_t (&stride)[3], uint32_t box_cols, uint32_t box_rows) {
-  CUtensorMap map{};
-  if (base == nullptr) return map;  // an empty tensor: no tile is ever loaded from it
-  const int64_t elem = 2;
-  cuuint64_t dims[4], strides[3];
-  for (int i = 0; i < 4; ++i) dims[i] = static_cast<cuuint64_t>(std::max<int64_t>(size[i], 1));
-  for (int i = 0; i < 3; ++i) {
-    strides[i] = size[i + 1] > 1 ? static_cast<cuuint64_t>(stride[i] * elem) : 16;
-  }
-  const cuuint32_t box[4] = {box_cols, box_rows, 1, 1};
-  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  const CUresult r = encode_tiled()(
-      &map,
-      dtype == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-      const_cast<void*>(base), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    throw Error("block_sparse_attention: cuTensorMapEncodeTiled failed with CUresult " +
-                std::to_string(static_cast<int>(r)));
-  }
-  return map;
+  const uint32_t box[4] = {box_cols, box_rows, 1, 1};
+  return tiled_tensor_map(base, dtype, 4, size, stride, box, "block_sparse_attention");
 }
 
 // Keys per K/V tile of the instantiation for a head dim (validated: 64, 128 or 256).
