@@ -48,6 +48,14 @@ void print_result(const MethodResult& r) {
                 static_cast<long long>(r.needle_hits), static_cast<long long>(r.needle_total));
   else
     std::printf("    %-34s %9s\n", "needle hit rate", "n/a (no needles)");
+  if (r.ideal) {
+    const IdealSelection& i = *r.ideal;
+    std::printf("  ideal selection of the same rows, from their true block masses\n");
+    std::printf("    %-34s %9.2f %%  (recall %.2f %%: blocks by true mass up to %g of it)\n",
+                "density at the same threshold", 100 * i.density, 100 * i.recall, i.threshold);
+    std::printf("    %-34s %9.2f %%  (the heaviest blocks, as many as selected above)\n",
+                "recall at the same budget", 100 * i.same_budget_recall);
+  }
   std::printf("  times (%s)\n", r.scope.c_str());
   double total = 0;
   for (const auto& [name, s] : r.stages) {
@@ -121,23 +129,29 @@ int run_demo(const DemoOptions& opt) {
       if (!out) throw ValueError(fmt::format("--json {}: cannot open for appending", opt.json));
       nlohmann::json stages = nlohmann::json::object();
       for (const auto& [name, sec] : r.stages) stages[name] = sec;
-      const nlohmann::json j = {{"method", r.method},
-                                {"geometry", r.geometry},
-                                {"device", rd.device.str()},
-                                {"seq_len", w.options.seq_len},
-                                {"query_len", w.options.query_len},
-                                {"batch", w.options.batch},
-                                {"rows_evaluated", r.rows_evaluated},
-                                {"rows_total", r.rows_total},
-                                {"density", r.density},
-                                {"recall", r.recall},
-                                {"rel_error", r.rel_error},
-                                {"needle_hits", r.needle_hits},
-                                {"needle_total", r.needle_total},
-                                {"stages_s", stages},
-                                {"times_cover", r.scope},
-                                {"dense_s", r.dense_seconds},
-                                {"notes", r.notes}};
+      nlohmann::json j = {{"method", r.method},
+                          {"geometry", r.geometry},
+                          {"device", rd.device.str()},
+                          {"seq_len", w.options.seq_len},
+                          {"query_len", w.options.query_len},
+                          {"batch", w.options.batch},
+                          {"rows_evaluated", r.rows_evaluated},
+                          {"rows_total", r.rows_total},
+                          {"density", r.density},
+                          {"recall", r.recall},
+                          {"rel_error", r.rel_error},
+                          {"needle_hits", r.needle_hits},
+                          {"needle_total", r.needle_total},
+                          {"stages_s", stages},
+                          {"times_cover", r.scope},
+                          {"dense_s", r.dense_seconds},
+                          {"notes", r.notes}};
+      if (r.ideal) {
+        j["ideal"] = {{"threshold", r.ideal->threshold},
+                      {"density", r.ideal->density},
+                      {"recall", r.ideal->recall},
+                      {"same_budget_recall", r.ideal->same_budget_recall}};
+      }
       out << j.dump() << '\n';
     }
   }

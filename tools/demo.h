@@ -2,6 +2,7 @@
 // the metrics that say how much it keeps, what that costs in accuracy and what it saves.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -32,6 +33,15 @@ struct DemoOptions {
 };
 
 // What one method measured.
+// The selections an oracle of the true attention makes on the evaluated rows, per row and head
+// from the dense softmax mass of each key block: the yardstick of a method's own selection.
+struct IdealSelection {
+  double threshold = 0;  // the method's
+  double density = 0;    // blocks by descending true mass until `threshold` of the mass is kept
+  double recall = 0;     // the mass that selection keeps (>= threshold)
+  double same_budget_recall = 0;  // the mass of the method's number of blocks, the heaviest
+};
+
 struct MethodResult {
   std::string method;
   std::string geometry;        // "24/2/256, indexer 4x128, 8k keys"
@@ -46,6 +56,7 @@ struct MethodResult {
   double dense_seconds = 0;
   std::string dense_label;
   std::vector<std::string> notes;
+  std::optional<IdealSelection> ideal;  // the methods whose selection has a mass threshold
 };
 
 MethodResult run_qsa_demo(const DemoOptions& options, const Workload& host_workload,

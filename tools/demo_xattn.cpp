@@ -142,6 +142,7 @@ MethodResult run_xattn_demo(const DemoOptions& opt, const Workload& w, const Run
   double t_est = 0, t_attn = 0;
   std::string b_est, b_attn;
   double sel_total = 0, vis_total = 0, recall_sum = 0, err2 = 0, ref2 = 0;
+  double ideal_tokens = 0, ideal_recall_sum = 0, same_budget_sum = 0;
   int64_t recall_n = 0;
 
   // Plot of request 0: rows = evaluated query blocks, cells = fraction of heads keeping.
@@ -269,25 +270,55 @@ MethodResult run_xattn_demo(const DemoOptions& opt, const Workload& w, const Run
       out_rows = Tensor::to_host(out);
     }
 
-    // Metrics on the evaluated rows.
+    // True block masses of the evaluated rows: bm[(r * Hq + h) * kb + j] is the dense softmax
+    // mass of key block j (the keys of it the row sees), every row-head in parallel.
+    std::vector<double> bm(static_cast<size_t>(R * Hq * kb), 0.0);
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t rh = 0; rh < R * Hq; ++rh) {
+      const int64_t r = rh / Hq, h = rh % Hq, p = positions[r];
+      for (int64_t t = 0; t <= p; ++t) bm[rh * kb + t / kBlock] += dense.prob(r, h, t);
+    }
+
+    // Metrics on the evaluated rows, and beside them the ideal selections of the same rows.
+    std::vector<int64_t> order;
     for (int64_t r = 0; r < R; ++r) {
       const int64_t p = positions[r];
       const size_t bi =
           std::lower_bound(qblocks.begin(), qblocks.end(), rows[r] / kBlock) - qblocks.begin();
       const uint8_t* mrow = mask_rows[bi].data();
+      const int64_t seen = p / kBlock + 1;  // key blocks the row sees
+      const auto block_tokens = [&](int64_t j) {
+        return std::min(p, (j + 1) * kBlock - 1) - j * kBlock + 1;
+      };
       for (int64_t h = 0; h < Hq; ++h) {
+        const double* mass = &bm[(r * Hq + h) * kb];
         double m = 0;
-        int64_t kept = 0;
-        for (int64_t j = 0; j * kBlock <= p; ++j) {
+        int64_t kept = 0, kept_blocks = 0;
+        for (int64_t j = 0; j < seen; ++j) {
           if (!mrow[h * kb + j]) continue;
-          const int64_t hi = std::min(p, (j + 1) * kBlock - 1);
-          kept += hi - j * kBlock + 1;
-          for (int64_t t = j * kBlock; t <= hi; ++t) m += dense.prob(r, h, t);
+          kept += block_tokens(j);
+          ++kept_blocks;
+          m += mass[j];
         }
         sel_total += double(kept);
         vis_total += double(p + 1);
         recall_sum += m;
         ++recall_n;
+        // Ideal: blocks by descending true mass until the threshold's share of it is kept (the
+        // row's mass is 1); and the best kept_blocks blocks, the estimate's budget spent ideally.
+        order.resize(static_cast<size_t>(seen));
+        for (int64_t j = 0; j < seen; ++j) order[j] = j;
+        std::stable_sort(order.begin(), order.end(),
+                         [&](int64_t x, int64_t y) { return mass[x] > mass[y]; });
+        double c = 0;
+        for (int64_t i = 0; i < seen && c < opt.threshold; ++i) {
+          ideal_tokens += double(block_tokens(order[i]));
+          c += mass[order[i]];
+        }
+        ideal_recall_sum += c;
+        double best = 0;
+        for (int64_t i = 0; i < kept_blocks; ++i) best += mass[order[i]];
+        same_budget_sum += best;
         const float* ref = dense.out(r, h);
         for (int64_t d = 0; d < D; ++d) {
           const double got = load_as_float(out_rows.data(), out_rows.dtype(), (r * Hq + h) * D + d);
@@ -322,6 +353,9 @@ MethodResult run_xattn_demo(const DemoOptions& opt, const Workload& w, const Run
   res.density = sel_total / std::max(vis_total, 1.0);
   res.recall = recall_sum / std::max<int64_t>(recall_n, 1);
   res.rel_error = std::sqrt(err2 / std::max(ref2, 1e-300));
+  const double n = double(std::max<int64_t>(recall_n, 1));
+  res.ideal = IdealSelection{opt.threshold, ideal_tokens / std::max(vis_total, 1.0),
+                             ideal_recall_sum / n, same_budget_sum / n};
   res.stages = {{fmt::format("estimate + select ({})", b_est), t_est},
                 {fmt::format("block-sparse attention ({})", b_attn), t_attn}};
   res.dense_label = fmt::format("dense attention ({} evaluated rows, host loop)", R * B);
