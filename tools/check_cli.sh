@@ -90,10 +90,10 @@ expect files-mismatch 2 "$TMP/w-xattn.safetensors:k: the query's head dim \(shap
 
 # verify: reference against itself passes; so does native on the CPU (the CPU backend).
 expect verify-ref 0 "qsa_indexer_mqa_score" "qsa_sparse_attention" "xattn_estimate" \
-  "block_sparse_attention" "result: all outputs match the reference" -- \
+  "block_sparse_attention" "xattention_prefill" "result: all outputs match the reference" -- \
   verify --backend reference --device cpu --seq-len 512 --q-len 64 --topk 16
 expect verify-native 0 "qsa_indexer_mqa_score" "qsa_sparse_attention" "xattn_estimate" \
-  "block_sparse_attention" "result: all outputs match the reference" -- \
+  "block_sparse_attention" "xattention_prefill" "result: all outputs match the reference" -- \
   verify --device cpu --seq-len 512 --q-len 64 --topk 16
 expect verify-bad-qlen 2 "--q-len" -- verify --device cpu --seq-len 512 --q-len 1k
 

@@ -147,9 +147,11 @@ CLI::App* add_verify_command(CLI::App& app, VerifyOptions& o) {
       "Check a backend (native by default) against the reference on a structured workload of "
       "the given shapes; prints the worst differences and where they are; exit code 1 on a "
       "mismatch, 3 when the backend is unavailable");
-  v->add_option("--op", o.op, "qsa-indexer, qsa-attention, xattn-estimate, block-sparse or all")
-      ->check(
-          CLI::IsMember({"qsa-indexer", "qsa-attention", "xattn-estimate", "block-sparse", "all"}))
+  v->add_option(
+       "--op", o.op,
+       "qsa-indexer, qsa-attention, xattn-estimate, block-sparse, xattention-prefill or all")
+      ->check(CLI::IsMember({"qsa-indexer", "qsa-attention", "xattn-estimate", "block-sparse",
+                             "xattention-prefill", "all"}))
       ->capture_default_str();
   v->add_option("--seq-len", o.seq_len, "keys per request")
       ->transform(size_validator())
@@ -278,7 +280,7 @@ int run_verify(const VerifyOptions& o) {
     }
   }
 
-  if (all || o.op == "xattn-estimate" || o.op == "block-sparse") {
+  if (all || o.op == "xattn-estimate" || o.op == "block-sparse" || o.op == "xattention-prefill") {
     WorkloadOptions xo = wo;
     xo.num_q_heads = 32, xo.num_kv_heads = 8, xo.head_dim = 128, xo.indexer_heads = 0;
     const Workload w = make_workload(xo);
@@ -339,6 +341,30 @@ int run_verify(const VerifyOptions& o) {
                   }
                 },
                 {atol_for(s.dtype), 1e-3}, {rtol_for(s.dtype), 1e-3});
+      record(r, ran);
+    }
+    if (all || o.op == "xattention-prefill") {
+      const int64_t Hq = xo.num_q_heads, D = xo.head_dim;
+      bool ran = true;
+      const bool r =
+          check(s,
+                fmt::format("xattention_prefill  query {}  key/value {} (as [B, H, L, D])",
+                            shape_str(q.shape()), shape_str(k.shape())),
+                {{"sums", ms}, {"mask", ms}, {"out", {B, Hq, Lq, D}}, {"lse", {B, Hq, Lq}}},
+                {DType::kF32, DType::kBool, s.dtype, DType::kF32},
+                [&](Backend be, const std::vector<Tensor>& out) {
+                  XAttnPrefillOptions po;
+                  static_cast<XAttnEstimateOptions&>(po) = eo;
+                  po.backend = be;
+                  try {
+                    xattention_prefill(heads_first(q), heads_first(k), heads_first(v), out[0],
+                                       out[1], out[2], out[3].view(), po);
+                  } catch (const NotSupportedError&) {
+                    ran = false;
+                    throw;
+                  }
+                },
+                {1e-4, 0, atol_for(s.dtype), 1e-3}, {1e-3, 0, rtol_for(s.dtype), 1e-3});
       record(r, ran);
     }
   }
