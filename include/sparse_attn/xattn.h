@@ -171,4 +171,21 @@ void xattention_prefill(const TensorView& query, const TensorView& key, const Te
                         const TensorView& out, const std::optional<TensorView>& lse,
                         const XAttnPrefillOptions& options = {});
 
+// The same over a paged KV cache (a prefill chunk against the cache an engine keeps):
+// k_cache and v_cache [num_pages, page_size, Hkv, D] (any page_size >= 1, any strides with the
+// head dim contiguous: views of one [pages, page, Hkv, 2 D] tensor work), block_table int
+// [B, max_pages]: key t of request b is k_cache[block_table[b, t / page_size], t % page_size].
+// Every request has k_len keys (<= max_pages * page_size), its query rows the last Lq of them
+// (bottom-right, as in xattention_prefill). The result is xattention_prefill's on the keys and
+// values gathered from the pages; the gather goes to stream-ordered scratch of 2 B k_len Hkv D
+// elements on the GPU (no host synchronisation: a fixed-shape call can be captured). Page ids
+// must lie in [0, num_pages): the host backends raise ValueError otherwise, the native one reads
+// zeros for them.
+void xattention_prefill_paged(const TensorView& query, const TensorView& k_cache,
+                              const TensorView& v_cache, const TensorView& block_table,
+                              int64_t k_len, const TensorView& attn_sums,
+                              const TensorView& block_mask, const TensorView& out,
+                              const std::optional<TensorView>& lse,
+                              const XAttnPrefillOptions& options = {});
+
 }  // namespace sparse_attn

@@ -36,6 +36,7 @@ from .xattn import (  # noqa: E402
     block_sparse_attn_func,
     block_sparse_attn_paged_func,
     find_blocks_chunked,
+    xattention_prefill_paged,
     xattn_estimate,
 )
 from . import _torch_ops  # noqa: E402,F401  (registers torch.ops.sparse_attn.* when torch is present)
@@ -60,5 +61,6 @@ __all__ = [
     "qsa_sparse_attention",
     "qsa_sparse_attention_workspace_size",
     "qsa_topk_blocks",
+    "xattention_prefill_paged",
     "xattn_estimate",
 ]

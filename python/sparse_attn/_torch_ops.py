@@ -160,6 +160,18 @@ def _register():
                               stride, norm, chunk_size, select_mode, softmax_scale, backend,
                               rt.torch_stream(query))
 
+    def xattention_prefill_paged(
+        query: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, k_len: int,
+        attn_sums: Tensor, block_mask: Tensor, out: Tensor, lse: Optional[Tensor],
+        threshold: float, head_thresholds: Optional[List[float]], causal: bool, keep_sink: bool,
+        keep_recent: bool, block_size: int, stride: int, norm: float, chunk_size: int,
+        select_mode: str, softmax_scale: Optional[float], backend: str,
+    ) -> None:
+        _C.xattention_prefill_paged(query, k_cache, v_cache, block_table, k_len, attn_sums,
+                                    block_mask, out, lse, threshold, head_thresholds, causal,
+                                    keep_sink, keep_recent, block_size, stride, norm, chunk_size,
+                                    select_mode, softmax_scale, backend, rt.torch_stream(query))
+
     define("qsa_indexer_mqa_score", ("out",), qsa_indexer_mqa_score)
     define("qsa_mqa_prefill", ("out",), qsa_mqa_prefill)
     define("qsa_mqa_decode", ("out",), qsa_mqa_decode)
@@ -173,6 +185,8 @@ def _register():
     define("block_sparse_attention", ("out", "lse"), block_sparse_attention)
     define("block_sparse_attention_paged", ("out", "lse"), block_sparse_attention_paged)
     define("xattention_prefill", ("attn_sums", "block_mask", "out", "lse"), xattention_prefill)
+    define("xattention_prefill_paged", ("attn_sums", "block_mask", "out", "lse"),
+           xattention_prefill_paged)
     rt.ops_registered = True
 
 

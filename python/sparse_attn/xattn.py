@@ -10,6 +10,8 @@ NotSupportedError naming the parameter, never a silent approximation. Keyword-on
 extensions: backend ("native" or "reference"), out= (and lse=) for destination passing.
 """
 
+import operator
+
 from . import _C
 from . import _runtime as rt
 
@@ -228,4 +230,47 @@ def Xattention_prefill(query_states, key_states, value_states, stride, norm=1, t
                                             out if out_given else p, lse, *options, None))
     rt.run(_C.xattention_prefill, "xattention_prefill", query_states,
            (query_states, key_states, value_states, attn_sums, block_mask, out, lse, *options))
+    return out
+
+
+def xattention_prefill_paged(query_states, k_cache, v_cache, block_table, k_len, stride, norm=1,
+                             threshold=0.8, block_size=128, causal=True, chunk_size=None,
+                             keep_sink=False, keep_recent=False, *, backend="native",
+                             softmax_scale=None, out=None, lse=None):
+    """Xattention_prefill over a paged KV cache (an extension: upstream has no paged prefill):
+    query_states [B, Hq, Lq, D]; k_cache / v_cache [num_pages, page_size, Hkv, D] (any
+    page_size, any strides with the head dim contiguous); block_table int [B, max_pages], key t
+    of request b in page block_table[b, t // page_size]; every request has k_len keys, its query
+    rows the last Lq of them. The result is Xattention_prefill's on the gathered keys and values
+    (on the GPU gathered into stream-ordered scratch of 2 B k_len Hkv D elements)."""
+    threshold, head_thresholds = _thresholds(threshold)
+    options = (threshold, head_thresholds, causal, keep_sink, keep_recent, block_size, stride,
+               norm, 16384 if chunk_size is None else chunk_size, "inverse", softmax_scale,
+               backend)
+    try:
+        k_len = operator.index(k_len)
+    except TypeError:
+        raise TypeError(f"k_len: expected an int, got {type(k_len).__name__}") from None
+    q_shape = tuple(getattr(query_states, "shape", ()))
+    if len(q_shape) != 4 or type(block_size) is not int or block_size <= 0:
+        # Malformed: the library's validation names the argument, and fails before it touches
+        # the outputs (query_states stands in for them).
+        _C.xattention_prefill_paged(query_states, k_cache, v_cache, block_table, k_len,
+                                    query_states, query_states, query_states, lse, *options, None)
+    shape = (q_shape[0], q_shape[1], _blocks(q_shape[2], block_size), _blocks(k_len, block_size))
+    out_given = out is not None
+    try:
+        attn_sums = rt.empty(shape, query_states, "query_states", "float32")
+        block_mask = rt.empty(shape, query_states, "query_states", "bool")
+        if out is None:
+            out = rt.empty(q_shape, query_states, "query_states")
+    except rt.ALLOCATION_ERRORS as e:
+        rt.explain_allocation_failure(
+            e, ("attn_sums", "block_mask") + (() if out_given else ("out",)),
+            lambda p: _C.xattention_prefill_paged(query_states, k_cache, v_cache, block_table,
+                                                  k_len, p, p, out if out_given else p, lse,
+                                                  *options, None))
+    rt.run(_C.xattention_prefill_paged, "xattention_prefill_paged", query_states,
+           (query_states, k_cache, v_cache, block_table, k_len, attn_sums, block_mask, out, lse,
+            *options))
     return out

@@ -219,6 +219,31 @@ void prefill(handle query, handle key, handle value, handle attn_sums, handle bl
       [&] { xattention_prefill(q, k, v, sums, mask, o, l, opts); });
 }
 
+void prefill_paged(handle query, handle k_cache, handle v_cache, handle block_table, handle k_len,
+                   handle attn_sums, handle block_mask, handle out, handle lse, handle threshold,
+                   handle head_thresholds, handle causal, handle keep_sink, handle keep_recent,
+                   handle block_size, handle stride, handle norm, handle chunk_size,
+                   handle select_mode, handle softmax_scale, handle backend, handle stream) {
+  Borrowed b;
+  const TensorView q = b.tensor(query, "query_states");
+  const TensorView kc = b.tensor(k_cache, "k_cache");
+  const TensorView vc = b.tensor(v_cache, "v_cache");
+  const TensorView table = b.tensor(block_table, "block_table");
+  const int64_t keys = to_int(k_len, "k_len");
+  const TensorView sums = b.tensor(attn_sums, "attn_sums", true);
+  const TensorView mask = b.tensor(block_mask, "block_mask", true);
+  const TensorView o = b.tensor(out, "out", true);
+  const std::optional<TensorView> l = b.optional_tensor(lse, "lse", true);
+  XAttnPrefillOptions opts;
+  static_cast<XAttnEstimateOptions&>(opts) =
+      estimate_options(threshold, head_thresholds, causal, keep_sink, keep_recent, block_size,
+                       stride, norm, chunk_size, select_mode, backend, stream);
+  opts.softmax_scale = optional_float(softmax_scale, "softmax_scale");
+  call_with_python_names({{"query", "query_states"}, kThreshold}, [&] {
+    xattention_prefill_paged(q, kc, vc, table, keys, sums, mask, o, l, opts);
+  });
+}
+
 }  // namespace
 
 void bind_xattn(nb::module_& m) {
@@ -239,6 +264,10 @@ void bind_xattn(nb::module_& m) {
   def(m, "xattention_prefill", &prefill, "query", "key", "value", "attn_sums", "block_mask", "out",
       "lse", "threshold", "head_thresholds", "causal", "keep_sink", "keep_recent", "block_size",
       "stride", "norm", "chunk_size", "select_mode", "softmax_scale", "backend", "stream");
+  def(m, "xattention_prefill_paged", &prefill_paged, "query", "k_cache", "v_cache", "block_table",
+      "k_len", "attn_sums", "block_mask", "out", "lse", "threshold", "head_thresholds", "causal",
+      "keep_sink", "keep_recent", "block_size", "stride", "norm", "chunk_size", "select_mode",
+      "softmax_scale", "backend", "stream");
   m.attr("BLOCK_SPARSE_BLOCK_SIZE") = kBlockSparseBlockSize;
 }
 

@@ -20,5 +20,9 @@ void native_find_blocks(const BlockSelectParams&) { no_cuda("find_blocks_chunked
 void native_block_sparse_attention(const BlockSparseAttnParams&) {
   no_cuda("block_sparse_attention");
 }
+void native_gather_pages(const PagedGatherParams&,
+                         const std::function<void(const void*, const void*)>&) {
+  no_cuda("xattention_prefill_paged");
+}
 
 }  // namespace sparse_attn

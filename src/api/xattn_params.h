@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
 #include "api/meta_ptr.h"
 #include "sparse_attn/tensor.h"
@@ -174,6 +175,26 @@ struct BlockSparseAttnParams {
 // validated params, every tensor on one CUDA device.
 void native_xattn_estimate(const XAttnEstimateParams& params);  // sums, then the selection
 void native_find_blocks(const BlockSelectParams& params);
+
+// xattention_prefill_paged's gather: keys [0, k_len) of every request from their pages into
+// contiguous K and V buffers [batch, k_len, Hkv, D].
+struct PagedGatherParams {
+  const void* k_cache = nullptr;  // [num_pages, page_size, Hkv, D], head dim contiguous
+  const void* v_cache = nullptr;  // the same shape
+  int64_t k_stride[3] = {};       // (page, slot, head), elements
+  int64_t v_stride[3] = {};
+  MetaPtr block_table;  // [batch, max_pages]; ids outside [0, num_pages) read as zero rows
+  int64_t block_table_stride[2] = {};
+  int64_t batch = 0, k_len = 0, page_size = 0, num_pages = 0, num_kv_heads = 0, head_dim = 0;
+  DType dtype = DType::kBF16;  // bf16 or fp16
+  int device_index = 0;
+  void* stream = nullptr;
+};
+
+// Gathers into stream-ordered scratch, calls `use(k, v)` with the two contiguous buffers (it
+// enqueues the work that reads them on the same stream), then frees the scratch on the stream.
+void native_gather_pages(const PagedGatherParams& params,
+                         const std::function<void(const void* k, const void* v)>& use);
 void native_block_sparse_attention(const BlockSparseAttnParams& params);
 
 }  // namespace sparse_attn

@@ -2,11 +2,14 @@
 // docs/xattention.md independently of src/reference.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <exception>
 #include <functional>
 #include <limits>
+#include <numeric>
+#include <random>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -157,5 +160,42 @@ inline std::vector<std::vector<AttnRow>> expected_attention(const AttnSequence& 
 }
 
 using testing::expect_error;
+
+// A paged KV cache of `batch` requests of k_len keys (bf16, uniform in [-1, 1]): one
+// [pages, page_size, Hkv, 2 D] buffer holding K in the first D features and V in the last (as
+// engines keep them), each request's pages at shuffled ids with a spare table slot of -1 past
+// them; and the same keys and values as contiguous host tensors [batch, Hkv, k_len, D].
+struct PagedCache {
+  Tensor cache, table, key, value;
+  TensorView k_cache, v_cache;
+
+  PagedCache(int64_t batch, int64_t hkv, int64_t dim, int64_t page_size, int64_t k_len,
+             std::mt19937_64& rng) {
+    const int64_t per_req = (k_len + page_size - 1) / page_size, pages = batch * per_req + 3;
+    cache = testing::random_tensor({pages, page_size, hkv, 2 * dim}, DType::kBF16, rng);
+    k_cache = cache.view().narrow(3, 0, dim);
+    v_cache = cache.view().narrow(3, dim, dim);
+    std::vector<int32_t> ids(static_cast<size_t>(pages));
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    std::vector<int32_t> slots;
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t p = 0; p <= per_req; ++p)
+        slots.push_back(p < per_req ? ids[b * per_req + p] : -1);
+    table = testing::int32_tensor({batch, per_req + 1}, slots);
+    key = Tensor::empty({batch, hkv, k_len, dim}, DType::kBF16);
+    value = Tensor::empty({batch, hkv, k_len, dim}, DType::kBF16);
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t t = 0; t < k_len; ++t) {
+        const int64_t page = slots[b * (per_req + 1) + t / page_size];
+        for (int64_t h = 0; h < hkv; ++h) {
+          copy_into(key.view().select(0, b).select(0, h).select(0, t),
+                    k_cache.select(0, page).select(0, t % page_size).select(0, h));
+          copy_into(value.view().select(0, b).select(0, h).select(0, t),
+                    v_cache.select(0, page).select(0, t % page_size).select(0, h));
+        }
+      }
+  }
+};
 
 }  // namespace sparse_attn::xattn_testing

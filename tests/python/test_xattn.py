@@ -232,3 +232,41 @@ def test_errors_name_the_argument(call, kind, name):
     q = randn((1, 1, 128, 16), torch.float32, "cpu")
     with pytest.raises(kind, match=name):
         call(q)
+
+
+@pytest.mark.parametrize("device,backend,dtype", cases(("bf16",)))
+@pytest.mark.parametrize("page_size", [96, 800])
+def test_xattention_prefill_paged_is_the_prefill_of_the_pages_keys(device, backend, dtype,
+                                                                     page_size):
+    dt = FLOAT_DTYPES[dtype]
+    B, hq, hkv, lq, lk, d = 2, 4, 2, 200, 900, 64
+    q = randn((B, hq, lq, d), dt, device)
+    per_req = cdiv(lk, page_size)
+    # K and V as the two halves of one [pages, page, Hkv, 2 D] cache; request pages shuffled.
+    cache = randn((B * per_req + 1, page_size, hkv, 2 * d), dt, device)
+    k_cache, v_cache = cache[..., :d], cache[..., d:]
+    perm = torch.randperm(B * per_req, generator=torch.Generator().manual_seed(0))
+    table = perm.view(B, per_req).to(torch.int32).to(device)
+    gather = lambda c: torch.stack([c[table[b].long()].reshape(-1, hkv, d)[:lk] for b in range(B)]
+                                   ).transpose(1, 2)
+    out = call_native_or_skip(lambda: sparse_attn.xattention_prefill_paged(
+        q, k_cache, v_cache, table, lk, 8, threshold=0.8, backend=backend), backend)
+    want = sparse_attn.Xattention_prefill(q, gather(k_cache), gather(v_cache), 8, threshold=0.8,
+                                          backend=backend)
+    assert torch.equal(out, want)
+
+
+def test_xattention_prefill_paged_names_bad_arguments():
+    q = randn((1, 2, 64, 32), torch.float32, "cpu")
+    cache = randn((2, 64, 2, 32), torch.float32, "cpu")
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="^k_len"):
+        sparse_attn.xattention_prefill_paged(q, cache, cache, table, 129, 8, backend="reference")
+    bad_table = torch.tensor([[0, 5]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="^block_table"):
+        sparse_attn.xattention_prefill_paged(q, cache, cache, bad_table, 100, 8, backend="reference")
+    with pytest.raises(TypeError, match="^k_len"):
+        sparse_attn.xattention_prefill_paged(q, cache, cache, table, 100.0, 8, backend="reference")
+    with pytest.raises(ValueError, match="^block_size"):
+        sparse_attn.xattention_prefill_paged(q, cache, cache, table, 100, 8, block_size=0,
+                                             backend="reference")
