@@ -289,6 +289,46 @@ TEST(GpuXAttnEstimateRuns, PrefillIsTheNativeEstimateThenBlockSparseAttention) {
   for (double x : host_values(lse.view())) ASSERT_TRUE(std::isfinite(x));
 }
 
+// docs/xattention.md's chunking rule, natively: a causal query chunk [c, c + m) against keys
+// [0, c + m), c a multiple of 128 and c + m one too or the prompt's end, gives bitwise the
+// whole-prompt call's sums, mask, output and LSE rows.
+TEST(GpuXAttnEstimateRuns, ChunkedPrefillGivesTheWholePromptsRows) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  EstimateCase c;
+  c.lq = c.lk = 1000;
+  EstimateRun r = make_run(c, false);
+  auto rng = testing::make_rng();
+  Tensor dv = to_device(testing::random_tensor(r.k.shape(), c.dtype, rng));
+  XAttnPrefillOptions po;
+  static_cast<XAttnEstimateOptions&>(po) = r.o;
+  const auto prefill = [&](int64_t c0, int64_t end) {
+    const TensorView q = r.dq.narrow(2, c0, end - c0), k = r.dk.narrow(2, 0, end),
+                     v = dv.view().narrow(2, 0, end);
+    const Shape shape = xattn_estimate_shape(q, k, po);
+    std::vector<Tensor> o = {testing::poisoned_device(shape, DType::kF32),
+                             testing::poisoned_device(shape, DType::kBool),
+                             testing::poisoned_device(q.shape(), c.dtype),
+                             testing::poisoned_device({1, c.hq, end - c0}, DType::kF32)};
+    xattention_prefill(q, k, v, o[0], o[1], o[2], o[3].view(), po);
+    return o;
+  };
+  const std::vector<Tensor> whole = prefill(0, 1000);
+  for (const auto& [c0, end] : {std::pair<int64_t, int64_t>{384, 1000}, {128, 640}}) {
+    SCOPED_TRACE("chunk [" + std::to_string(c0) + ", " + std::to_string(end) + ")");
+    const std::vector<Tensor> chunk = prefill(c0, end);
+    const int64_t qb0 = c0 / 128, qbs = (end - c0 + 127) / 128, kbs = (end + 127) / 128;
+    for (int i = 0; i < 2; ++i) {  // sums, mask: the chunk's query blocks and its key blocks
+      EXPECT_EQ(host_values(chunk[i].view()),
+                host_values(whole[i].view().narrow(2, qb0, qbs).narrow(3, 0, kbs)))
+          << (i == 0 ? "attn_sums" : "block_mask");
+    }
+    EXPECT_EQ(host_values(chunk[2].view()), host_values(whole[2].view().narrow(2, c0, end - c0)))
+        << "out";
+    EXPECT_EQ(host_values(chunk[3].view()), host_values(whole[3].view().narrow(2, c0, end - c0)))
+        << "lse";
+  }
+}
+
 TEST(GpuXAttnEstimateRuns, UnsupportedGeometriesRaiseNotSupported) {
   SPARSE_ATTN_REQUIRE_GPU();
   EstimateCase c;
