@@ -291,8 +291,8 @@ TEST(GpuXAttnEstimateRuns, PrefillIsTheNativeEstimateThenBlockSparseAttention) {
 
 // docs/xattention.md's chunking rule, natively: a causal query chunk [c, c + m) against keys
 // [0, c + m), c a multiple of 128 and c + m one too or the prompt's end, gives bitwise the
-// whole-prompt call's sums, mask, output and LSE rows.
-TEST(GpuXAttnEstimateRuns, ChunkedPrefillGivesTheWholePromptsRows) {
+// whole-prompt call's sums and mask rows, and its output and LSE rows within rounding.
+TEST(GpuXAttnEstimateRuns, ChunkedPrefillGivesTheWholePromptsMaskRows) {
   SPARSE_ATTN_REQUIRE_GPU();
   EstimateCase c;
   c.lq = c.lk = 1000;
@@ -322,10 +322,21 @@ TEST(GpuXAttnEstimateRuns, ChunkedPrefillGivesTheWholePromptsRows) {
                 host_values(whole[i].view().narrow(2, qb0, qbs).narrow(3, 0, kbs)))
           << (i == 0 ? "attn_sums" : "block_mask");
     }
-    EXPECT_EQ(host_values(chunk[2].view()), host_values(whole[2].view().narrow(2, c0, end - c0)))
-        << "out";
-    EXPECT_EQ(host_values(chunk[3].view()), host_values(whole[3].view().narrow(2, c0, end - c0)))
-        << "lse";
+    // Outputs and LSE within rounding: the attention kernel splits the keys by the call's shape
+    // (fewer query tiles, more splits), so the order of its sums differs.
+    for (int i = 2; i < 4; ++i) {
+      const std::vector<double> got = host_values(chunk[i].view()),
+                                want = host_values(whole[i].view().narrow(2, c0, end - c0));
+      ASSERT_EQ(got.size(), want.size());
+      int64_t bad = 0;
+      for (size_t j = 0; j < want.size(); ++j) {
+        const double tol = i == 2 ? 1e-2 * std::abs(want[j]) + 1e-3 : 1e-5 * std::abs(want[j]);
+        if (!(std::abs(got[j] - want[j]) <= tol) && ++bad <= 3) {
+          ADD_FAILURE() << (i == 2 ? "out " : "lse ") << j << ": " << got[j] << " vs " << want[j];
+        }
+      }
+      EXPECT_EQ(bad, 0);
+    }
   }
 }
 
