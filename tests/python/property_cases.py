@@ -1581,6 +1581,100 @@ def prefill_case(draw):
     return Case(sparse_attn.Xattention_prefill, kw, args, check, written, extras)
 
 
+@st.composite
+def prefill_paged_case(draw):
+    """xattention_prefill_paged: a valid Xattention_prefill call whose keys and values live in
+    a paged cache (shuffled page ids, spare slots of -1, any page size); its oracle is
+    Xattention_prefill on the gathered keys (bitwise: the same computation)."""
+    rng = Rng(draw)
+    dt = draw(st.sampled_from([BF16, F16, F32]))
+    B, hkv = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    hq = hkv * draw(st.integers(1, 2))
+    D = draw(st.sampled_from([8, 16]))
+    stride = draw(st.sampled_from([4, 8, 16]))
+    causal, keep_sink, keep_recent = (draw(st.booleans()) for _ in range(3))
+    lengths = st.sampled_from([1, 7, 128, 129, 200, 300])
+    Lk = draw(lengths)
+    Lq = draw(lengths.filter(lambda n: n <= Lk) if causal or keep_recent else lengths)
+    page_size = draw(st.sampled_from([1, 5, 64, 128, 300]))
+    per_req = cdiv(Lk, page_size)
+    num_pages = B * per_req + draw(st.integers(0, 2))
+    order = rng.perm(num_pages)
+    table = torch.full((B, per_req + draw(st.integers(0, 1))), -1, dtype=I32)
+    for b in range(B):
+        table[b, :per_req] = torch.as_tensor(order[b * per_req:(b + 1) * per_req])
+    cache = rng.randn((num_pages, page_size, hkv, 2 * D), dt)
+    k_cache, v_cache = cache[..., :D], cache[..., D:]
+    _, query = bhld(draw, rng, (B, hq, Lq, D), dt)
+    threshold, thresholds = draw_threshold(draw, rng, hq)
+    kw = dict(query_states=query, k_cache=k_cache, v_cache=v_cache,
+              block_table=maybe_strided(draw, table), k_len=Lk, stride=stride,
+              norm=draw(st.sampled_from([1, 0.5, 2.0])), threshold=threshold, causal=causal,
+              keep_sink=keep_sink, keep_recent=keep_recent, backend="reference")
+    if draw(st.booleans()):
+        kw["chunk_size"] = 128 * draw(st.integers(1, 3))
+    if draw(st.booleans()):
+        kw["softmax_scale"] = draw(st.sampled_from([0.1, 0.5]))
+    kw["out"] = out_arg(draw, (B, hq, Lq, D), dt)
+    if draw(st.booleans()):
+        kw["lse"] = poisoned_view((B, hq, Lq), F32, draw(st.booleans()))
+
+    def gathered(c):
+        return torch.stack([c[table[b, :per_req].long()].reshape(-1, hkv, D)[:Lk]
+                            for b in range(B)]).transpose(1, 2)
+
+    def check(result, kw):
+        check_out_identity(result, kw.get("out"))
+        assert result.shape == (B, hq, Lq, D) and result.dtype == dt
+        lse = None if kw.get("lse") is None else torch.empty((B, hq, Lq), dtype=F32)
+        options = {name: kw[name] for name in ("stride", "norm", "threshold", "causal",
+                                               "keep_sink", "keep_recent", "backend")}
+        for name in ("chunk_size", "softmax_scale"):
+            if name in kw:
+                options[name] = kw[name]
+        want = sparse_attn.Xattention_prefill(kw["query_states"], gathered(k_cache),
+                                              gathered(v_cache), lse=lse, **options)
+        assert torch.equal(result, want)
+        if lse is not None:
+            assert torch.equal(kw["lse"], lse)
+
+    def written(result, kw):
+        return [result] + ([kw["lse"]] if kw.get("lse") is not None else [])
+
+    per_head = not isinstance(threshold, (int, float))
+    given = kw["out"] is not None or kw.get("lse") is not None
+    args = {
+        "query_states": Arg((dt,), (4,), pinned=(0, 3) + ((1,) if per_head else ())
+                            + ((1, 2) if given else ())),
+        "k_cache": Arg((dt,), (4,), pinned=(1, 2, 3)),
+        "v_cache": Arg((dt,), (4,), pinned=(0, 1, 2, 3)),
+        "block_table": Arg(META, (2,), pinned=(0,)),
+        "k_len": Value(kind=[1.5, str(Lk), None], value=[-1, 2**63, (per_req + 1) * page_size * 2]
+                       + ([Lq - 1] if (causal or keep_recent) and Lq >= 1 else [])),
+        "stride": Value(kind=[True, float(stride), str(stride), None],
+                        value=[0, -1, 3, 256, 2**63]),
+        "norm": Value(kind=["1", True, None], value=FINITE_POSITIVE_VALUES),
+        "threshold": Value(kind=THRESHOLD_KIND, value=threshold_values(hq)),
+        "block_size": Value(kind=[True, 128.0, "128", None], value=[64, 0, -128, 256, 2**63]),
+        "chunk_size": Value(kind=[True, 1.5, "x"], value=[0, -128, 100, 2**63]),
+        "softmax_scale": Value(kind=FLOAT_KIND, value=FINITE_POSITIVE_VALUES),
+        "backend": BACKEND,
+        "out": Arg((dt,), (4,), pinned=(0, 1, 2, 3), out=True, required=False,
+                   make=lambda: torch.empty((B, hq, Lq, D), dtype=dt)),
+        "lse": Arg((F32,), (3,), pinned=(0, 1, 2), out=True, required=False,
+                   make=lambda: torch.empty((B, hq, Lq), dtype=F32)),
+        **{flag: Value(kind=BOOL_KIND) for flag in BOOL_FLAGS},
+    }
+
+    def bad_page(kw):
+        t = table.clone()
+        t[0, 0] = num_pages
+        return {**kw, "block_table": t}
+
+    extras = [("a used page id past the cache", bad_page)]
+    return Case(sparse_attn.xattention_prefill_paged, kw, args, check, written, extras)
+
+
 # Every public function of the package and the builder of its valid calls.
 BUILDERS = {
     "qsa_indexer_mqa_score": indexer_score_case,
@@ -1598,4 +1692,5 @@ BUILDERS = {
     "block_sparse_attn_func": block_sparse_case,
     "block_sparse_attn_paged_func": lambda: block_sparse_case(paged=True),
     "Xattention_prefill": prefill_case,
+    "xattention_prefill_paged": prefill_paged_case,
 }
