@@ -196,6 +196,19 @@ void attention_paged(handle q, handle k_cache, handle v_cache, handle block_tabl
   block_sparse_attention_paged(qv, kc, vc, table, lens, cu_q, mask, max_q, max_k, o, l, opts);
 }
 
+XAttnPrefillOptions prefill_options(handle threshold, handle head_thresholds, handle causal,
+                                    handle keep_sink, handle keep_recent, handle block_size,
+                                    handle stride, handle norm, handle chunk_size,
+                                    handle select_mode, handle softmax_scale, handle backend,
+                                    handle stream) {
+  XAttnPrefillOptions opts;
+  static_cast<XAttnEstimateOptions&>(opts) =
+      estimate_options(threshold, head_thresholds, causal, keep_sink, keep_recent, block_size,
+                       stride, norm, chunk_size, select_mode, backend, stream);
+  opts.softmax_scale = optional_float(softmax_scale, "softmax_scale");
+  return opts;
+}
+
 void prefill(handle query, handle key, handle value, handle attn_sums, handle block_mask,
              handle out, handle lse, handle threshold, handle head_thresholds, handle causal,
              handle keep_sink, handle keep_recent, handle block_size, handle stride, handle norm,
@@ -209,11 +222,9 @@ void prefill(handle query, handle key, handle value, handle attn_sums, handle bl
   const TensorView mask = b.tensor(block_mask, "block_mask", true);
   const TensorView o = b.tensor(out, "out", true);
   const std::optional<TensorView> l = b.optional_tensor(lse, "lse", true);
-  XAttnPrefillOptions opts;
-  static_cast<XAttnEstimateOptions&>(opts) =
-      estimate_options(threshold, head_thresholds, causal, keep_sink, keep_recent, block_size,
-                       stride, norm, chunk_size, select_mode, backend, stream);
-  opts.softmax_scale = optional_float(softmax_scale, "softmax_scale");
+  const XAttnPrefillOptions opts =
+      prefill_options(threshold, head_thresholds, causal, keep_sink, keep_recent, block_size,
+                      stride, norm, chunk_size, select_mode, softmax_scale, backend, stream);
   call_with_python_names(
       {{"query", "query_states"}, {"key", "key_states"}, {"value", "value_states"}, kThreshold},
       [&] { xattention_prefill(q, k, v, sums, mask, o, l, opts); });
@@ -234,11 +245,9 @@ void prefill_paged(handle query, handle k_cache, handle v_cache, handle block_ta
   const TensorView mask = b.tensor(block_mask, "block_mask", true);
   const TensorView o = b.tensor(out, "out", true);
   const std::optional<TensorView> l = b.optional_tensor(lse, "lse", true);
-  XAttnPrefillOptions opts;
-  static_cast<XAttnEstimateOptions&>(opts) =
-      estimate_options(threshold, head_thresholds, causal, keep_sink, keep_recent, block_size,
-                       stride, norm, chunk_size, select_mode, backend, stream);
-  opts.softmax_scale = optional_float(softmax_scale, "softmax_scale");
+  const XAttnPrefillOptions opts =
+      prefill_options(threshold, head_thresholds, causal, keep_sink, keep_recent, block_size,
+                      stride, norm, chunk_size, select_mode, softmax_scale, backend, stream);
   call_with_python_names({{"query", "query_states"}, kThreshold}, [&] {
     xattention_prefill_paged(q, kc, vc, table, keys, sums, mask, o, l, opts);
   });

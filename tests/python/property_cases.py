@@ -1505,6 +1505,27 @@ def block_sparse_case(draw, paged=False):
     return Case(fn, kw, args, check, written, extras)
 
 
+def prefill_option_args(dt, q_shape, stride):
+    """The Arg/Value specs Xattention_prefill and xattention_prefill_paged share: the estimate
+    and attention options, and the out= / lse= outputs of a query of q_shape [B, Hq, Lq, D]."""
+    B, hq, Lq, D = q_shape
+    return {
+        "stride": Value(kind=[True, float(stride), str(stride), None],
+                        value=[0, -1, 3, 256, 2**63]),
+        "norm": Value(kind=["1", True, None], value=FINITE_POSITIVE_VALUES),
+        "threshold": Value(kind=THRESHOLD_KIND, value=threshold_values(hq)),
+        "block_size": Value(kind=[True, 128.0, "128", None], value=[64, 0, -128, 256, 2**63]),
+        "chunk_size": Value(kind=[True, 1.5, "x"], value=[0, -128, 100, 2**63]),
+        "softmax_scale": Value(kind=FLOAT_KIND, value=FINITE_POSITIVE_VALUES),
+        "backend": BACKEND,
+        "out": Arg((dt,), (4,), pinned=(0, 1, 2, 3), out=True, required=False,
+                   make=lambda: torch.empty((B, hq, Lq, D), dtype=dt)),
+        "lse": Arg((F32,), (3,), pinned=(0, 1, 2), out=True, required=False,
+                   make=lambda: torch.empty((B, hq, Lq), dtype=F32)),
+        **{flag: Value(kind=BOOL_KIND) for flag in BOOL_FLAGS},
+    }
+
+
 @st.composite
 def prefill_case(draw):
     rng = Rng(draw)
@@ -1558,20 +1579,8 @@ def prefill_case(draw):
                             + ((1, 2) if given else ())),
         "key_states": Arg((dt,), (4,), pinned=(0, 1, 2, 3)),
         "value_states": Arg((dt,), (4,), pinned=(0, 1, 2, 3)),
-        "stride": Value(kind=[True, float(stride), str(stride), None],
-                        value=[0, -1, 3, 256, 2**63]),
-        "norm": Value(kind=["1", True, None], value=FINITE_POSITIVE_VALUES),
-        "threshold": Value(kind=THRESHOLD_KIND, value=threshold_values(hq)),
-        "block_size": Value(kind=[True, 128.0, "128", None], value=[64, 0, -128, 256, 2**63]),
         "kdb": Value(value=[2, 0, -1, 1.5]),
-        "chunk_size": Value(kind=[True, 1.5, "x"], value=[0, -128, 100, 2**63]),
-        "softmax_scale": Value(kind=FLOAT_KIND, value=FINITE_POSITIVE_VALUES),
-        "backend": BACKEND,
-        "out": Arg((dt,), (4,), pinned=(0, 1, 2, 3), out=True, required=False,
-                   make=lambda: torch.empty((B, hq, Lq, D), dtype=dt)),
-        "lse": Arg((F32,), (3,), pinned=(0, 1, 2), out=True, required=False,
-                   make=lambda: torch.empty((B, hq, Lq), dtype=F32)),
-        **{flag: Value(kind=BOOL_KIND) for flag in BOOL_FLAGS},
+        **prefill_option_args(dt, (B, hq, Lq, D), stride),
     }
     extras = []
     if (causal or keep_recent) and Lq >= 2:
@@ -1651,19 +1660,7 @@ def prefill_paged_case(draw):
         "block_table": Arg(META, (2,), pinned=(0,)),
         "k_len": Value(kind=[1.5, str(Lk), None], value=[-1, 2**63, (per_req + 1) * page_size * 2]
                        + ([Lq - 1] if (causal or keep_recent) and Lq >= 1 else [])),
-        "stride": Value(kind=[True, float(stride), str(stride), None],
-                        value=[0, -1, 3, 256, 2**63]),
-        "norm": Value(kind=["1", True, None], value=FINITE_POSITIVE_VALUES),
-        "threshold": Value(kind=THRESHOLD_KIND, value=threshold_values(hq)),
-        "block_size": Value(kind=[True, 128.0, "128", None], value=[64, 0, -128, 256, 2**63]),
-        "chunk_size": Value(kind=[True, 1.5, "x"], value=[0, -128, 100, 2**63]),
-        "softmax_scale": Value(kind=FLOAT_KIND, value=FINITE_POSITIVE_VALUES),
-        "backend": BACKEND,
-        "out": Arg((dt,), (4,), pinned=(0, 1, 2, 3), out=True, required=False,
-                   make=lambda: torch.empty((B, hq, Lq, D), dtype=dt)),
-        "lse": Arg((F32,), (3,), pinned=(0, 1, 2), out=True, required=False,
-                   make=lambda: torch.empty((B, hq, Lq), dtype=F32)),
-        **{flag: Value(kind=BOOL_KIND) for flag in BOOL_FLAGS},
+        **prefill_option_args(dt, (B, hq, Lq, D), stride),
     }
 
     def bad_page(kw):
