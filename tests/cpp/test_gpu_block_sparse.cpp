@@ -253,9 +253,8 @@ struct PaddedProblem {
   }
 };
 
-// The padded layout of xattention_prefill's attention step (its estimate has no native kernel
-// yet, so the step is called through the backend entry), against the reference on the same
-// params.
+// The padded layout of xattention_prefill's attention step, called through the backend entry
+// (so that the mask is the test's, not an estimate's), against the reference on the same params.
 TEST(GpuBlockSparsePadded, PrefillLayoutMatchesReference) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = testing::make_rng();
