@@ -229,7 +229,8 @@ void xattention_prefill_paged(const TensorView& query, const TensorView& k_cache
   // buffers: overlaps of the outputs with the caller's inputs are checked here.
   const TensorView gathered(k_cache.data(), query.dtype(), query.device(), {B, Hkv, k_len, D},
                             {0, 0, 0, 1});
-  check_prefill(query, gathered, gathered, attn_sums, block_mask, out, lse, options);
+  const XAttnEstimateParams e =
+      check_prefill(query, gathered, gathered, attn_sums, block_mask, out, lse, options);
   for (const auto& [t, name] : {std::pair{query, "query"},
                                 {k_cache, "k_cache"},
                                 {v_cache, "v_cache"},
@@ -246,6 +247,7 @@ void xattention_prefill_paged(const TensorView& query, const TensorView& k_cache
     detail::check_native_block_sparse(
         {{&query, "query"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&out, "out"}}, Hq,
         "xattention_prefill_paged");
+    detail::check_native_estimate(query, gathered, e, "xattention_prefill_paged");
     PagedGatherParams g;
     g.k_cache = k_cache.data();
     g.v_cache = v_cache.data();

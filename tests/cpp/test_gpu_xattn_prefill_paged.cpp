@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "gpu_test_util.h"
+#include "sparse_attn/errors.h"
 #include "sparse_attn/xattn.h"
 #include "test_util.h"
 #include "test_xattn_util.h"
@@ -94,6 +95,26 @@ TEST(GpuXAttnPrefillPagedBroken, PageIdsOutsideTheCacheReadZeros) {
   xattention_prefill_paged(dq, dcache.view().narrow(3, 0, kD), dcache.view().narrow(3, kD, kD),
                            dtable, 2500, o.sums, o.mask, o.out, o.lse.view());
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+// What the native estimate does not take is refused before the gather runs.
+TEST(GpuXAttnPrefillPagedBroken, UnsupportedStrideIsRefusedBeforeAnyWork) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = testing::make_rng();
+  const PagedCache c(kB, kHkv, kD, 800, 2500, rng);
+  const Tensor q = testing::random_tensor({kB, kHq, kLq, kD}, DType::kBF16, rng);
+  const Tensor dq = to_device(q), dcache = to_device(c.cache), dtable = to_device(c.table);
+  XAttnPrefillOptions o;
+  o.stride = 2;  // 64 groups a block
+  const Shape shape = xattn_estimate_shape(q, c.key, o);
+  DeviceOutputs out(shape, q.shape());
+  testing::expect_error<NotSupportedError>(
+      [&] {
+        xattention_prefill_paged(dq, dcache.view().narrow(3, 0, kD),
+                                 dcache.view().narrow(3, kD, kD), dtable, 2500, out.sums, out.mask,
+                                 out.out, out.lse.view(), o);
+      },
+      "block_size");
 }
 
 }  // namespace
