@@ -179,14 +179,14 @@ void native_find_blocks(const BlockSelectParams& params);
 // xattention_prefill_paged's gather: keys [0, k_len) of every request from their pages into
 // contiguous K and V buffers [batch, k_len, Hkv, D].
 struct PagedGatherParams {
-  const void* k_cache = nullptr;  // [num_pages, page_size, Hkv, D], head dim contiguous
+  // [num_pages, page_size, Hkv, D], head dim contiguous; bf16 or fp16, copied as 16-bit words
+  const void* k_cache = nullptr;
   const void* v_cache = nullptr;  // the same shape
   int64_t k_stride[3] = {};       // (page, slot, head), elements
   int64_t v_stride[3] = {};
   MetaPtr block_table;  // [batch, max_pages]; ids outside [0, num_pages) read as zero rows
   int64_t block_table_stride[2] = {};
   int64_t batch = 0, k_len = 0, page_size = 0, num_pages = 0, num_kv_heads = 0, head_dim = 0;
-  DType dtype = DType::kBF16;  // bf16 or fp16
   int device_index = 0;
   void* stream = nullptr;
 };

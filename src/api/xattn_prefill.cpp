@@ -261,7 +261,6 @@ void xattention_prefill_paged(const TensorView& query, const TensorView& k_cache
     g.num_pages = pages;
     g.num_kv_heads = Hkv;
     g.head_dim = D;
-    g.dtype = dtype;
     g.device_index = dev.index;
     g.stream = options.stream;
     native_gather_pages(g, [&](const void* k, const void* v) {
