@@ -1505,6 +1505,38 @@ def block_sparse_case(draw, paged=False):
     return Case(fn, kw, args, check, written, extras)
 
 
+def draw_prefill_geometry(draw):
+    """(dtype, B, Hkv, Hq, D, stride, causal, keep_sink, keep_recent, Lk, Lq) of a valid
+    prefill call of either form: Lq <= Lk where causal or keep_recent ask for it."""
+    dt = draw(st.sampled_from([BF16, F16, F32]))
+    B, hkv = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    hq = hkv * draw(st.integers(1, 2))
+    D = draw(st.sampled_from([8, 16]))
+    stride = draw(st.sampled_from([4, 8, 16]))
+    causal, keep_sink, keep_recent = (draw(st.booleans()) for _ in range(3))
+    lengths = st.sampled_from([1, 7, 128, 129, 200, 256, 300])
+    Lk = draw(lengths)
+    Lq = draw(lengths.filter(lambda n: n <= Lk) if causal or keep_recent else lengths)
+    return dt, B, hkv, hq, D, stride, causal, keep_sink, keep_recent, Lk, Lq
+
+
+def draw_prefill_options(draw, dt, q_shape, stride, threshold, flags):
+    """The keyword arguments both prefill forms share, drawn: the estimate's and attention's
+    options (chunk_size and softmax_scale sometimes left out), out= and sometimes lse=."""
+    B, hq, Lq, D = q_shape
+    causal, keep_sink, keep_recent = flags
+    kw = dict(stride=stride, norm=draw(st.sampled_from([1, 0.5, 2.0])), threshold=threshold,
+              causal=causal, keep_sink=keep_sink, keep_recent=keep_recent, backend="reference")
+    if draw(st.booleans()):
+        kw["chunk_size"] = 128 * draw(st.integers(1, 3))
+    if draw(st.booleans()):
+        kw["softmax_scale"] = draw(st.sampled_from([0.1, 0.5]))
+    kw["out"] = out_arg(draw, q_shape, dt)
+    if draw(st.booleans()):
+        kw["lse"] = poisoned_view((B, hq, Lq), F32, draw(st.booleans()))
+    return kw
+
+
 def prefill_option_args(dt, q_shape, stride):
     """The Arg/Value specs Xattention_prefill and xattention_prefill_paged share: the estimate
     and attention options, and the out= / lse= outputs of a query of q_shape [B, Hq, Lq, D]."""
@@ -1529,29 +1561,14 @@ def prefill_option_args(dt, q_shape, stride):
 @st.composite
 def prefill_case(draw):
     rng = Rng(draw)
-    dt = draw(st.sampled_from([BF16, F16, F32]))
-    B, hkv = draw(st.integers(1, 2)), draw(st.integers(1, 2))
-    hq = hkv * draw(st.integers(1, 2))
-    D = draw(st.sampled_from([8, 16]))
-    stride = draw(st.sampled_from([4, 8, 16]))
-    causal, keep_sink, keep_recent = (draw(st.booleans()) for _ in range(3))
-    lengths = st.sampled_from([1, 7, 128, 129, 200, 256, 300])
-    Lk = draw(lengths)
-    Lq = draw(lengths.filter(lambda n: n <= Lk) if causal or keep_recent else lengths)
+    dt, B, hkv, hq, D, stride, causal, keep_sink, keep_recent, Lk, Lq = draw_prefill_geometry(draw)
     q, query = bhld(draw, rng, (B, hq, Lq, D), dt)
     k, key = bhld(draw, rng, (B, hkv, Lk, D), dt)
     v, value = bhld(draw, rng, (B, hkv, Lk, D), dt)
     threshold, thresholds = draw_threshold(draw, rng, hq)
-    kw = dict(query_states=query, key_states=key, value_states=value, stride=stride,
-              norm=draw(st.sampled_from([1, 0.5, 2.0])), threshold=threshold, causal=causal,
-              keep_sink=keep_sink, keep_recent=keep_recent, backend="reference")
-    if draw(st.booleans()):
-        kw["chunk_size"] = 128 * draw(st.integers(1, 3))
-    if draw(st.booleans()):
-        kw["softmax_scale"] = draw(st.sampled_from([0.1, 0.5]))
-    kw["out"] = out_arg(draw, (B, hq, Lq, D), dt)
-    if draw(st.booleans()):
-        kw["lse"] = poisoned_view((B, hq, Lq), F32, draw(st.booleans()))
+    kw = dict(query_states=query, key_states=key, value_states=value,
+              **draw_prefill_options(draw, dt, (B, hq, Lq, D), stride, threshold,
+                                     (causal, keep_sink, keep_recent)))
     scale = kw.get("softmax_scale", 1 / math.sqrt(D))
 
     def check(result, kw):
@@ -1596,15 +1613,7 @@ def prefill_paged_case(draw):
     a paged cache (shuffled page ids, spare slots of -1, any page size); its oracle is
     Xattention_prefill on the gathered keys (bitwise: the same computation)."""
     rng = Rng(draw)
-    dt = draw(st.sampled_from([BF16, F16, F32]))
-    B, hkv = draw(st.integers(1, 2)), draw(st.integers(1, 2))
-    hq = hkv * draw(st.integers(1, 2))
-    D = draw(st.sampled_from([8, 16]))
-    stride = draw(st.sampled_from([4, 8, 16]))
-    causal, keep_sink, keep_recent = (draw(st.booleans()) for _ in range(3))
-    lengths = st.sampled_from([1, 7, 128, 129, 200, 300])
-    Lk = draw(lengths)
-    Lq = draw(lengths.filter(lambda n: n <= Lk) if causal or keep_recent else lengths)
+    dt, B, hkv, hq, D, stride, causal, keep_sink, keep_recent, Lk, Lq = draw_prefill_geometry(draw)
     page_size = draw(st.sampled_from([1, 5, 64, 128, 300]))
     per_req = cdiv(Lk, page_size)
     num_pages = B * per_req + draw(st.integers(0, 2))
@@ -1617,16 +1626,9 @@ def prefill_paged_case(draw):
     _, query = bhld(draw, rng, (B, hq, Lq, D), dt)
     threshold, thresholds = draw_threshold(draw, rng, hq)
     kw = dict(query_states=query, k_cache=k_cache, v_cache=v_cache,
-              block_table=maybe_strided(draw, table), k_len=Lk, stride=stride,
-              norm=draw(st.sampled_from([1, 0.5, 2.0])), threshold=threshold, causal=causal,
-              keep_sink=keep_sink, keep_recent=keep_recent, backend="reference")
-    if draw(st.booleans()):
-        kw["chunk_size"] = 128 * draw(st.integers(1, 3))
-    if draw(st.booleans()):
-        kw["softmax_scale"] = draw(st.sampled_from([0.1, 0.5]))
-    kw["out"] = out_arg(draw, (B, hq, Lq, D), dt)
-    if draw(st.booleans()):
-        kw["lse"] = poisoned_view((B, hq, Lq), F32, draw(st.booleans()))
+              block_table=maybe_strided(draw, table), k_len=Lk,
+              **draw_prefill_options(draw, dt, (B, hq, Lq, D), stride, threshold,
+                                     (causal, keep_sink, keep_recent)))
 
     def gathered(c):
         return torch.stack([c[table[b, :per_req].long()].reshape(-1, hkv, D)[:Lk]
