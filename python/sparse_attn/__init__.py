@@ -30,7 +30,15 @@ from .qsa import (  # noqa: E402
 )
 from .compress import qsa_compress_block_keys  # noqa: E402
 from .merge import merge_attention_states  # noqa: E402
-from .select import QSA_TOPK_BLOCKS, qsa_expand_blocks, qsa_topk_blocks  # noqa: E402
+from .select import (  # noqa: E402
+    QSA_TOPK_BLOCKS,
+    qsa_expand_blocks,
+    qsa_indexer_select,
+    qsa_indexer_select_workspace_size,
+    qsa_mqa_decode_select,
+    qsa_mqa_decode_select_workspace_size,
+    qsa_topk_blocks,
+)
 from .xattn import (  # noqa: E402
     Xattention_prefill,
     block_sparse_attn_func,
@@ -54,8 +62,12 @@ __all__ = [
     "merge_attention_states",
     "qsa_compress_block_keys",
     "qsa_indexer_mqa_score",
+    "qsa_indexer_select",
+    "qsa_indexer_select_workspace_size",
     "qsa_mqa",
     "qsa_mqa_decode",
+    "qsa_mqa_decode_select",
+    "qsa_mqa_decode_select_workspace_size",
     "qsa_mqa_prefill",
     "qsa_expand_blocks",
     "qsa_sparse_attention",

@@ -98,6 +98,33 @@ def _register():
         _C.qsa_expand_blocks(block_ids, query_positions, token_indices, block_indices,
                              rt.torch_stream(block_ids))
 
+    def qsa_indexer_select(
+        q_idx: Tensor, block_keys: Tensor, topk: int, out: Tensor,
+        token_indices: Optional[Tensor], valid_counts: Optional[Tensor],
+        block_table: Optional[Tensor], page_size: Optional[int], cu_seqlens_q: Optional[Tensor],
+        token_to_req: Optional[Tensor], num_requests: Optional[int],
+        query_positions: Optional[Tensor], seq_lens_q: Optional[Tensor], block_size: int,
+        scale: Optional[float], score_scale: Optional[float], kv_cache_dtype: Optional[str],
+        backend: str, max_workspace_bytes: Optional[int], workspace: Optional[Tensor],
+    ) -> None:
+        _C.qsa_indexer_select(
+            q_idx, block_keys, topk, out, token_indices, valid_counts, block_table, page_size,
+            cu_seqlens_q, token_to_req, num_requests, query_positions, seq_lens_q, block_size,
+            scale, score_scale, kv_cache_dtype, backend, max_workspace_bytes, workspace,
+            rt.torch_stream(q_idx))
+
+    def qsa_mqa_decode_select(
+        q: Tensor, k_cache: Tensor, page_table: Tensor, context_lens: Tensor,
+        max_model_len: int, topk: int, out: Tensor, token_indices: Optional[Tensor],
+        valid_counts: Optional[Tensor], query_positions: Optional[Tensor],
+        score_scale: Optional[float], scale: Optional[float], kv_cache_dtype: Optional[str],
+        backend: str, max_workspace_bytes: Optional[int], workspace: Optional[Tensor],
+    ) -> None:
+        _C.qsa_mqa_decode_select(
+            q, k_cache, page_table, context_lens, max_model_len, topk, out, token_indices,
+            valid_counts, query_positions, score_scale, scale, kv_cache_dtype, backend,
+            max_workspace_bytes, workspace, rt.torch_stream(q))
+
     def merge_attention_states(partial_out: Tensor, partial_lse: Tensor, out: Tensor,
                                lse_out: Optional[Tensor], backend: str) -> None:
         _C.merge_attention_states(partial_out, partial_lse, out, lse_out, backend,
@@ -179,6 +206,10 @@ def _register():
     define("qsa_compress_block_keys", ("out",), qsa_compress_block_keys)
     define("qsa_topk_blocks", ("out",), qsa_topk_blocks)
     define("qsa_expand_blocks", ("token_indices", "block_indices"), qsa_expand_blocks)
+    define("qsa_indexer_select", ("out", "token_indices", "valid_counts", "workspace"),
+           qsa_indexer_select)
+    define("qsa_mqa_decode_select", ("out", "token_indices", "valid_counts", "workspace"),
+           qsa_mqa_decode_select)
     define("merge_attention_states", ("out", "lse_out"), merge_attention_states)
     define("xattn_estimate", ("attn_sums", "block_mask"), xattn_estimate)
     define("find_blocks_chunked", ("block_mask",), find_blocks_chunked)

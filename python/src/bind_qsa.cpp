@@ -1,12 +1,14 @@
 // QSA ops: the indexer scores (padded/varlen/paged), packed-prefill and paged-decode MQA
-// logits, and sparse core attention. Each binding converts its arguments (naming them in
-// errors), releases the GIL and calls the C++ entry point, which validates.
+// logits, the fused selections on top of them, and sparse core attention. Each binding converts its
+// arguments (naming them in errors), releases the GIL and calls the C++ entry point, which
+// validates.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
 
 #include "bind.h"
 #include "convert.h"
 #include "sparse_attn/qsa.h"
+#include "sparse_attn/qsa_select.h"
 
 namespace sparse_attn::python {
 namespace {
@@ -113,6 +115,144 @@ void mqa_decode(handle q, handle k_cache, handle page_table, handle context_lens
 Shape mqa_decode_shape(handle q, handle max_model_len) {
   Borrowed b;
   return qsa_mqa_decode_shape(b.tensor(q, "q"), to_int(max_model_len, "max_model_len"));
+}
+
+// ---------------------------------------------------------------------------------------
+// Fused selections (qsa_indexer_select, qsa_mqa_decode_select): the score ops' arguments, then
+// the selection's. Python calls the C++ k `topk` and block_ids `out`.
+// ---------------------------------------------------------------------------------------
+
+constexpr Rename kTopk{"k", "topk"};
+constexpr Rename kOut{"block_ids", "out"};
+
+SelectOptions select_options(Borrowed& b, handle token_indices, handle valid_counts,
+                             handle query_positions, handle max_workspace_bytes, handle workspace) {
+  SelectOptions s;
+  s.token_indices = b.optional_tensor(token_indices, "token_indices", true);
+  s.valid_counts = b.optional_tensor(valid_counts, "valid_counts", true);
+  s.query_positions = b.optional_tensor(query_positions, "query_positions");
+  if (const std::optional<int64_t> bytes =
+          optional_int(max_workspace_bytes, "max_workspace_bytes")) {
+    if (*bytes < 0) {
+      throw ValueError("max_workspace_bytes: expected a nonnegative byte count, got " +
+                       std::to_string(*bytes));
+    }
+    s.max_workspace_bytes = static_cast<size_t>(*bytes);
+  }
+  s.workspace = b.optional_tensor(workspace, "workspace", true);
+  return s;
+}
+
+void indexer_select(handle q_idx, handle block_keys, handle k, handle out, handle token_indices,
+                    handle valid_counts, handle block_table, handle page_size, handle cu_seqlens_q,
+                    handle token_to_req, handle num_requests, handle query_positions,
+                    handle seq_lens_q, handle block_size, handle scale, handle score_scale,
+                    handle kv_cache_dtype, handle backend, handle max_workspace_bytes,
+                    handle workspace, handle stream) {
+  Borrowed b;
+  const TensorView q = b.tensor(q_idx, "q_idx");
+  const TensorView keys = b.tensor(block_keys, "block_keys");
+  const int64_t kk = to_int(k, "topk");
+  const TensorView ids = b.tensor(out, "out", true);
+  const IndexerScoreOptions opts = indexer_options(
+      b, block_table, page_size, cu_seqlens_q, token_to_req, num_requests, query_positions,
+      seq_lens_q, block_size, scale, score_scale, kv_cache_dtype, backend, stream);
+  const SelectOptions sel =
+      select_options(b, token_indices, valid_counts, nb::none(), max_workspace_bytes, workspace);
+  call_with_python_names({kTopk, kOut}, [&] { qsa_indexer_select(q, keys, kk, ids, opts, sel); });
+}
+
+Shape indexer_select_shape(handle q_idx, handle block_keys, handle k, handle block_table,
+                           handle page_size, handle cu_seqlens_q, handle token_to_req,
+                           handle num_requests, handle query_positions, handle seq_lens_q,
+                           handle block_size, handle scale, handle score_scale,
+                           handle kv_cache_dtype, handle backend) {
+  Borrowed b;
+  const TensorView q = b.tensor(q_idx, "q_idx");
+  const TensorView keys = b.tensor(block_keys, "block_keys");
+  const int64_t kk = to_int(k, "topk");
+  const IndexerScoreOptions opts = indexer_options(
+      b, block_table, page_size, cu_seqlens_q, token_to_req, num_requests, query_positions,
+      seq_lens_q, block_size, scale, score_scale, kv_cache_dtype, backend, nb::none());
+  Shape shape;
+  call_with_python_names({kTopk, kOut},
+                         [&] { shape = qsa_indexer_select_shape(q, keys, kk, opts); });
+  return shape;
+}
+
+size_t indexer_select_workspace_size(handle q_idx, handle block_keys, handle k,
+                                     handle token_indices, handle valid_counts, handle block_table,
+                                     handle page_size, handle cu_seqlens_q, handle token_to_req,
+                                     handle num_requests, handle query_positions, handle seq_lens_q,
+                                     handle block_size, handle scale, handle score_scale,
+                                     handle kv_cache_dtype, handle backend,
+                                     handle max_workspace_bytes) {
+  Borrowed b;
+  const TensorView q = b.tensor(q_idx, "q_idx");
+  const TensorView keys = b.tensor(block_keys, "block_keys");
+  const int64_t kk = to_int(k, "topk");
+  const IndexerScoreOptions opts = indexer_options(
+      b, block_table, page_size, cu_seqlens_q, token_to_req, num_requests, query_positions,
+      seq_lens_q, block_size, scale, score_scale, kv_cache_dtype, backend, nb::none());
+  const SelectOptions sel =
+      select_options(b, token_indices, valid_counts, nb::none(), max_workspace_bytes, nb::none());
+  size_t bytes = 0;
+  call_with_python_names(
+      {kTopk, kOut}, [&] { bytes = qsa_indexer_select_workspace_size(q, keys, kk, opts, sel); });
+  return bytes;
+}
+
+void decode_select(handle q, handle k_cache, handle page_table, handle context_lens,
+                   handle max_model_len, handle k, handle out, handle token_indices,
+                   handle valid_counts, handle query_positions, handle score_scale, handle scale,
+                   handle kv_cache_dtype, handle backend, handle max_workspace_bytes,
+                   handle workspace, handle stream) {
+  Borrowed b;
+  const TensorView qv = b.tensor(q, "q");
+  const TensorView kv = b.tensor(k_cache, "k_cache");
+  const TensorView pages = b.tensor(page_table, "page_table");
+  const TensorView lens = b.tensor(context_lens, "context_lens");
+  const int64_t width = to_int(max_model_len, "max_model_len");
+  const int64_t kk = to_int(k, "topk");
+  const TensorView ids = b.tensor(out, "out", true);
+  const MqaScoreOptions opts = mqa_options(score_scale, scale, kv_cache_dtype, backend, stream);
+  const SelectOptions sel = select_options(b, token_indices, valid_counts, query_positions,
+                                           max_workspace_bytes, workspace);
+  call_with_python_names({kTopk, kOut}, [&] {
+    qsa_mqa_decode_select(qv, kv, pages, lens, width, kk, ids, opts, sel);
+  });
+}
+
+Shape decode_select_shape(handle q, handle k) {
+  Borrowed b;
+  const TensorView qv = b.tensor(q, "q");
+  const int64_t kk = to_int(k, "topk");
+  Shape shape;
+  call_with_python_names({kTopk, kOut}, [&] { shape = qsa_mqa_decode_select_shape(qv, kk); });
+  return shape;
+}
+
+size_t decode_select_workspace_size(handle q, handle k_cache, handle page_table,
+                                    handle context_lens, handle max_model_len, handle k,
+                                    handle token_indices, handle valid_counts,
+                                    handle query_positions, handle score_scale, handle scale,
+                                    handle kv_cache_dtype, handle backend,
+                                    handle max_workspace_bytes) {
+  Borrowed b;
+  const TensorView qv = b.tensor(q, "q");
+  const TensorView kv = b.tensor(k_cache, "k_cache");
+  const TensorView pages = b.tensor(page_table, "page_table");
+  const TensorView lens = b.tensor(context_lens, "context_lens");
+  const int64_t width = to_int(max_model_len, "max_model_len");
+  const int64_t kk = to_int(k, "topk");
+  const MqaScoreOptions opts = mqa_options(score_scale, scale, kv_cache_dtype, backend, nb::none());
+  const SelectOptions sel = select_options(b, token_indices, valid_counts, query_positions,
+                                           max_workspace_bytes, nb::none());
+  size_t bytes = 0;
+  call_with_python_names({kTopk, kOut}, [&] {
+    bytes = qsa_mqa_decode_select_workspace_size(qv, kv, pages, lens, width, kk, opts, sel);
+  });
+  return bytes;
 }
 
 // The options of qsa_sparse_attention from its Python arguments (tensors imported into `b`).
@@ -252,6 +392,26 @@ void bind_qsa(nb::module_& m) {
   def(m, "qsa_mqa_decode", &mqa_decode, "q", "k_cache", "page_table", "context_lens",
       "max_model_len", "out", "score_scale", "scale", "kv_cache_dtype", "backend", "stream");
   def(m, "qsa_mqa_decode_shape", &mqa_decode_shape, "q", "max_model_len");
+  def(m, "qsa_indexer_select", &indexer_select, "q_idx", "block_keys", "topk", "out",
+      "token_indices", "valid_counts", "block_table", "page_size", "cu_seqlens_q", "token_to_req",
+      "num_requests", "query_positions", "seq_lens_q", "block_size", "scale", "score_scale",
+      "kv_cache_dtype", "backend", "max_workspace_bytes", "workspace", "stream");
+  def(m, "qsa_indexer_select_shape", &indexer_select_shape, "q_idx", "block_keys", "topk",
+      "block_table", "page_size", "cu_seqlens_q", "token_to_req", "num_requests", "query_positions",
+      "seq_lens_q", "block_size", "scale", "score_scale", "kv_cache_dtype", "backend");
+  def(m, "qsa_indexer_select_workspace_size", &indexer_select_workspace_size, "q_idx", "block_keys",
+      "topk", "token_indices", "valid_counts", "block_table", "page_size", "cu_seqlens_q",
+      "token_to_req", "num_requests", "query_positions", "seq_lens_q", "block_size", "scale",
+      "score_scale", "kv_cache_dtype", "backend", "max_workspace_bytes");
+  def(m, "qsa_mqa_decode_select", &decode_select, "q", "k_cache", "page_table", "context_lens",
+      "max_model_len", "topk", "out", "token_indices", "valid_counts", "query_positions",
+      "score_scale", "scale", "kv_cache_dtype", "backend", "max_workspace_bytes", "workspace",
+      "stream");
+  def(m, "qsa_mqa_decode_select_shape", &decode_select_shape, "q", "topk");
+  def(m, "qsa_mqa_decode_select_workspace_size", &decode_select_workspace_size, "q", "k_cache",
+      "page_table", "context_lens", "max_model_len", "topk", "token_indices", "valid_counts",
+      "query_positions", "score_scale", "scale", "kv_cache_dtype", "backend",
+      "max_workspace_bytes");
   def(m, "qsa_sparse_attention", &sparse_attention, "query", "key", "value", "token_indices", "out",
       "lse", "block_indices", "cu_seqlens_q", "token_to_req", "num_requests", "cu_seqlens_k",
       "seq_lens_q", "seq_lens_k", "query_positions", "block_table", "page_size", "scale", "gate",

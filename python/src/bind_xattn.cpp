@@ -19,40 +19,6 @@ namespace {
 
 using nb::handle;
 
-// The C++ API names its arguments query, key, value, attn_sums, block_mask, head_thresholds,
-// max_seqlen_q, ...; the Python functions keep the upstream names (query_states, input_tensor,
-// out, threshold, max_seqlen_q_, ...). An error of the C++ call starts with the argument it is
-// about ("key: expected ...", "head_thresholds[1]: ..."); it is rethrown, same type, with that
-// name replaced by the caller's, so that every message names a parameter of the function the
-// caller called.
-using Rename = std::pair<std::string_view, std::string_view>;  // (C++ name, Python name)
-
-std::string with_python_name(std::string_view message, std::initializer_list<Rename> names) {
-  for (const auto& [cpp, py] : names) {
-    if (message.size() > cpp.size() && message.substr(0, cpp.size()) == cpp &&
-        (message[cpp.size()] == ':' || message[cpp.size()] == '[')) {
-      return std::string(py) + std::string(message.substr(cpp.size()));
-    }
-  }
-  return std::string(message);
-}
-
-// Runs fn without the GIL, translating the argument names of its ValueError, NotSupportedError
-// and TypeError; other errors (CUDA failures) pass unchanged.
-template <typename Fn>
-void call_with_python_names(std::initializer_list<Rename> names, Fn&& fn) {
-  try {
-    nb::gil_scoped_release release;
-    fn();
-  } catch (const NotSupportedError& e) {
-    throw NotSupportedError(with_python_name(e.what(), names));
-  } catch (const ValueError& e) {
-    throw ValueError(with_python_name(e.what(), names));
-  } catch (const TypeError& e) {
-    throw TypeError(with_python_name(e.what(), names));
-  }
-}
-
 constexpr Rename kThreshold{"head_thresholds", "threshold"};
 
 // threshold (a float) or head_thresholds (a list, one per query head; None for none).

@@ -1,11 +1,13 @@
 // API boundary of the QSA MQA indexer ops: validation (metadata only), backend choice, params
-// filling. docs/qsa.md ("## Indexer scores") is the user-facing statement of these rules.
+// filling. docs/qsa.md ("## Indexer scores") is the user-facing statement of these rules. The
+// checks and params the fused selections share (api/qsa_indexer_checks.h) are defined here too.
 #include <climits>
 #include <cmath>
-#include <initializer_list>
+#include <span>
 #include <utility>
 
 #include "api/check.h"
+#include "api/qsa_indexer_checks.h"
 #include "api/qsa_indexer_params.h"
 #include "api/staging.h"
 #include "cpu/cpu_kernels.h"
@@ -15,6 +17,7 @@
 namespace sparse_attn {
 namespace {
 
+using detail::DecodeLayout;
 using detail::throw_not_supported;
 using detail::throw_value_error;
 
@@ -23,27 +26,6 @@ constexpr int64_t kNativeHeads = 4;
 constexpr int64_t kNativeDim = 128;
 // QSA compresses exactly four tokens per key; the masks (4b + 3 <= p) assume it.
 constexpr int64_t kQsaBlockSize = 4;
-
-using Named = std::pair<const TensorView*, const char*>;
-
-// scale is a multiplier, score_scale a denominator; at most one, each a positive float32 (and
-// so is the multiplier 1 / score_scale); default 1/sqrt(dim).
-float resolve_scale(const std::optional<double>& scale, const std::optional<double>& score_scale,
-                    int64_t dim) {
-  if (scale && score_scale) {
-    throw_value_error(
-        "scale: scale (a multiplier) and score_scale (a denominator) are mutually "
-        "exclusive, got scale = {} and score_scale = {}",
-        *scale, *score_scale);
-  }
-  if (scale) return detail::check_float32_scale(*scale, "scale");
-  if (score_scale) {
-    detail::check_float32_scale(*score_scale, "score_scale");
-    return detail::check_float32_scale(1.0 / *score_scale, "score_scale", "1 / score_scale",
-                                       *score_scale);
-  }
-  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(dim)));
-}
 
 // q: bfloat16/float16 with at least one head and one feature; k: q's device and dim, q's dtype
 // or FP8 e4m3 (already resolved from uint8 storage by resolve_cache_dtype).
@@ -64,21 +46,12 @@ void check_query_and_keys(const TensorView& q, const char* q_name, const TensorV
   detail::check_data(k, k_name);
 }
 
-// Metadata of an exact shape on `device`: int32 or int64, read as stored.
-void check_metadata(const TensorView& t, const char* name, const Shape& shape,
-                    std::string_view what, Device device, const char* device_ref) {
-  detail::check_metadata_dtype(t, name);
-  detail::check_shape(t, name, shape, what);
-  detail::check_device(t, name, device, device_ref);
-  detail::check_data(t, name);
-}
-
 // FP32 output of the given shape on `device`, writable by strides (no two elements at one
 // address: the kernels write every element once, from different threads), overlapping no input.
 // The last check of each scoring op (their only output), so a missing out (api/check.h) is
 // reported here: every other argument has passed.
 void check_out(const TensorView& out, const Shape& shape, std::string_view what, Device device,
-               const char* device_ref, std::initializer_list<Named> inputs) {
+               const char* device_ref, std::span<const detail::NamedInput> inputs) {
   detail::check_not_missing(out, "out");
   detail::check_dtype(out, "out", {DType::kF32});
   detail::check_shape(out, "out", shape, what);
@@ -91,9 +64,117 @@ void check_out(const TensorView& out, const Shape& shape, std::string_view what,
   }
 }
 
-// What every native indexer kernel on CUDA requires of a call (keys of q's dtype or FP8 e4m3
-// alike).
-void check_native(const char* op, const TensorView& q, const char* q_name) {
+// Drops axis `d` (of size 1) from a view: the kernels address [.., 1, D] caches as [.., D].
+TensorView drop_axis(const TensorView& t, int d) { return t.select(d, 0); }
+
+// The output width: a compressed key per column. Checked before context_lens are seen (the
+// shape function has no context_lens), so the bound is the library's, not the dtype's: 2^31 - 1
+// compressed keys are 8.6e9 tokens, more context than any model serves.
+void check_max_model_len(int64_t max_model_len) {
+  if (max_model_len < 0 || max_model_len > INT32_MAX) {
+    throw_value_error(
+        "max_model_len: expected an output width in [0, {}] (compressed keys per request), got {}",
+        INT32_MAX, max_model_len);
+  }
+}
+
+// context_lens: one count per query row, [B, R]; a [B] tensor only when R == 1. Several rows of
+// a request see different keys (row r of a multi-token step sees the blocks its own token
+// completes), so a single count per request cannot describe them.
+void check_context_lens(const TensorView& context_lens, const DecodeLayout& l, Device device) {
+  detail::check_metadata_dtype(context_lens, "context_lens");
+  if (context_lens.dim() == 1 && l.rows > 1) {
+    throw_value_error(
+        "context_lens: expected shape [B, R] = {}: each query row of multi-token decode sees its "
+        "own number of compressed keys (a [B] count cannot say which keys the later rows see), "
+        "got {}",
+        shape_str(Shape{l.batch, l.rows}), context_lens.shape_str());
+  }
+  if (context_lens.dim() == 1) {
+    detail::check_shape(context_lens, "context_lens", {l.batch}, "q.shape[0]");
+  } else {
+    detail::check_shape(context_lens, "context_lens", {l.batch, l.rows},
+                        "[B, R]: a count per query row of q");
+  }
+  detail::check_device(context_lens, "context_lens", device, "q");
+  detail::check_data(context_lens, "context_lens");
+}
+
+// ---------------------------------------------------------------------------------------
+// qsa_mqa_prefill
+// ---------------------------------------------------------------------------------------
+
+// Returns k as its bytes are read (resolve_cache_dtype).
+TensorView check_prefill(const TensorView& q, const TensorView& k_stored,
+                         const std::optional<DType>& kv_cache_dtype) {
+  detail::check_rank(q, "q", {3});
+  detail::check_rank(k_stored, "k", {2, 3});
+  const TensorView k = detail::resolve_cache_dtype(k_stored, "k", kv_cache_dtype);
+  if (k.dim() == 3) detail::check_size(k, "k", 1, 1, "the shared key head");
+  check_query_and_keys(q, "q", k, "k");
+  return k;
+}
+
+detail::MqaPrefillParams prefill_params(const TensorView& q, const TensorView& k,
+                                        const TensorView& row_starts, const TensorView& row_ends,
+                                        const TensorView& out, float scale, StreamHandle stream) {
+  const TensorView keys = k.dim() == 3 ? drop_axis(k, 1) : k;
+  detail::MqaPrefillParams p{};
+  p.dtype = q.dtype();
+  p.k_dtype = keys.dtype();
+  p.rows = q.size(0);
+  p.heads = q.size(1);
+  p.dim = q.size(2);
+  p.q = q.data();
+  p.q_row_stride = q.stride(0);
+  p.q_head_stride = q.stride(1);
+  p.q_dim_stride = q.stride(2);
+  p.keys = keys.size(0);
+  p.k = keys.data();
+  p.k_row_stride = keys.stride(0);
+  p.k_dim_stride = keys.stride(1);
+  p.row_starts = meta_ptr(row_starts);
+  p.row_starts_stride = row_starts.stride(0);
+  p.row_ends = meta_ptr(row_ends);
+  p.row_ends_stride = row_ends.stride(0);
+  p.scale = scale;
+  p.out = out.data_as<float>();
+  p.out_row_stride = out.stride(0);
+  p.out_col_stride = out.stride(1);
+  p.stream = stream;
+  return p;
+}
+
+}  // namespace
+
+namespace detail {
+
+float resolve_indexer_scale(const std::optional<double>& scale,
+                            const std::optional<double>& score_scale, int64_t dim) {
+  if (scale && score_scale) {
+    throw_value_error(
+        "scale: scale (a multiplier) and score_scale (a denominator) are mutually "
+        "exclusive, got scale = {} and score_scale = {}",
+        *scale, *score_scale);
+  }
+  if (scale) return detail::check_float32_scale(*scale, "scale");
+  if (score_scale) {
+    detail::check_float32_scale(*score_scale, "score_scale");
+    return detail::check_float32_scale(1.0 / *score_scale, "score_scale", "1 / score_scale",
+                                       *score_scale);
+  }
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(dim)));
+}
+
+void check_indexer_metadata(const TensorView& t, const char* name, const Shape& shape,
+                            std::string_view what, Device device, const char* device_ref) {
+  detail::check_metadata_dtype(t, name);
+  detail::check_shape(t, name, shape, what);
+  detail::check_device(t, name, device, device_ref);
+  detail::check_data(t, name);
+}
+
+void check_indexer_native(const char* op, const TensorView& q, const char* q_name) {
   if (q.size(-2) != kNativeHeads || q.size(-1) != kNativeDim) {
     throw_not_supported(
         "{}: backend 'native' supports heads == {} and dim == {}, got {} of shape "
@@ -102,25 +183,9 @@ void check_native(const char* op, const TensorView& q, const char* q_name) {
   }
 }
 
-const TensorView* opt_ptr(const std::optional<TensorView>& t) { return t ? &*t : nullptr; }
-
-// Drops axis `d` (of size 1) from a view: the kernels address [.., 1, D] caches as [.., D].
-TensorView drop_axis(const TensorView& t, int d) { return t.select(d, 0); }
-
 // ---------------------------------------------------------------------------------------
 // qsa_indexer_mqa_score
 // ---------------------------------------------------------------------------------------
-
-// The validated layout of a score call, everything but `out`.
-struct ScoreLayout {
-  bool varlen;
-  bool paged;
-  int64_t batch;       // requests
-  int64_t q_len;       // padded: Q; varlen: total_q
-  int64_t num_blocks;  // N_B
-  int64_t page_size;   // paged only
-  Shape out_shape;
-};
 
 ScoreLayout check_score(const TensorView& q, const TensorView& k, const IndexerScoreOptions& o) {
   detail::check_rank(q, "q_idx", {3, 4});
@@ -187,11 +252,12 @@ ScoreLayout check_score(const TensorView& q, const TensorView& k, const IndexerS
                         l.paged ? "block_table.shape[0]" : "block_keys.shape[0]", q.shape_str());
     }
     if (o.query_positions) {
-      check_metadata(*o.query_positions, "query_positions", {l.batch, l.q_len}, "q_idx.shape[:2]",
-                     dev, "q_idx");
+      check_indexer_metadata(*o.query_positions, "query_positions", {l.batch, l.q_len},
+                             "q_idx.shape[:2]", dev, "q_idx");
     }
     if (o.seq_lens_q)
-      check_metadata(*o.seq_lens_q, "seq_lens_q", {l.batch}, "q_idx.shape[0]", dev, "q_idx");
+      check_indexer_metadata(*o.seq_lens_q, "seq_lens_q", {l.batch}, "q_idx.shape[0]", dev,
+                             "q_idx");
     l.out_shape = {l.batch, l.q_len, l.num_blocks};
   } else {
     l.q_len = q.size(0);
@@ -213,9 +279,9 @@ ScoreLayout check_score(const TensorView& q, const TensorView& k, const IndexerS
             "cu_seqlens_q");
       }
       l.batch = key_batch;
-      check_metadata(*o.cu_seqlens_q, "cu_seqlens_q", {key_batch + 1},
-                     l.paged ? "block_table.shape[0] + 1" : "block_keys.shape[0] + 1", dev,
-                     "q_idx");
+      check_indexer_metadata(*o.cu_seqlens_q, "cu_seqlens_q", {key_batch + 1},
+                             l.paged ? "block_table.shape[0] + 1" : "block_keys.shape[0] + 1", dev,
+                             "q_idx");
       // int32 offsets end at total_q (the reference checks the values): more rows than
       // INT32_MAX cannot be described. Checked here from the shape and dtype, so that a
       // broadcast q_idx of 2**40 rows is refused by name before its output is allocated.
@@ -226,7 +292,8 @@ ScoreLayout check_score(const TensorView& q, const TensorView& k, const IndexerS
             INT32_MAX, q.shape_str());
       }
     } else {
-      check_metadata(*o.token_to_req, "token_to_req", {l.q_len}, "q_idx.shape[0]", dev, "q_idx");
+      check_indexer_metadata(*o.token_to_req, "token_to_req", {l.q_len}, "q_idx.shape[0]", dev,
+                             "q_idx");
       l.batch = o.num_requests.value_or(key_batch);
       if (l.batch < 0 || l.batch > key_batch) {
         throw_value_error("num_requests: expected a value in [0, {}] ({}), got {}", key_batch,
@@ -243,18 +310,34 @@ ScoreLayout check_score(const TensorView& q, const TensorView& k, const IndexerS
       }
     }
     if (o.query_positions) {
-      check_metadata(*o.query_positions, "query_positions", {l.q_len}, "q_idx.shape[0]", dev,
-                     "q_idx");
+      check_indexer_metadata(*o.query_positions, "query_positions", {l.q_len}, "q_idx.shape[0]",
+                             dev, "q_idx");
     }
     l.out_shape = {l.q_len, l.num_blocks};
   }
   return l;
 }
 
-detail::MqaScoreParams score_params(const ScoreLayout& l, const TensorView& q, const TensorView& k,
-                                    const TensorView& out, const IndexerScoreOptions& o,
-                                    float scale) {
-  detail::MqaScoreParams p{};
+void check_score_native(const char* op, const TensorView& q_idx, const TensorView& block_keys) {
+  check_indexer_native(op, q_idx, "q_idx");
+  check_vector_load_layout(q_idx, "q_idx");
+  check_vector_load_layout(block_keys, "block_keys");
+}
+
+std::array<NamedInput, 7> score_inputs(const TensorView& q_idx, const TensorView& block_keys,
+                                       const IndexerScoreOptions& o) {
+  return {{{&q_idx, "q_idx"},
+           {&block_keys, "block_keys"},
+           {opt_ptr(o.block_table), "block_table"},
+           {opt_ptr(o.cu_seqlens_q), "cu_seqlens_q"},
+           {opt_ptr(o.token_to_req), "token_to_req"},
+           {opt_ptr(o.query_positions), "query_positions"},
+           {opt_ptr(o.seq_lens_q), "seq_lens_q"}}};
+}
+
+MqaScoreParams score_params(const ScoreLayout& l, const TensorView& q, const TensorView& k,
+                            const IndexerScoreOptions& o, float scale) {
+  MqaScoreParams p{};
   p.dtype = q.dtype();
   p.k_dtype = k.dtype();
   p.varlen = l.varlen;
@@ -299,89 +382,23 @@ detail::MqaScoreParams score_params(const ScoreLayout& l, const TensorView& q, c
     p.num_pages = keys.size(0);
   }
   p.scale = scale;
-  p.out = out.data_as<float>();
-  p.out_batch_stride = l.varlen ? 0 : out.stride(0);
-  p.out_row_stride = out.stride(-2);
-  p.out_col_stride = out.stride(-1);
   p.stream = o.stream;
   return p;
 }
 
-// ---------------------------------------------------------------------------------------
-// qsa_mqa_prefill
-// ---------------------------------------------------------------------------------------
-
-// Returns k as its bytes are read (resolve_cache_dtype).
-TensorView check_prefill(const TensorView& q, const TensorView& k_stored,
-                         const std::optional<DType>& kv_cache_dtype) {
-  detail::check_rank(q, "q", {3});
-  detail::check_rank(k_stored, "k", {2, 3});
-  const TensorView k = detail::resolve_cache_dtype(k_stored, "k", kv_cache_dtype);
-  if (k.dim() == 3) detail::check_size(k, "k", 1, 1, "the shared key head");
-  check_query_and_keys(q, "q", k, "k");
-  return k;
-}
-
-detail::MqaPrefillParams prefill_params(const TensorView& q, const TensorView& k,
-                                        const TensorView& row_starts, const TensorView& row_ends,
-                                        const TensorView& out, float scale, StreamHandle stream) {
-  const TensorView keys = k.dim() == 3 ? drop_axis(k, 1) : k;
-  detail::MqaPrefillParams p{};
-  p.dtype = q.dtype();
-  p.k_dtype = keys.dtype();
-  p.rows = q.size(0);
-  p.heads = q.size(1);
-  p.dim = q.size(2);
-  p.q = q.data();
-  p.q_row_stride = q.stride(0);
-  p.q_head_stride = q.stride(1);
-  p.q_dim_stride = q.stride(2);
-  p.keys = keys.size(0);
-  p.k = keys.data();
-  p.k_row_stride = keys.stride(0);
-  p.k_dim_stride = keys.stride(1);
-  p.row_starts = meta_ptr(row_starts);
-  p.row_starts_stride = row_starts.stride(0);
-  p.row_ends = meta_ptr(row_ends);
-  p.row_ends_stride = row_ends.stride(0);
-  p.scale = scale;
+void set_score_out(MqaScoreParams& p, const ScoreLayout& l, const TensorView& out) {
   p.out = out.data_as<float>();
-  p.out_row_stride = out.stride(0);
-  p.out_col_stride = out.stride(1);
-  p.stream = stream;
-  return p;
+  p.out_batch_stride = l.varlen ? 0 : out.stride(0);
+  p.out_row_stride = out.stride(-2);
+  p.out_col_stride = out.stride(-1);
 }
 
 // ---------------------------------------------------------------------------------------
 // qsa_mqa_decode
 // ---------------------------------------------------------------------------------------
 
-// The native decode kernels score up to this many query rows of a request (multi-token decode:
-// the speculative tokens of one step) against each key tile they load.
-constexpr int64_t kNativeDecodeRows = 4;
-
-// The output width: a compressed key per column. Checked before context_lens are seen (the
-// shape function has no context_lens), so the bound is the library's, not the dtype's: 2^31 - 1
-// compressed keys are 8.6e9 tokens, more context than any model serves.
-void check_max_model_len(int64_t max_model_len) {
-  if (max_model_len < 0 || max_model_len > INT32_MAX) {
-    throw_value_error(
-        "max_model_len: expected an output width in [0, {}] (compressed keys per request), got {}",
-        INT32_MAX, max_model_len);
-  }
-}
-
-// Requests, query rows per request and the output shape of a decode call (shared with its shape
-// function): q [B, H, D] is R = 1 row per request, q [B, R, H, D] R >= 1 rows; out is
-// [B * R, max_model_len].
-struct DecodeLayout {
-  int64_t batch;
-  int64_t rows;
-  Shape out_shape;
-};
-
 DecodeLayout check_decode_layout(const TensorView& q, int64_t max_model_len) {
-  detail::check_rank(q, "q", {3, 4});
+  check_rank(q, "q", {3, 4});
   DecodeLayout l{q.size(0), q.dim() == 4 ? q.size(1) : 1, {}};
   if (l.rows < 1) {
     throw_value_error(
@@ -390,54 +407,37 @@ DecodeLayout check_decode_layout(const TensorView& q, int64_t max_model_len) {
   }
   check_max_model_len(max_model_len);
   // B * R overflows only for a q without elements (H or D of 0): an error, not a wrapped size.
-  l.out_shape = {detail::checked_size_product(l.batch, l.rows, "q", "q.shape[0] * q.shape[1]"),
+  l.out_shape = {checked_size_product(l.batch, l.rows, "q", "q.shape[0] * q.shape[1]"),
                  max_model_len};
   return l;
 }
 
-// Returns k_cache as its bytes are read (resolve_cache_dtype).
 TensorView check_decode_inputs(const TensorView& q, const TensorView& k_stored,
-                               const std::optional<DType>& kv_cache_dtype) {
-  detail::check_rank(k_stored, "k_cache", {3, 4});
-  const TensorView k_cache = detail::resolve_cache_dtype(k_stored, "k_cache", kv_cache_dtype);
-  if (k_cache.dim() == 4) detail::check_size(k_cache, "k_cache", 2, 1, "the shared key head");
+                               const TensorView& page_table, const TensorView& context_lens,
+                               const DecodeLayout& l, const std::optional<DType>& kv_cache_dtype) {
+  check_rank(k_stored, "k_cache", {3, 4});
+  const TensorView k_cache = resolve_cache_dtype(k_stored, "k_cache", kv_cache_dtype);
+  if (k_cache.dim() == 4) check_size(k_cache, "k_cache", 2, 1, "the shared key head");
   check_query_and_keys(q, "q", k_cache, "k_cache");
   if (k_cache.size(1) < 1) {
     throw_value_error("k_cache: expected a positive page size (shape[1]), got shape {}",
                       k_cache.shape_str());
   }
+  check_metadata_dtype(page_table, "page_table");
+  check_rank(page_table, "page_table", {2});
+  check_size(page_table, "page_table", 0, l.batch, "q.shape[0]");
+  check_device(page_table, "page_table", q.device(), "q");
+  check_data(page_table, "page_table");
+  check_context_lens(context_lens, l, q.device());
   return k_cache;
 }
 
-// context_lens: one count per query row, [B, R]; a [B] tensor only when R == 1. Several rows of
-// a request see different keys (row r of a multi-token step sees the blocks its own token
-// completes), so a single count per request cannot describe them.
-void check_context_lens(const TensorView& context_lens, const DecodeLayout& l, Device device) {
-  detail::check_metadata_dtype(context_lens, "context_lens");
-  if (context_lens.dim() == 1 && l.rows > 1) {
-    throw_value_error(
-        "context_lens: expected shape [B, R] = {}: each query row of multi-token decode sees its "
-        "own number of compressed keys (a [B] count cannot say which keys the later rows see), "
-        "got {}",
-        shape_str(Shape{l.batch, l.rows}), context_lens.shape_str());
-  }
-  if (context_lens.dim() == 1) {
-    detail::check_shape(context_lens, "context_lens", {l.batch}, "q.shape[0]");
-  } else {
-    detail::check_shape(context_lens, "context_lens", {l.batch, l.rows},
-                        "[B, R]: a count per query row of q");
-  }
-  detail::check_device(context_lens, "context_lens", device, "q");
-  detail::check_data(context_lens, "context_lens");
-}
-
-detail::MqaDecodeParams decode_params(const TensorView& q, const TensorView& k4,
-                                      const TensorView& page_table, const TensorView& context_lens,
-                                      int64_t max_model_len, const TensorView& out, float scale,
-                                      StreamHandle stream) {
+MqaDecodeParams decode_params(const TensorView& q, const TensorView& k4,
+                              const TensorView& page_table, const TensorView& context_lens,
+                              int64_t max_model_len, float scale, StreamHandle stream) {
   const bool multi_row = q.dim() == 4;
   const TensorView k = k4.dim() == 4 ? drop_axis(k4, 2) : k4;
-  detail::MqaDecodeParams p{};
+  MqaDecodeParams p{};
   p.dtype = q.dtype();
   p.k_dtype = k.dtype();
   p.batch = q.size(0);
@@ -464,20 +464,33 @@ detail::MqaDecodeParams decode_params(const TensorView& q, const TensorView& k4,
   p.context_lens_row_stride = context_lens.dim() == 2 ? context_lens.stride(1) : 0;
   p.max_model_len = max_model_len;
   p.scale = scale;
-  p.out = out.data_as<float>();
-  p.out_row_stride = out.stride(0);
-  p.out_col_stride = out.stride(1);
   p.stream = stream;
   return p;
 }
 
-}  // namespace
+void set_decode_out(MqaDecodeParams& p, const TensorView& out) {
+  p.out = out.data_as<float>();
+  p.out_row_stride = out.stride(0);
+  p.out_col_stride = out.stride(1);
+}
+
+void check_decode_native(const char* op, const TensorView& q, const DecodeLayout& l) {
+  check_indexer_native(op, q, "q");
+  if (l.rows > kNativeDecodeRows) {
+    throw_not_supported(
+        "q: backend 'native' takes at most {} query rows per request, got R = {} (q of shape "
+        "{}); pass backend='reference'",
+        kNativeDecodeRows, l.rows, q.shape_str());
+  }
+}
+
+}  // namespace detail
 
 Shape qsa_indexer_mqa_score_shape(const TensorView& q_idx, const TensorView& block_keys,
                                   const IndexerScoreOptions& options) {
-  return check_score(q_idx,
-                     detail::resolve_cache_dtype(block_keys, "block_keys", options.kv_cache_dtype),
-                     options)
+  return detail::check_score(
+             q_idx, detail::resolve_cache_dtype(block_keys, "block_keys", options.kv_cache_dtype),
+             options)
       .out_shape;
 }
 
@@ -485,25 +498,23 @@ void qsa_indexer_mqa_score(const TensorView& q_idx, const TensorView& block_keys
                            const TensorView& out, const IndexerScoreOptions& o) {
   const TensorView block_keys =
       detail::resolve_cache_dtype(block_keys_stored, "block_keys", o.kv_cache_dtype);
-  const ScoreLayout l = check_score(q_idx, block_keys, o);
-  const float scale = resolve_scale(o.scale, o.score_scale, q_idx.size(-1));
+  const detail::ScoreLayout l = detail::check_score(q_idx, block_keys, o);
+  const float scale = detail::resolve_indexer_scale(o.scale, o.score_scale, q_idx.size(-1));
   check_out(out, l.out_shape, "qsa_indexer_mqa_score_shape", q_idx.device(), "q_idx",
-            {{&q_idx, "q_idx"},
-             {&block_keys, "block_keys"},
-             {opt_ptr(o.block_table), "block_table"},
-             {opt_ptr(o.cu_seqlens_q), "cu_seqlens_q"},
-             {opt_ptr(o.token_to_req), "token_to_req"},
-             {opt_ptr(o.query_positions), "query_positions"},
-             {opt_ptr(o.seq_lens_q), "seq_lens_q"}});
+            detail::score_inputs(q_idx, block_keys, o));
+  auto params = [&](const TensorView& q, const TensorView& k, const TensorView& dst,
+                    const IndexerScoreOptions& opts) {
+    detail::MqaScoreParams p = detail::score_params(l, q, k, opts, scale);
+    detail::set_score_out(p, l, dst);
+    return p;
+  };
   if (o.backend == Backend::kNative && !q_idx.device().is_cuda()) {  // the CPU backend
-    cpu_mqa_score(score_params(l, q_idx, block_keys, out, o, scale));
+    cpu_mqa_score(params(q_idx, block_keys, out, o));
     return;
   }
   if (o.backend == Backend::kNative) {
-    check_native("qsa_indexer_mqa_score", q_idx, "q_idx");
-    detail::check_vector_load_layout(q_idx, "q_idx");
-    detail::check_vector_load_layout(block_keys, "block_keys");
-    detail::native_mqa_score(score_params(l, q_idx, block_keys, out, o, scale));
+    detail::check_score_native("qsa_indexer_mqa_score", q_idx, block_keys);
+    detail::native_mqa_score(params(q_idx, block_keys, out, o));
     return;
   }
   detail::HostStaging host;
@@ -516,7 +527,7 @@ void qsa_indexer_mqa_score(const TensorView& q_idx, const TensorView& block_keys
   const TensorView hq = host.input(q_idx);
   const TensorView hk = host.input(block_keys);
   const TensorView hout = host.output(out);
-  detail::reference_mqa_score(score_params(l, hq, hk, hout, ho, scale));
+  detail::reference_mqa_score(params(hq, hk, hout, ho));
   host.commit();
 }
 
@@ -530,17 +541,18 @@ void qsa_mqa_prefill(const TensorView& q, const TensorView& k_stored, const Tens
                      const TensorView& row_ends, const TensorView& out, const MqaScoreOptions& o) {
   const TensorView k = check_prefill(q, k_stored, o.kv_cache_dtype);
   const Device dev = q.device();
-  check_metadata(row_starts, "row_starts", {q.size(0)}, "q.shape[0]", dev, "q");
-  check_metadata(row_ends, "row_ends", {q.size(0)}, "q.shape[0]", dev, "q");
-  const float scale = resolve_scale(o.scale, o.score_scale, q.size(-1));
-  check_out(out, {q.size(0), k.size(0)}, "[q.shape[0], k.shape[0]]", dev, "q",
-            {{&q, "q"}, {&k, "k"}, {&row_starts, "row_starts"}, {&row_ends, "row_ends"}});
+  detail::check_indexer_metadata(row_starts, "row_starts", {q.size(0)}, "q.shape[0]", dev, "q");
+  detail::check_indexer_metadata(row_ends, "row_ends", {q.size(0)}, "q.shape[0]", dev, "q");
+  const float scale = detail::resolve_indexer_scale(o.scale, o.score_scale, q.size(-1));
+  const detail::NamedInput inputs[] = {
+      {&q, "q"}, {&k, "k"}, {&row_starts, "row_starts"}, {&row_ends, "row_ends"}};
+  check_out(out, {q.size(0), k.size(0)}, "[q.shape[0], k.shape[0]]", dev, "q", inputs);
   if (o.backend == Backend::kNative && !q.device().is_cuda()) {  // the CPU backend
     cpu_mqa_prefill(prefill_params(q, k, row_starts, row_ends, out, scale, o.stream));
     return;
   }
   if (o.backend == Backend::kNative) {
-    check_native("qsa_mqa_prefill", q, "q");
+    detail::check_indexer_native("qsa_mqa_prefill", q, "q");
     detail::check_vector_load_layout(q, "q");
     detail::check_vector_load_layout(k, "k");
     detail::native_mqa_prefill(prefill_params(q, k, row_starts, row_ends, out, scale, o.stream));
@@ -557,42 +569,36 @@ void qsa_mqa_prefill(const TensorView& q, const TensorView& k_stored, const Tens
 }
 
 Shape qsa_mqa_decode_shape(const TensorView& q, int64_t max_model_len) {
-  return check_decode_layout(q, max_model_len).out_shape;
+  return detail::check_decode_layout(q, max_model_len).out_shape;
 }
 
 void qsa_mqa_decode(const TensorView& q, const TensorView& k_stored, const TensorView& page_table,
                     const TensorView& context_lens, int64_t max_model_len, const TensorView& out,
                     const MqaScoreOptions& o) {
-  const DecodeLayout l = check_decode_layout(q, max_model_len);
-  const TensorView k_cache = check_decode_inputs(q, k_stored, o.kv_cache_dtype);
-  const Device dev = q.device();
-  detail::check_metadata_dtype(page_table, "page_table");
-  detail::check_rank(page_table, "page_table", {2});
-  detail::check_size(page_table, "page_table", 0, l.batch, "q.shape[0]");
-  detail::check_device(page_table, "page_table", dev, "q");
-  detail::check_data(page_table, "page_table");
-  check_context_lens(context_lens, l, dev);
-  const float scale = resolve_scale(o.scale, o.score_scale, q.size(-1));
-  check_out(out, l.out_shape, "qsa_mqa_decode_shape: [B * R, max_model_len]", dev, "q",
-            {{&q, "q"},
-             {&k_cache, "k_cache"},
-             {&page_table, "page_table"},
-             {&context_lens, "context_lens"}});
+  const detail::DecodeLayout l = detail::check_decode_layout(q, max_model_len);
+  const TensorView k_cache =
+      detail::check_decode_inputs(q, k_stored, page_table, context_lens, l, o.kv_cache_dtype);
+  const float scale = detail::resolve_indexer_scale(o.scale, o.score_scale, q.size(-1));
+  const detail::NamedInput inputs[] = {{&q, "q"},
+                                       {&k_cache, "k_cache"},
+                                       {&page_table, "page_table"},
+                                       {&context_lens, "context_lens"}};
+  check_out(out, l.out_shape, "qsa_mqa_decode_shape: [B * R, max_model_len]", q.device(), "q",
+            inputs);
+  auto params = [&](const TensorView& hq, const TensorView& hk, const TensorView& hpt,
+                    const TensorView& hcl, const TensorView& dst) {
+    detail::MqaDecodeParams p =
+        detail::decode_params(hq, hk, hpt, hcl, max_model_len, scale, o.stream);
+    detail::set_decode_out(p, dst);
+    return p;
+  };
   if (o.backend == Backend::kNative && !q.device().is_cuda()) {  // the CPU backend
-    cpu_mqa_decode(
-        decode_params(q, k_cache, page_table, context_lens, max_model_len, out, scale, o.stream));
+    cpu_mqa_decode(params(q, k_cache, page_table, context_lens, out));
     return;
   }
   if (o.backend == Backend::kNative) {
-    check_native("qsa_mqa_decode", q, "q");
-    if (l.rows > kNativeDecodeRows) {
-      throw_not_supported(
-          "q: backend 'native' takes at most {} query rows per request, got R = {} (q of shape "
-          "{}); pass backend='reference'",
-          kNativeDecodeRows, l.rows, q.shape_str());
-    }
-    detail::native_mqa_decode(
-        decode_params(q, k_cache, page_table, context_lens, max_model_len, out, scale, o.stream));
+    detail::check_decode_native("qsa_mqa_decode", q, l);
+    detail::native_mqa_decode(params(q, k_cache, page_table, context_lens, out));
     return;
   }
   detail::HostStaging host;
@@ -601,8 +607,7 @@ void qsa_mqa_decode(const TensorView& q, const TensorView& k_stored, const Tenso
   const TensorView hpt = host.input(page_table);
   const TensorView hcl = host.input(context_lens);
   const TensorView hout = host.output(out);
-  detail::reference_mqa_decode(
-      decode_params(hq, hk, hpt, hcl, max_model_len, hout, scale, o.stream));
+  detail::reference_mqa_decode(params(hq, hk, hpt, hcl, hout));
   host.commit();
 }
 

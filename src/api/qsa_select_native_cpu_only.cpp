@@ -12,4 +12,13 @@ void native_expand_blocks(const ExpandBlocksParams&) {
   throw_not_supported("qsa_expand_blocks: CUDA tensors need a CUDA build of sparse_attn");
 }
 
+size_t native_indexer_select_workspace_size(const IndexerSelectParams&) { return 0; }
+size_t native_decode_select_workspace_size(const DecodeSelectParams&) { return 0; }
+void native_indexer_select(const IndexerSelectParams&) {
+  throw_not_supported("qsa_indexer_select: CUDA tensors need a CUDA build of sparse_attn");
+}
+void native_decode_select(const DecodeSelectParams&) {
+  throw_not_supported("qsa_mqa_decode_select: CUDA tensors need a CUDA build of sparse_attn");
+}
+
 }  // namespace sparse_attn::detail

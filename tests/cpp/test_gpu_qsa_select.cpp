@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <bit>
 #include <cfloat>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -104,6 +105,7 @@ enum class Scores {
   kCausal,     // quantised, row r sees a prefix of about r / rows of the blocks (row 0: none)
   kConstant,   // every score equal: the whole selection is decided by the tie rule
   kBits,       // every 32-bit pattern alike: NaN payloads of both signs, denormals, infinities
+  kNarrow,     // distinct values in [1, 1 + 2^-8): one bin of the first radix digit holds them all
 };
 
 float quantised(std::mt19937_64& rng) {
@@ -121,12 +123,14 @@ void fill_scores(const TensorView& view, Scores kind, std::mt19937_64& rng) {
   const int64_t rows = nb == 0 ? 0 : view.numel() / nb;
   std::uniform_real_distribution<float> uniform(-8.f, 8.f);
   std::uniform_int_distribution<uint32_t> bits;
+  std::uniform_real_distribution<float> narrow(0.f, 1.f);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t visible = kind == Scores::kCausal ? r * nb / rows : nb;
     for (int64_t j = 0; j < nb; ++j) {
       float s = kind == Scores::kDistinct   ? uniform(rng)
                 : kind == Scores::kConstant ? 1.f
                 : kind == Scores::kBits     ? std::bit_cast<float>(bits(rng))
+                : kind == Scores::kNarrow   ? 1.f + std::ldexp(narrow(rng), -8)
                                             : quantised(rng);
       if (j >= visible) s = -kInf;
       if (view.dim() == 3) {
@@ -188,6 +192,8 @@ std::vector<TopkCase> topk_cases() {
       {"rows9_nb2500_k300_strided_distinct", {9, 2500}, 300, S::kDistinct, true},
       {"rows3000_nb64_k8_many_rows", {3000, 64}, 8, S::kQuantised, false},
       {"rows16_nb32768_k512_random_bits", {16, 32768}, 512, S::kBits, false},
+      {"rows8_nb32768_k512_narrow", {8, 32768}, 512, S::kNarrow, false},
+      {"rows8_nb9000_k5000_narrow", {8, 9000}, 5000, S::kNarrow, false},
       {"rows3_nb40000_k20000_global_sort_random_bits", {3, 40000}, 20000, S::kBits, false},
       {"rows3_nb40000_k20000_global_sort", {3, 40000}, 20000, S::kDistinct, false},
       {"rows3_nb40000_k20000_global_sort_quantised", {3, 40000}, 20000, S::kQuantised, false},

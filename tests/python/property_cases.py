@@ -301,7 +301,8 @@ def scale_args(multiplier="scale", denominator="score_scale"):
 
 
 @st.composite
-def indexer_score_case(draw):
+def indexer_score_case(draw, with_out=True):
+    """with_out=False: no out= (the fused selection draws its own outputs)."""
     rng = Rng(draw)
     dt = draw(st.sampled_from([BF16, F16]))
     H, D = draw_indexer_geometry(draw)
@@ -374,7 +375,7 @@ def indexer_score_case(draw):
     scale = draw_scale(draw, kw, D=D)
     kw["backend"] = "reference"
     out_shape = (*rows_shape, N)
-    kw["out"] = out_arg(draw, out_shape, F32)
+    kw["out"] = out_arg(draw, out_shape, F32) if with_out else None
 
     q_rows = q.reshape(-1, H, D)
 
@@ -457,9 +458,13 @@ def indexer_score_case(draw):
     args["backend"] = BACKEND
     args["out"] = Arg((F32,), (len(out_shape),), pinned=tuple(range(len(out_shape))), out=True,
                       required=False, make=lambda: torch.empty(out_shape, dtype=F32))
-    return Case(sparse_attn.qsa_indexer_mqa_score, kw, args, check,
+    case = Case(sparse_attn.qsa_indexer_mqa_score, kw, args, check,
                 written=lambda result, kw: [result], extras=extras,
                 native=(H, D) == (4, 128))
+    # What the fused selection's oracle needs: the rows, the width, each row's position and
+    # whether it is a real row.
+    case.rows = dict(shape=rows_shape, num_blocks=N, positions=positions, active=active)
+    return case
 
 
 # --------------------------------------------------------------------------------------------
@@ -510,7 +515,8 @@ def mqa_prefill_case(draw, fn=sparse_attn.qsa_mqa_prefill):
 # --------------------------------------------------------------------------------------------
 
 @st.composite
-def mqa_decode_case(draw):
+def mqa_decode_case(draw, with_out=True):
+    """with_out=False: no out= (the fused selection draws its own outputs)."""
     rng = Rng(draw)
     dt = draw(st.sampled_from([BF16, F16]))
     H, D = draw_indexer_geometry(draw)
@@ -538,7 +544,7 @@ def mqa_decode_case(draw):
               context_lens=maybe_strided(draw, lens), max_model_len=width)
     scale = draw_scale(draw, kw, D=D)
     kw["backend"] = "reference"
-    kw["out"] = out_arg(draw, (B * R, width), F32)
+    kw["out"] = out_arg(draw, (B * R, width), F32) if with_out else None
 
     def check(result, kw):
         check_out_identity(result, kw.get("out"))
@@ -565,8 +571,10 @@ def mqa_decode_case(draw):
     if R > 1:
         extras.append(("one context_len per request for R rows",
                        setting(context_lens=lens[:, 0].contiguous())))
-    return Case(sparse_attn.qsa_mqa_decode, kw, args, check, written=lambda result, kw: [result],
+    case = Case(sparse_attn.qsa_mqa_decode, kw, args, check, written=lambda result, kw: [result],
                 extras=extras, native=(H, D) == (4, 128) and R <= 4)
+    case.rows = dict(batch=B, rows=R, lens=lens, width=width)
+    return case
 
 
 # --------------------------------------------------------------------------------------------
@@ -1011,6 +1019,206 @@ def expand_case(draw):
     return Case(sparse_attn.qsa_expand_blocks, kw, args, check,
                 written=lambda r, kw: [t for t in outputs(r, kw) if t is not None],
                 native=True, has_backend=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Fused selections: qsa_indexer_select, qsa_mqa_decode_select and their workspace sizes. The
+# oracle is their composition (docs/qsa.md, "Fused selection"): the score op's FP32 scores (the
+# reference backend, itself checked against float64 above), ref_topk, expand_blocks at each
+# row's position and the count of its entries >= 0; padding rows all -1 and count 0.
+# --------------------------------------------------------------------------------------------
+
+# The score case's malformations of metadata contents (which only a call reads).
+INDEXER_CONTENT_EXTRAS = {
+    "seq_lens_q above Q", "negative seq_lens_q", "cu_seqlens_q not ending at total_q",
+    "cu_seqlens_q not starting at 0", "decreasing cu_seqlens_q", "token_to_req id >= num_requests",
+    "token_to_req id below -1 (-1 marks a padding row)", "num_requests below a token_to_req id"}
+
+SELECT_KEYS = ("topk", "out", "return_tokens", "token_indices", "valid_counts",
+               "return_valid_counts", "max_workspace_bytes", "workspace", "query_positions")
+
+
+def ref_selection(scores, k, row_pos):
+    """(block ids [rows, k], token ids [rows, 4k + 3], counts [rows]) of FP32 scores [rows, N];
+    row_pos[r] = -1 marks a padding row."""
+    ids = ref_topk(to_torch(scores), k).reshape(-1, k)
+    for r, p in enumerate(row_pos):
+        if p < 0:
+            ids[r] = -1
+    tokens, _ = expand_blocks(ids, row_pos)
+    return ids, tokens, (tokens >= 0).sum(-1).to(I32)
+
+
+def draw_selection(draw, kw, args, rows_shape, num_blocks, expandable, workspace_size):
+    """Draws the selection's arguments into kw / args: topk, the return flags, the outputs
+    (none for the size functions), the budget and a workspace. expandable: token_indices and
+    valid_counts may be asked for (decode: only with query_positions). Returns
+    (k, wants tokens, wants counts)."""
+    k = draw(st.sampled_from([1, 2, 5, num_blocks + 3])) if draw(st.integers(0, 5)) \
+        else sparse_attn.QSA_TOPK_BLOCKS
+    if k != sparse_attn.QSA_TOPK_BLOCKS or draw(st.booleans()):
+        kw["topk"] = k
+    rank = len(rows_shape)
+    return_tokens = expandable and draw(st.booleans())
+    return_counts = expandable and draw(st.booleans())
+    for name, flag in (("return_tokens", return_tokens), ("return_valid_counts", return_counts)):
+        if flag or draw(st.booleans()):
+            kw[name] = flag
+        args[name] = Value(kind=BOOL_KIND)
+    given = False
+    if not workspace_size:
+        kw["out"] = out_arg(draw, (*rows_shape, k), I32)
+        if expandable and draw(st.booleans()):
+            kw["token_indices"] = out_arg(draw, (*rows_shape, 4 * k + 3), I32)
+        if expandable and draw(st.booleans()):
+            kw["valid_counts"] = out_arg(draw, rows_shape, I32)
+        # (valid_counts does not depend on k.)
+        given = any(kw.get(n) is not None for n in ("out", "token_indices"))
+        args["out"] = Arg((I32,), (rank + 1,), pinned=tuple(range(rank + 1)), out=True,
+                          required=False, make=lambda: torch.empty((*rows_shape, k), dtype=I32))
+        args["token_indices"] = Arg((I32,), (rank + 1,), pinned=tuple(range(rank + 1)), out=True,
+                                    required=False,
+                                    make=lambda: torch.empty((*rows_shape, 4 * k + 3), dtype=I32))
+        args["valid_counts"] = Arg((I32,), (rank,), pinned=tuple(range(rank)), out=True,
+                                   required=False, make=lambda: torch.empty(rows_shape, dtype=I32))
+        if draw(st.booleans()):
+            kw["workspace"] = torch.empty(64, dtype=U8)
+        args["workspace"] = Arg((U8,), (1,), out=True, required=False,
+                                make=lambda: torch.empty(64, dtype=U8))
+    budget = draw(st.sampled_from([None, 4 * num_blocks, 12 * num_blocks + 1]))
+    if budget is not None:
+        kw["max_workspace_bytes"] = budget
+    args["topk"] = Value(kind=INT_KIND + [None],
+                         value=[0, -1, -2**63, 2**63] + ([k + 1] if given else [])
+                         + ([2**62] if math.prod(rows_shape) else []))
+    args["max_workspace_bytes"] = Value(kind=INT_KIND, value=[-1, 2**64] + (
+        [4 * num_blocks - 1] if num_blocks else []))
+    wants_tokens = return_tokens or kw.get("token_indices") is not None
+    wants_counts = return_counts or kw.get("valid_counts") is not None
+    return k, wants_tokens, wants_counts
+
+
+def selection_check(score_call, k, row_pos, rows_shape, workspace_size, first_arg):
+    """The check and written functions of a fused selection case. score_call(kw) -> the score
+    op's FP32 scores for the call's arguments."""
+    def unpack(result, kw):
+        if not (kw.get("return_tokens") or kw.get("return_valid_counts")):
+            result = (result,)
+        result = list(result)
+        ids = result.pop(0)
+        tokens = result.pop(0) if kw.get("return_tokens") else kw.get("token_indices")
+        counts = result.pop(0) if kw.get("return_valid_counts") else kw.get("valid_counts")
+        return ids, tokens, counts
+
+    def check(result, kw):
+        if workspace_size:
+            assert type(result) is int and result >= 0, result
+            if kw.get("backend") == "reference" or not kw[first_arg].is_cuda:
+                assert result == 0, result
+            return
+        ids, tokens, counts = unpack(result, kw)
+        check_out_identity(ids, kw.get("out"))
+        if kw.get("return_tokens"):
+            check_out_identity(tokens, kw.get("token_indices"))
+        if kw.get("return_valid_counts"):
+            check_out_identity(counts, kw.get("valid_counts"))
+        want_ids, want_tokens, want_counts = ref_selection(score_call(kw), k, row_pos)
+        assert ids.dtype == I32 and tuple(ids.shape) == (*rows_shape, k)
+        assert torch.equal(to_torch(ids).reshape(-1, k), want_ids)
+        if tokens is not None:
+            assert tuple(tokens.shape) == (*rows_shape, 4 * k + 3)
+            assert torch.equal(to_torch(tokens).reshape(-1, 4 * k + 3), want_tokens)
+        if counts is not None:
+            assert tuple(counts.shape) == tuple(rows_shape)
+            assert torch.equal(to_torch(counts).reshape(-1), want_counts)
+
+    def written(result, kw):
+        return [result] if workspace_size else [t for t in unpack(result, kw) if t is not None]
+
+    return check, written
+
+
+@st.composite
+def indexer_select_case(draw, workspace_size=False):
+    """qsa_indexer_select (or its workspace size) on a drawn qsa_indexer_mqa_score call."""
+    score = draw(indexer_score_case(with_out=False))
+    info = score.rows
+    rows_shape, N = info["shape"], info["num_blocks"]
+    row_pos = [p if a and p >= 0 else -1 for p, a in zip(info["positions"], info["active"])]
+    kw = {name: v for name, v in score.kw.items() if name != "out"}
+    args = {name: a for name, a in score.args.items() if name != "out"}
+    k, _, _ = draw_selection(draw, kw, args, rows_shape, N, True, workspace_size)
+    # A given output fixes the query rows, as a given out= does for the score op.
+    q = args["q_idx"]
+    if any(kw.get(n) is not None for n in ("out", "token_indices", "valid_counts")) and \
+            len(rows_shape) == 2 and 1 not in q.pinned:
+        args["q_idx"] = Arg(q.dtypes, q.ranks, pinned=q.pinned + (1,))
+
+    def scores(kw):
+        score_kw = {name: v for name, v in kw.items() if name not in SELECT_KEYS}
+        return sparse_attn.qsa_indexer_mqa_score(**{
+            **score_kw, "query_positions": kw.get("query_positions"), "backend": "reference"})
+
+    check, written = selection_check(scores, k, row_pos, rows_shape, workspace_size, "q_idx")
+    extras = list(score.extras)
+    if workspace_size:
+        # The size function reads no metadata contents (as the score op's validation): broken
+        # contents, and a total_q that only cu_seqlens_q's last value ties, are not its errors.
+        extras = [(d, f) for d, f in extras if d not in INDEXER_CONTENT_EXTRAS]
+        if "cu_seqlens_q" in kw:
+            q = args["q_idx"]
+            args["q_idx"] = Arg(q.dtypes, q.ranks, pinned=tuple(a for a in q.pinned if a != 0))
+    else:
+        extras.append(("misaligned workspace",
+                       setting(workspace=torch.empty(80, dtype=U8)[1:65])))
+    fn = sparse_attn.qsa_indexer_select_workspace_size if workspace_size \
+        else sparse_attn.qsa_indexer_select
+    return Case(fn, kw, args, check, written, extras, native=score.native and k <= 16384)
+
+
+@st.composite
+def decode_select_case(draw, workspace_size=False):
+    """qsa_mqa_decode_select (or its workspace size) on a drawn qsa_mqa_decode call, with or
+    without query_positions."""
+    score = draw(mqa_decode_case(with_out=False))
+    info = score.rows
+    B, R, lens, width = info["batch"], info["rows"], info["lens"], info["width"]
+    rows_shape = (B * R,)
+    kw = {name: v for name, v in score.kw.items() if name != "out"}
+    args = {name: a for name, a in score.args.items() if name != "out"}
+    positions = None
+    if draw(st.booleans()):
+        positions = Rng(draw).randint(-3, 4 * width + 8, tuple(lens.shape))
+        kw["query_positions"] = maybe_strided(draw, positions)
+    k, wants_tokens, wants_counts = draw_selection(draw, kw, args, rows_shape, width,
+                                                   positions is not None, workspace_size)
+    flat_lens = lens.reshape(-1).tolist()
+    flat_pos = positions.reshape(-1).tolist() if positions is not None else [0] * (B * R)
+    row_pos = [p if n > 0 and p >= 0 else -1 for p, n in zip(flat_pos, flat_lens)]
+    args["query_positions"] = Arg(META, (1, 2) if R == 1 else (2,),
+                                  pinned=tuple(range(lens.dim())),
+                                  required=wants_tokens or wants_counts,
+                                  make=lambda: torch.zeros(tuple(lens.shape), dtype=I32))
+    extras = list(score.extras)
+    if positions is not None:
+        extras.append(("query_positions of [B * R] rows",
+                       setting(query_positions=torch.zeros(B * R + 1, dtype=I32))))
+
+    def scores(kw):
+        score_kw = {name: v for name, v in kw.items() if name not in SELECT_KEYS}
+        return sparse_attn.qsa_mqa_decode(**{**score_kw, "backend": "reference"})
+
+    check, written = selection_check(scores, k, row_pos, rows_shape, workspace_size, "q")
+    if not workspace_size:
+        extras.append(("misaligned workspace",
+                       setting(workspace=torch.empty(80, dtype=U8)[1:65])))
+        if positions is not None:
+            extras.append(("token_indices without query_positions",
+                           lambda kw: {**{n: v for n, v in kw.items() if n != "query_positions"},
+                                       "return_tokens": True}))
+    fn = sparse_attn.qsa_mqa_decode_select_workspace_size if workspace_size \
+        else sparse_attn.qsa_mqa_decode_select
+    return Case(fn, kw, args, check, written, extras, native=score.native and k <= 16384)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1685,6 +1893,10 @@ BUILDERS = {
     "qsa_compress_block_keys": compress_case,
     "qsa_topk_blocks": topk_case,
     "qsa_expand_blocks": expand_case,
+    "qsa_indexer_select": indexer_select_case,
+    "qsa_indexer_select_workspace_size": lambda: indexer_select_case(workspace_size=True),
+    "qsa_mqa_decode_select": decode_select_case,
+    "qsa_mqa_decode_select_workspace_size": lambda: decode_select_case(workspace_size=True),
     "merge_attention_states": merge_case,
     "xattn_estimate": estimate_case,
     "find_blocks_chunked": find_blocks_case,

@@ -261,11 +261,15 @@ def assert_rejected(case, kw, desc):
 
 
 # Families with nothing to break in a function: expansion has no ranged scalar and no
-# exclusive arguments, top-k and the merge no exclusive arguments, the workspace size no output.
+# exclusive arguments, top-k and the merge no exclusive arguments, the workspace sizes no output.
 NOT_APPLICABLE = {("qsa_expand_blocks", "value"), ("qsa_expand_blocks", "combination"),
                   ("qsa_topk_blocks", "combination"), ("merge_attention_states", "combination"),
                   ("qsa_sparse_attention_workspace_size", "alias"),
-                  ("qsa_sparse_attention_workspace_size", "out_layout")}
+                  ("qsa_sparse_attention_workspace_size", "out_layout"),
+                  ("qsa_indexer_select_workspace_size", "alias"),
+                  ("qsa_indexer_select_workspace_size", "out_layout"),
+                  ("qsa_mqa_decode_select_workspace_size", "alias"),
+                  ("qsa_mqa_decode_select_workspace_size", "out_layout")}
 
 
 def malformed_params():

@@ -90,7 +90,22 @@ __global__ void __launch_bounds__(kThreads)
         p.context_lens[b * p.context_lens_batch_stride + r * p.context_lens_row_stride];
     load_limit = max(load_limit, min(len, cap));
   }
+  if (p.windows && c0 == 0 && tid < p.rows) {
+    const int64_t len = p.context_lens[b * p.context_lens_batch_stride +
+                                       tid * p.context_lens_row_stride];
+    const int64_t pos = p.query_positions ? p.query_positions[b * p.query_positions_batch_stride +
+                                                              tid * p.query_positions_row_stride]
+                                          : 0;
+    // A padding row (no visible key, or a negative position) selects nothing.
+    const bool valid = len > 0 && pos >= 0;
+    p.windows[b * p.rows + tid] = {0, valid ? int32_t(min(len, cap)) : 0,
+                                   valid && p.query_positions
+                                       ? int32_t(std::min<int64_t>(pos, INT32_MAX))
+                                       : -1,
+                                   0};
+  }
   if (c0 >= load_limit) {
+    if (p.windows) return;  // a selection reads no column past the rows' windows
     for (int r = 0; r < p.rows; ++r) {
       float* const out = p.out + (b * p.rows + r) * p.out_row_stride;
       for (int64_t i = c0 + tid; i < c1; i += kThreads) out[i * p.out_col_stride] = -INFINITY;
@@ -196,8 +211,9 @@ namespace sparse_attn::cuda::indexer {
 template <typename T, typename KV>
 void launch_mqa_decode(const DecodeProblem& p, cudaStream_t stream) {
   using namespace decode;
-  if (p.batch == 0 || p.max_model_len == 0) return;
-  const int64_t chunks = (p.max_model_len + kKeysPerCta - 1) / kKeysPerCta;
+  if (p.batch == 0 || (p.max_model_len == 0 && !p.windows)) return;
+  // A selection's chunk runs with no column too: its windows are still needed.
+  const int64_t chunks = std::max<int64_t>(1, (p.max_model_len + kKeysPerCta - 1) / kKeysPerCta);
   if (chunks * p.batch > INT_MAX) throw Error("qsa_mqa_decode: batch x max_model_len too large");
   // Vector key loads need unit feature stride and 16-byte aligned rows.
   constexpr int64_t kPerVector = 16 / sizeof(KV);

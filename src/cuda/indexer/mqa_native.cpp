@@ -9,17 +9,13 @@
 #include "cuda/indexer/mqa_problem.h"
 #include "sparse_attn/errors.h"
 
-namespace sparse_attn::detail {
+namespace sparse_attn::cuda::indexer {
 namespace {
-
-namespace ix = cuda::indexer;
-
-cudaStream_t to_stream(StreamHandle s) { return static_cast<cudaStream_t>(s); }
 
 // The API checks the native geometry and layout before it fills params; these guard the
 // kernels' own assumptions should a caller reach them another way.
 void require_geometry(const char* op, int heads, int dim) {
-  if (heads != ix::kHeads || dim != ix::kDim) {
+  if (heads != kHeads || dim != kDim) {
     throw NotSupportedError(std::string(op) +
                             ": the native kernels take heads x dim = 4 x 128, got " +
                             std::to_string(heads) + " x " + std::to_string(dim));
@@ -38,28 +34,35 @@ void require_vector_layout(const char* op, const void* ptr, int64_t dim_stride) 
   }
 }
 
-// The one runtime-to-template dispatch of the rows kernel: query and key element types.
-void launch_rows(const ix::RowsProblem& r, DType dtype, DType k_dtype, const char* op,
-                 StreamHandle stream) {
-  cuda::dispatch_dtype(dtype, op, [&](auto t) {
+}  // namespace
+
+void launch_rows(const RowsProblem& r, DType dtype, DType k_dtype, const char* op,
+                 cudaStream_t stream) {
+  dispatch_dtype(dtype, op, [&](auto t) {
     using T = typename decltype(t)::type;
-    cuda::dispatch_kv_dtype<T>(dtype, k_dtype, op, [&](auto kv) {
-      ix::launch_mqa_rows<T, typename decltype(kv)::type>(r, to_stream(stream));
+    dispatch_kv_dtype<T>(dtype, k_dtype, op, [&](auto kv) {
+      launch_mqa_rows<T, typename decltype(kv)::type>(r, stream);
     });
   });
 }
 
-}  // namespace
+void launch_decode(const DecodeProblem& d, DType dtype, DType k_dtype, cudaStream_t stream) {
+  dispatch_dtype(dtype, "qsa_mqa_decode", [&](auto t) {
+    using T = typename decltype(t)::type;
+    dispatch_kv_dtype<T>(dtype, k_dtype, "qsa_mqa_decode", [&](auto kv) {
+      launch_mqa_decode<T, typename decltype(kv)::type>(d, stream);
+    });
+  });
+}
 
-void native_mqa_score(const MqaScoreParams& p) {
+RowsProblem score_problem(const detail::MqaScoreParams& p) {
   require_geometry("qsa_indexer_mqa_score", p.heads, p.dim);
   const int64_t rows = p.varlen ? p.q_len : p.batch * p.q_len;
-  if (rows == 0 || p.num_blocks == 0) return;
   require_vector_layout("qsa_indexer_mqa_score", p.q, p.q_dim_stride);
   require_vector_layout("qsa_indexer_mqa_score", p.k, p.k_dim_stride);
-  ix::RowsProblem r{};
-  r.mode = !p.varlen ? ix::RowMode::kPadded
-                     : (p.cu_seqlens_q ? ix::RowMode::kVarlenCu : ix::RowMode::kVarlenTok);
+  RowsProblem r{};
+  r.mode = !p.varlen ? RowMode::kPadded
+                     : (p.cu_seqlens_q ? RowMode::kVarlenCu : RowMode::kVarlenTok);
   r.num_rows = rows;
   r.q_len = p.q_len;
   r.batch = p.batch;
@@ -90,43 +93,17 @@ void native_mqa_score(const MqaScoreParams& p) {
   r.out_batch_stride = p.out_batch_stride;
   r.out_row_stride = p.out_row_stride;
   r.out_col_stride = p.out_col_stride;
-  launch_rows(r, p.dtype, p.k_dtype, "qsa_indexer_mqa_score", p.stream);
+  return r;
 }
 
-void native_mqa_prefill(const MqaPrefillParams& p) {
-  require_geometry("qsa_mqa_prefill", p.heads, p.dim);
-  if (p.rows == 0 || p.keys == 0) return;
-  require_vector_layout("qsa_mqa_prefill", p.q, p.q_dim_stride);
-  require_vector_layout("qsa_mqa_prefill", p.k, p.k_dim_stride);
-  ix::RowsProblem r{};
-  r.mode = ix::RowMode::kPrefill;
-  r.num_rows = p.rows;
-  r.q_len = p.rows;
-  r.batch = 1;
-  r.q = p.q;
-  r.q_row_stride = p.q_row_stride;
-  r.q_head_stride = p.q_head_stride;
-  r.row_starts = p.row_starts;
-  r.row_starts_stride = p.row_starts_stride;
-  r.row_ends = p.row_ends;
-  r.row_ends_stride = p.row_ends_stride;
-  r.num_keys = p.keys;
-  r.k = p.k;
-  r.k_row_stride = p.k_row_stride;
-  r.scale = p.scale;
-  r.out = p.out;
-  r.out_row_stride = p.out_row_stride;
-  r.out_col_stride = p.out_col_stride;
-  launch_rows(r, p.dtype, p.k_dtype, "qsa_mqa_prefill", p.stream);
-}
 
-void native_mqa_decode(const MqaDecodeParams& p) {
+DecodeProblem decode_problem(const detail::MqaDecodeParams& p) {
   require_geometry("qsa_mqa_decode", p.heads, p.dim);
-  if (p.rows < 1 || p.rows > ix::kMaxDecodeRows) {
+  if (p.rows < 1 || p.rows > kMaxDecodeRows) {
     throw Error("qsa_mqa_decode: internal: native path reached with " + std::to_string(p.rows) +
                 " query rows per request (the kernel takes 1 to 4)");
   }
-  ix::DecodeProblem d{};
+  DecodeProblem d{};
   d.batch = p.batch;
   d.rows = static_cast<int>(p.rows);
   d.q = p.q;
@@ -153,12 +130,50 @@ void native_mqa_decode(const MqaDecodeParams& p) {
   d.out = p.out;
   d.out_row_stride = p.out_row_stride;
   d.out_col_stride = p.out_col_stride;
-  cuda::dispatch_dtype(p.dtype, "qsa_mqa_decode", [&](auto t) {
-    using T = typename decltype(t)::type;
-    cuda::dispatch_kv_dtype<T>(p.dtype, p.k_dtype, "qsa_mqa_decode", [&](auto kv) {
-      ix::launch_mqa_decode<T, typename decltype(kv)::type>(d, to_stream(p.stream));
-    });
-  });
+  return d;
+}
+
+}  // namespace sparse_attn::cuda::indexer
+
+namespace sparse_attn::detail {
+
+namespace ix = cuda::indexer;
+
+void native_mqa_score(const MqaScoreParams& p) {
+  if ((p.varlen ? p.q_len : p.batch * p.q_len) == 0 || p.num_blocks == 0) return;
+  ix::launch_rows(ix::score_problem(p), p.dtype, p.k_dtype, "qsa_indexer_mqa_score",
+                  static_cast<cudaStream_t>(p.stream));
+}
+
+void native_mqa_prefill(const MqaPrefillParams& p) {
+  ix::require_geometry("qsa_mqa_prefill", p.heads, p.dim);
+  if (p.rows == 0 || p.keys == 0) return;
+  ix::require_vector_layout("qsa_mqa_prefill", p.q, p.q_dim_stride);
+  ix::require_vector_layout("qsa_mqa_prefill", p.k, p.k_dim_stride);
+  ix::RowsProblem r{};
+  r.mode = ix::RowMode::kPrefill;
+  r.num_rows = p.rows;
+  r.q_len = p.rows;
+  r.batch = 1;
+  r.q = p.q;
+  r.q_row_stride = p.q_row_stride;
+  r.q_head_stride = p.q_head_stride;
+  r.row_starts = p.row_starts;
+  r.row_starts_stride = p.row_starts_stride;
+  r.row_ends = p.row_ends;
+  r.row_ends_stride = p.row_ends_stride;
+  r.num_keys = p.keys;
+  r.k = p.k;
+  r.k_row_stride = p.k_row_stride;
+  r.scale = p.scale;
+  r.out = p.out;
+  r.out_row_stride = p.out_row_stride;
+  r.out_col_stride = p.out_col_stride;
+  ix::launch_rows(r, p.dtype, p.k_dtype, "qsa_mqa_prefill", static_cast<cudaStream_t>(p.stream));
+}
+
+void native_mqa_decode(const MqaDecodeParams& p) {
+  ix::launch_decode(ix::decode_problem(p), p.dtype, p.k_dtype, static_cast<cudaStream_t>(p.stream));
 }
 
 }  // namespace sparse_attn::detail

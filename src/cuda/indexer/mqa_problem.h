@@ -13,6 +13,8 @@
 #include <cstdint>
 
 #include "api/meta_ptr.h"
+#include "api/qsa_indexer_params.h"
+#include "cuda/select/topk_problem.h"
 
 namespace sparse_attn::cuda::indexer {
 
@@ -76,6 +78,13 @@ struct RowsProblem {
   int64_t out_batch_stride;  // padded only
   int64_t out_row_stride;
   int64_t out_col_stride;
+
+  // A chunk of a fused selection: rows [row_begin, num_rows) only (0 otherwise). With
+  // `windows` (nullable: the score ops), row r's scores go to out + (r - row_begin) *
+  // out_row_stride, only its visible columns are written (the top-k reads no other), and
+  // windows[r - row_begin] records them and the row's position.
+  int64_t row_begin;
+  select::RowWindow* windows;
 };
 
 // Decode: R query rows per request (multi-token decode), each against the request's paged keys.
@@ -109,6 +118,15 @@ struct DecodeProblem {
   float* out;  // [batch * rows, max_model_len]
   int64_t out_row_stride;
   int64_t out_col_stride;
+
+  // A chunk of a fused selection (nullable: the score op): windows[b * rows + r] records the
+  // visible columns [0, min(context, max_model_len, table)) of request b's row r and its
+  // position (query_positions[b, r]; -1 where that is null or the row is padding); columns no
+  // row of the request sees are not written.
+  select::RowWindow* windows;
+  MetaPtr query_positions;  // [batch, rows], nullable
+  int64_t query_positions_batch_stride;
+  int64_t query_positions_row_stride;
 };
 
 // T: the query's __nv_bfloat16 or __half; KV: the keys' element type, T or __nv_fp8_e4m3 (used
@@ -118,5 +136,13 @@ template <typename T, typename KV>
 void launch_mqa_rows(const RowsProblem& problem, cudaStream_t stream);
 template <typename T, typename KV>
 void launch_mqa_decode(const DecodeProblem& problem, cudaStream_t stream);
+
+// mqa_native.cpp: the problems of the score ops' params (the fused selections adjust them per
+// chunk), and the launches with the one runtime-to-template dispatch of the element types.
+RowsProblem score_problem(const detail::MqaScoreParams& params);
+DecodeProblem decode_problem(const detail::MqaDecodeParams& params);
+void launch_rows(const RowsProblem& problem, DType dtype, DType k_dtype, const char* op,
+                 cudaStream_t stream);
+void launch_decode(const DecodeProblem& problem, DType dtype, DType k_dtype, cudaStream_t stream);
 
 }  // namespace sparse_attn::cuda::indexer

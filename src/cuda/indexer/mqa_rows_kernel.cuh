@@ -107,9 +107,8 @@ __device__ inline void warp_fill_row(float* row, int64_t a, int64_t b, int64_t s
 template <typename Storage>
 __device__ inline void resolve_row(const RowsProblem& p, int64_t r, Storage& s, int t) {
   int32_t req = -1;
-  int64_t lo = 0, hi = 0, q_off = 0, out_off = 0;
+  int64_t lo = 0, hi = 0, q_off = 0, out_off = 0, pos = -1;
   if (r < p.num_rows) {
-    int64_t pos = -1;
     switch (p.mode) {
       case RowMode::kPrefill: {
         req = 0;
@@ -171,9 +170,19 @@ __device__ inline void resolve_row(const RowsProblem& p, int64_t r, Storage& s, 
       hi = pos >= 3 ? std::min<int64_t>(p.num_keys, (pos + 1) / 4) : 0;
     }
   }
+  hi = max(hi, lo);
+  if (p.windows) {
+    // A fused selection's chunk: rows packed in the scratch, and the top-k told what to read.
+    out_off = (r - p.row_begin) * p.out_row_stride;
+    if (r < p.num_rows && blockIdx.y == 0) {
+      const bool valid = req >= 0 && p.mode != RowMode::kPrefill;
+      p.windows[r - p.row_begin] = {valid ? int32_t(lo) : 0, valid ? int32_t(hi) : 0,
+                                    valid ? int32_t(std::min<int64_t>(pos, INT32_MAX)) : -1, 0};
+    }
+  }
   s.req[t] = req;
   s.lo[t] = lo;
-  s.hi[t] = max(hi, lo);
+  s.hi[t] = hi;
   s.q_off[t] = q_off;
   s.out_off[t] = out_off;
 }
@@ -251,7 +260,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   // neighbouring CTAs then pair a heavy tile with a light, mostly -inf one, so SMs mix MMA
   // and store work and the grid has no long tail of heavy tiles.
   const int64_t zig = blockIdx.x;
-  const int64_t row0 = (zig % 2 == 0 ? int64_t(gridDim.x) - 1 - zig / 2 : zig / 2) * kBlockRows;
+  const int64_t row0 =
+      p.row_begin + (zig % 2 == 0 ? int64_t(gridDim.x) - 1 - zig / 2 : zig / 2) * kBlockRows;
   const int64_t col0 = int64_t(blockIdx.y) * keys_per_cta;
   const int64_t col1 = min(p.num_keys, col0 + keys_per_cta);
   float* const out = p.out;
@@ -278,8 +288,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     }
   }
 
-  // --- invalid rows: -inf over the CTA's columns
-  for (int i = 0; i < kRowsPerWarp; ++i) {
+  // --- invalid rows: -inf over the CTA's columns (a selection's chunk reads none of them)
+  const bool fill = !p.windows;
+  for (int i = 0; fill && i < kRowsPerWarp; ++i) {
     const int r = warp * kRowsPerWarp + i;
     if (row0 + r < p.num_rows && s.req[r] < 0)
       warp_fill_row(out + s.out_off[r], col0, col1, p.out_col_stride, lane);
@@ -332,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     const int64_t t1 = ulo < uhi ? (uhi - col0 + kBlockKeys - 1) / kBlockKeys : 0;
     const int64_t a_begin = min(col1, col0 + t0 * kBlockKeys);
     const int64_t a_end = min(col1, col0 + t1 * kBlockKeys);
-    for (int i = 0; i < kRowsPerWarp; ++i) {
+    for (int i = 0; fill && i < kRowsPerWarp; ++i) {
       const int r = warp * kRowsPerWarp + i;
       if (s.req[r] != cur) continue;
       warp_fill_row(out + s.out_off[r], col0, a_begin, p.out_col_stride, lane);
@@ -448,7 +459,8 @@ namespace sparse_attn::cuda::indexer {
 template <typename T, typename KV>
 void launch_mqa_rows(const RowsProblem& p, cudaStream_t stream) {
   using namespace rows;
-  if (p.num_rows == 0 || p.num_keys == 0) return;
+  // A selection's chunk runs without keys too: its windows (and positions) are still needed.
+  if (p.num_rows <= p.row_begin || (p.num_keys == 0 && !p.windows)) return;
   const auto kernel = mqa_rows_kernel<T, KV>;
   constexpr int kSmem = sizeof(SharedStorage<KV>);
   SPARSE_ATTN_CUDA_CHECK(
@@ -456,10 +468,12 @@ void launch_mqa_rows(const RowsProblem& p, cudaStream_t stream) {
   int device = 0;
   SPARSE_ATTN_CUDA_CHECK(cudaGetDevice(&device));
   const int sms = sm_count(device);
-  const int64_t row_tiles = (p.num_rows + kBlockRows - 1) / kBlockRows;
+  const int64_t row_tiles = (p.num_rows - p.row_begin + kBlockRows - 1) / kBlockRows;
   if (row_tiles > INT_MAX) throw Error("qsa indexer: too many query rows for one launch");
-  const int64_t keys_per_cta = rows_keys_per_cta(row_tiles, p.num_keys, sms);
-  const dim3 grid(unsigned(row_tiles), unsigned((p.num_keys + keys_per_cta - 1) / keys_per_cta));
+  const int64_t keys_per_cta =
+      p.num_keys == 0 ? kBlockKeys : rows_keys_per_cta(row_tiles, p.num_keys, sms);
+  const dim3 grid(unsigned(row_tiles),
+                  unsigned(std::max<int64_t>(1, (p.num_keys + keys_per_cta - 1) / keys_per_cta)));
   kernel<<<grid, kThreads, kSmem, stream>>>(p, keys_per_cta);
   SPARSE_ATTN_CUDA_CHECK_LAUNCH();
 }

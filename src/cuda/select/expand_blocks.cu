@@ -19,6 +19,7 @@ namespace {
 constexpr int kWarpsPerCta = 8;
 constexpr int kThreads = kWarpsPerCta * 32;
 constexpr int64_t kBlockTokens = 4;  // block b covers tokens 4b .. 4b + 3
+constexpr int kLoadsInFlight = 8;
 
 __global__ void __launch_bounds__(kThreads)
     expand_blocks_kernel(const detail::ExpandBlocksParams p) {
@@ -39,21 +40,31 @@ __global__ void __launch_bounds__(kThreads)
                                       : nullptr;
     const int64_t tcs = p.token_indices_col_stride;
 
-    // Kept blocks, compacted in input order.
+    // Kept blocks, compacted in input order. kLoadsInFlight ids a lane are loaded before any
+    // is used: the stores between them would otherwise make each load wait for the last.
     int64_t kept = 0;
-    for (int64_t base = 0; base < p.k; base += 32) {
-      const int64_t j = base + lane;
-      const int64_t id = j < p.k ? ids[j * p.block_ids_col_stride] : -1;
-      const bool keep = id >= 0 && kBlockTokens * id + kBlockTokens - 1 <= pos;
-      const unsigned ballot = __ballot_sync(0xffffffffu, keep);
-      if (keep) {
-        const int64_t slot = kept + __popc(ballot & ((1u << lane) - 1));
-        if (blocks) blocks[slot * p.block_indices_col_stride] = static_cast<int32_t>(id);
-        for (int64_t t = 0; t < kBlockTokens; ++t) {
-          tokens[(kBlockTokens * slot + t) * tcs] = static_cast<int32_t>(kBlockTokens * id + t);
-        }
+    for (int64_t base = 0; base < p.k; base += 32 * kLoadsInFlight) {
+      int64_t id[kLoadsInFlight];
+#pragma unroll
+      for (int u = 0; u < kLoadsInFlight; ++u) {
+        const int64_t j = base + 32 * u + lane;
+        id[u] = j < p.k ? ids[j * p.block_ids_col_stride] : -1;
       }
-      kept += __popc(ballot);
+#pragma unroll
+      for (int u = 0; u < kLoadsInFlight; ++u) {
+        const bool keep = id[u] >= 0 && kBlockTokens * id[u] + kBlockTokens - 1 <= pos;
+        const unsigned ballot = __ballot_sync(0xffffffffu, keep);
+        if (keep) {
+          const int64_t slot = kept + __popc(ballot & ((1u << lane) - 1));
+          if (blocks) blocks[slot * p.block_indices_col_stride] = static_cast<int32_t>(id[u]);
+#pragma unroll
+          for (int64_t t = 0; t < kBlockTokens; ++t) {
+            tokens[(kBlockTokens * slot + t) * tcs] =
+                static_cast<int32_t>(kBlockTokens * id[u] + t);
+          }
+        }
+        kept += __popc(ballot);
+      }
     }
 
     // The tail of the incomplete block holding the query (none for p < 0), then padding.

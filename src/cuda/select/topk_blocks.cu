@@ -1,14 +1,25 @@
-// Native qsa_topk_blocks: one CTA per row (rows strided over the grid), bit-exact with the
-// reference (src/reference/qsa_select_ref.cpp).
+// Native top-k of QSA's selection (qsa_topk_blocks, and the fused selections' second step): one
+// CTA per row (rows strided over the grid), bit-exact with the reference
+// (src/reference/qsa_select_ref.cpp).
 //
 // Each finite score maps to a 32-bit key whose unsigned order is the float order (-0 and +0
 // share one key, as they compare equal); non-finite scores map to 0, below every finite key,
-// and are never counted. A radix select over the keys (digits of 12, 12 and 8 bits) finds the
-// key T of the k-th best visible block and how many blocks keyed T are needed. A gather pass then
-// takes every block keyed above T and the needed ones keyed T in ascending block id (a block-wide
-// scan keeps the id order), so the selected set is exactly the reference's. The set is sorted
-// by the 64-bit composite (key, ~id) descending: composites are unique, so the order is the
-// reference's (score descending, ties by ascending id) whatever order the gather produced.
+// and are never counted. A radix select finds the key T of the k-th best visible block, digits
+// of 12, 12 and 8 bits, most significant first:
+//   1. one pass over the row histograms the first digit; the bin holding the k-th block is
+//      usually a few percent of the row;
+//   2. one more pass takes every block of a higher bin and copies the blocks of that bin into
+//      shared memory (the candidates), where the remaining digits are resolved without touching
+//      the row again. A bin too large for the candidate buffer is first narrowed by more passes
+//      over the row (scores of one narrow magnitude, or many equal scores);
+//   3. of the blocks keyed T, the ones with the lowest ids are taken (a radix select over the
+//      complemented ids, which are unique), so the set is exactly the reference's.
+// The set is sorted by the 64-bit composite (key, ~id) descending: composites are unique, so
+// the order is the reference's (score descending, ties by ascending id).
+//
+// Why not the previous kernel's four passes over the row with warp-aggregated histogram
+// updates (__match_any_sync per element): at 128K-token prefill it spent 48 ms on issue slots,
+// not bytes (docs/perf-notes.md, issue 17).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -19,49 +30,47 @@
 #include "cuda/common/check.h"
 #include "cuda/common/device_guard.h"
 #include "cuda/common/device_props.h"
+#include "cuda/select/topk_problem.h"
 
 namespace sparse_attn {
 namespace cuda::select {
 namespace {
 
-constexpr int kThreads = 1024;
-constexpr int kWarps = kThreads / 32;
-// Digits of the radix select, most significant first: 12 + 12 + 8 bits. The first digit holds
-// the sign, the exponent and 3 mantissa bits, so scores of one magnitude still spread over
-// several bins (fewer same-bin atomics and fewer candidates left for the next pass than with
-// 8-bit digits), and three passes instead of four read the row.
-constexpr int kPasses = 3;
-__host__ __device__ constexpr int digit_bits(int pass) { return pass < 2 ? 12 : 8; }
-constexpr int kMaxBins = 1 << 12;
-constexpr int kBinsPerThread = kMaxBins / kThreads;
-static_assert(digit_bits(0) + digit_bits(1) + digit_bits(2) == 32, "the digits cover the key");
-static_assert(kMaxBins % kThreads == 0, "each thread scans whole bins");
-// Selections of up to this many blocks are sorted in shared memory (128 KiB of composites);
-// larger ones (k and the visible count both above it) sort in a global workspace.
-constexpr int64_t kMaxSharedSort = 16384;
-constexpr int64_t kMaxGlobalSortBytes = int64_t{1} << 30;
-
-struct TopkProblem {
-  int64_t total_rows;
-  int64_t rows;  // per batch entry
-  int64_t num_blocks;
-  int64_t k;
-  const float* scores;
-  int64_t scores_batch_stride, scores_row_stride, scores_col_stride;
-  int32_t* out;
-  int64_t out_batch_stride, out_row_stride, out_col_stride;
-  int64_t sort_capacity;  // a power of two >= min(k, num_blocks): composites per row
-  uint64_t* global_sort;  // [gridDim.x, sort_capacity], or null to sort in shared memory
+// Two shapes of CTA, measured (docs/perf-notes.md, issue 17): with rows for several waves,
+// four 256-thread CTAs an SM hide each other's barrier and load latency (a row's fixed work is
+// dozens of barriers); with fewer rows than the SMs hold, 512 threads a row finish each sooner.
+// The candidate buffer is what the CTA's share of shared memory allows.
+template <int Threads, int CtasPerSm, int Candidates>
+struct Config {
+  static constexpr int kThreads = Threads;
+  static constexpr int kWarps = Threads / 32;
+  static constexpr int kCtasPerSm = CtasPerSm;
+  static constexpr int kCandidates = Candidates;  // (key, id) pairs in dynamic shared memory
+  static constexpr size_t kCandidateBytes = size_t{Candidates} * 2 * sizeof(uint32_t);
 };
+using ManyRows = Config<256, 4, 4096>;
+using FewRows = Config<512, 2, 8192>;
 
+constexpr int kMaxBins = 1 << 12;
+// Global sort buffers (selections above kTopkMaxSharedSort) are capped at this many bytes in
+// all, by running fewer CTAs.
+constexpr int64_t kMaxGlobalSortBytes = int64_t{1} << 30;
+constexpr int64_t kBlockTokens = 4;
+
+// The radix digits, most significant first: 12 + 12 + 8 bits. The first holds the sign, the
+// exponent and 3 mantissa bits, so scores of one magnitude still spread over 8 bins an octave.
+__device__ __forceinline__ int next_digit_bits(int shift) { return shift > 8 ? 12 : 8; }
+
+template <typename C>
 struct SharedStorage {
-  int hist[kMaxBins];
-  int warp_sums[kWarps];
-  int visible;      // finite scores in the row
-  int digit;        // the chosen digit of this pass
-  int remaining;    // blocks still to take at and below the chosen prefix
-  int digit_count;  // blocks that carry the chosen prefix
-  int selected;     // gather cursor
+  alignas(16) int hist[kMaxBins];
+  int warp_sums[C::kWarps];
+  int total;        // values counted by the last pass
+  int digit;        // the chosen digit of the last pass
+  int remaining;    // values still to take at and below the chosen prefix
+  int digit_count;  // values that carry the chosen prefix
+  int selected;     // append cursor of the selection
+  int candidates;   // append cursor of the candidates
 };
 
 // Unsigned order of the key == float order of finite scores; 0 for -inf, +inf and NaN.
@@ -72,7 +81,12 @@ __device__ __forceinline__ uint32_t order_key(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+__device__ __forceinline__ uint64_t composite(uint32_t key, uint32_t id) {
+  return (static_cast<uint64_t>(key) << 32) | (0xffffffffu - id);
+}
+
 // Exclusive sum of `v` over the threads of the block, and the block total; every thread calls it.
+template <typename C>
 __device__ __forceinline__ int block_exclusive_sum(int v, int* warp_sums, int& total) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   int inclusive = v;
@@ -85,7 +99,8 @@ __device__ __forceinline__ int block_exclusive_sum(int v, int* warp_sums, int& t
   __syncthreads();
   int before = inclusive - v;
   total = 0;
-  for (int w = 0; w < kWarps; ++w) {
+#pragma unroll
+  for (int w = 0; w < C::kWarps; ++w) {
     const int n = warp_sums[w];
     if (w < warp) before += n;
     total += n;
@@ -94,11 +109,127 @@ __device__ __forceinline__ int block_exclusive_sum(int v, int* warp_sums, int& t
   return before;
 }
 
+// Where the radix select stands: the values carrying `prefix` in the bits at and above
+// `shift` hold the k-th; `remaining` of them are still to take, `count` carry the prefix.
+struct RadixState {
+  uint32_t prefix = 0;
+  int shift = 32;
+  int remaining;
+  int count = 0;
+  __device__ bool carries(uint32_t v) const {
+    return shift == 32 || (v >> shift) == (prefix >> shift);
+  }
+};
+
+// One radix pass: histograms the next digit of the values visit(f) yields (f(value) per value,
+// from every thread) that carry the state's prefix, and narrows the state to the digit whose
+// bin holds the remaining-th largest. Returns how many values were counted. Every thread calls it.
+template <typename C, typename Visit>
+__device__ int radix_pass(SharedStorage<C>& s, RadixState& st, Visit&& visit) {
+  constexpr int kThreads = C::kThreads, kBinsPerThread = kMaxBins / kThreads;
+  static_assert(kMaxBins % kThreads == 0 && kBinsPerThread % 4 == 0,
+                "each thread scans whole 16-byte words of bins");
+  const int tid = threadIdx.x;
+  const int bits = next_digit_bits(st.shift);
+  const int bins = 1 << bits;
+  const int shift = st.shift - bits;
+  for (int i = tid; i < bins; i += kThreads) s.hist[i] = 0;
+  __syncthreads();
+  const RadixState cur = st;
+  visit([&](uint32_t v) {
+    if (cur.carries(v)) atomicAdd(&s.hist[(v >> shift) & (bins - 1)], 1);
+  });
+  __syncthreads();
+  // Bins from the highest digit down, kBinsPerThread consecutive ones per thread: the chosen
+  // digit is where the running count first reaches `remaining`. Each thread reads its bins as
+  // 16-byte words (scalar loads kBinsPerThread words apart conflict that many ways).
+  const int first = tid * kBinsPerThread;
+  int counts[kBinsPerThread] = {};  // from the top: counts[i] is bin bins - 1 - first - i
+  if (first < bins) {
+    const int4* h = reinterpret_cast<const int4*>(s.hist + bins - kBinsPerThread - first);
+#pragma unroll
+    for (int v = 0; v < kBinsPerThread / 4; ++v) {
+      const int4 w = h[v];
+      counts[kBinsPerThread - 1 - 4 * v] = w.x;
+      counts[kBinsPerThread - 2 - 4 * v] = w.y;
+      counts[kBinsPerThread - 3 - 4 * v] = w.z;
+      counts[kBinsPerThread - 4 - 4 * v] = w.w;
+    }
+  }
+  const auto count_at = [&](int i) { return counts[i]; };
+  int sum = 0;
+#pragma unroll
+  for (int i = 0; i < kBinsPerThread; ++i) sum += count_at(i);
+  int total = 0;
+  int above = block_exclusive_sum<C>(sum, s.warp_sums, total);
+#pragma unroll
+  for (int i = 0; i < kBinsPerThread; ++i) {
+    const int c = count_at(i);
+    if (above < st.remaining && above + c >= st.remaining) {
+      s.digit = bins - 1 - (first + i);
+      s.remaining = st.remaining - above;
+      s.digit_count = c;
+    }
+    above += c;
+  }
+  if (tid == 0) s.total = total;
+  __syncthreads();
+  if (total >= st.remaining) {
+    st.prefix |= static_cast<uint32_t>(s.digit) << shift;
+    st.shift = shift;
+    st.remaining = s.remaining;
+    st.count = s.digit_count;
+  }
+  const int counted = s.total;
+  __syncthreads();  // s.digit and friends are rewritten by the next pass
+  return counted;
+}
+
+// Calls f(key, column) for the columns [lo, hi) of a row, each once, spread over the threads;
+// 16-byte loads where the row is contiguous, four of them in flight per thread. Columns are
+// below 2^31 (num_blocks is checked), so they are 32-bit here.
+template <typename C, typename F>
+__device__ __forceinline__ void for_each_key(const float* row, int64_t stride, int lo, int hi,
+                                             F&& f) {
+  constexpr int kThreads = C::kThreads;
+  const int tid = threadIdx.x;
+  if (stride != 1) {
+    for (int j = lo + tid; j < hi; j += kThreads) f(order_key(row[j * stride]), j);
+    return;
+  }
+  const float* p = row + lo;
+  const int n = hi - lo;
+  const int head = min(n, int((16 - (reinterpret_cast<uintptr_t>(p) & 15)) & 15) / 4);
+  if (tid < head) f(order_key(p[tid]), lo + tid);
+  const float4* v = reinterpret_cast<const float4*>(p + head);
+  const int nv = (n - head) / 4;
+  constexpr int kUnroll = 4;
+  for (int base = 0; base < nv; base += kUnroll * kThreads) {
+    float4 x[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * kThreads + tid;
+      x[u] = i < nv ? __ldg(v + i) : make_float4(NAN, NAN, NAN, NAN);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int j = lo + head + 4 * (base + u * kThreads + tid);
+      f(order_key(x[u].x), j);
+      f(order_key(x[u].y), j + 1);
+      f(order_key(x[u].z), j + 2);
+      f(order_key(x[u].w), j + 3);
+    }
+  }
+  const int tail = head + 4 * nv;
+  if (tail + tid < n) f(order_key(p[tail + tid]), lo + tail + tid);
+}
+
 // Sorts buf[0..n) descending; n is a power of two.
+template <typename C>
 __device__ void bitonic_sort_descending(uint64_t* buf, int64_t n) {
   for (int64_t size = 2; size <= n; size *= 2) {
     for (int64_t stride = size / 2; stride > 0; stride /= 2) {
-      for (int64_t i = threadIdx.x; i < n / 2; i += kThreads) {
+      for (int64_t i = threadIdx.x; i < n / 2; i += C::kThreads) {
         const int64_t lo = 2 * i - (i & (stride - 1));
         const int64_t hi = lo + stride;
         const bool descending = (lo & size) == 0;
@@ -113,126 +244,236 @@ __device__ void bitonic_sort_descending(uint64_t* buf, int64_t n) {
   }
 }
 
-__global__ void __launch_bounds__(kThreads) topk_blocks_kernel(const TopkProblem p) {
-  extern __shared__ uint64_t shared_sort[];
-  __shared__ SharedStorage s;
-  uint64_t* buf = p.global_sort ? p.global_sort + blockIdx.x * p.sort_capacity : shared_sort;
-  const int tid = threadIdx.x, lane = tid % 32;
-  const int64_t nb = p.num_blocks;
+// Writes the sorted selection buf[0..selected) as block ids (then -1), and, when asked, its
+// expansion to token ids at position `pos` and their count (qsa_expand_blocks' rule: block b is
+// kept iff 4b + 3 <= pos, in order, then the tail of the current block, then -1).
+template <typename C>
+__device__ void emit_row(const TopkProblem& p, SharedStorage<C>& s, const uint64_t* buf,
+                         int64_t selected, int64_t r, int32_t pos) {
+  constexpr int kThreads = C::kThreads;
+  const int tid = threadIdx.x;
+  const auto id_at = [&](int64_t j) {
+    return static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(buf[j]));
+  };
+  const int64_t b = r / p.rows, i = r % p.rows;
+  int32_t* out = p.out + b * p.out_batch_stride + i * p.out_row_stride;
+  for (int64_t j = tid; j < p.k; j += kThreads)
+    out[j * p.out_col_stride] = j < selected ? id_at(j) : -1;
+  if (!p.tokens && !p.counts) return;
+  int32_t* tokens =
+      p.tokens ? p.tokens + b * p.tokens_batch_stride + i * p.tokens_row_stride : nullptr;
+  const int64_t tcs = p.tokens_col_stride;
+  int64_t kept = 0;  // uniform: block totals
+  for (int64_t base = 0; base < selected; base += kThreads) {
+    const int64_t j = base + tid;
+    const int32_t id = j < selected ? id_at(j) : -1;
+    const bool keep = id >= 0 && kBlockTokens * id + kBlockTokens - 1 <= pos;
+    int total = 0;
+    const int before = block_exclusive_sum<C>(keep, s.warp_sums, total);
+    if (keep && tokens) {
+      const int64_t slot = kept + before;
+#pragma unroll
+      for (int t = 0; t < kBlockTokens; ++t)
+        tokens[(kBlockTokens * slot + t) * tcs] = static_cast<int32_t>(kBlockTokens * id + t);
+    }
+    kept += total;
+  }
+  const int64_t tail_start = kBlockTokens * ((int64_t{pos} + 1) / kBlockTokens);
+  const int64_t tail = pos >= 0 ? pos - tail_start + 1 : 0;
+  const int64_t filled = kBlockTokens * kept;
+  if (tokens) {
+    const int64_t width = kBlockTokens * p.k + kBlockTokens - 1;
+    if (tid < tail) tokens[(filled + tid) * tcs] = static_cast<int32_t>(tail_start + tid);
+    for (int64_t j = filled + tail + tid; j < width; j += kThreads) tokens[j * tcs] = -1;
+  }
+  if (p.counts && tid == 0)
+    p.counts[b * p.counts_batch_stride + i * p.counts_row_stride] =
+        static_cast<int32_t>(filled + tail);
+}
 
-  for (int64_t r = blockIdx.x; r < p.total_rows; r += gridDim.x) {
+template <typename C>
+__global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
+    topk_kernel(const TopkProblem p, uint64_t* global_sort, int64_t sort_capacity) {
+  constexpr int kThreads = C::kThreads, kCandidates = C::kCandidates;
+  // Dynamic shared memory: the candidates, then the selection when it is sorted here.
+  extern __shared__ uint4 dynamic_smem[];
+  __shared__ SharedStorage<C> s;
+  auto* smem = reinterpret_cast<char*>(dynamic_smem);
+  uint32_t* const cand_key = reinterpret_cast<uint32_t*>(smem);  // [kCandidates]
+  uint32_t* const cand_id = cand_key + kCandidates;
+  uint64_t* buf = global_sort ? global_sort + blockIdx.x * sort_capacity
+                              : reinterpret_cast<uint64_t*>(smem + C::kCandidateBytes);
+  const int tid = threadIdx.x;
+
+  for (int64_t r = p.row_begin + blockIdx.x; r < p.row_end; r += gridDim.x) {
+    const int64_t l = r - p.row_begin;
     const float* row =
-        p.scores + (r / p.rows) * p.scores_batch_stride + (r % p.rows) * p.scores_row_stride;
-    int32_t* out = p.out + (r / p.rows) * p.out_batch_stride + (r % p.rows) * p.out_row_stride;
-    const auto key_at = [&](int64_t j) { return order_key(row[j * p.scores_col_stride]); };
+        p.scores + (l / p.score_rows) * p.scores_batch_stride + (l % p.score_rows) * p.scores_row_stride;
+    int lo = 0, hi = static_cast<int>(p.num_blocks);
+    int32_t pos = -1;
+    if (p.windows) {
+      const RowWindow w = p.windows[l];
+      lo = w.lo;
+      hi = w.hi;
+      pos = w.pos;
+    }
+    const int64_t cs = p.scores_col_stride;
+    const auto visit_row = [&](auto&& f) {
+      for_each_key<C>(row, cs, lo, hi, [&](uint32_t key, int) {
+        if (key != 0) f(key);
+      });
+    };
+    const auto append = [&](uint32_t key, uint32_t id) {
+      buf[atomicAdd(&s.selected, 1)] = composite(key, id);
+    };
+    if (tid == 0) s.selected = s.candidates = 0;
 
-    // Radix select of the threshold key, most significant digit first.
-    uint32_t threshold = 0;  // 0 with take_all: every visible block is kept
-    int64_t ties_needed = 0;
-    bool take_all = false, all_ties = false;
-    int64_t remaining = p.k;
-    int shift = 32;
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const int bins = 1 << digit_bits(pass);
-      const uint32_t high_mask = pass == 0 ? 0u : ~0u << shift;
-      shift -= digit_bits(pass);
-      for (int i = tid; i < bins; i += kThreads) s.hist[i] = 0;
-      if (tid == 0) s.selected = 0;
-      __syncthreads();
-      // Histogram of the digit over the blocks that carry the prefix chosen so far. Lanes
-      // with the same bin add once (ties and scores of one magnitude share bins).
-      for (int64_t base = 0; base < nb; base += kThreads) {
-        const int64_t j = base + tid;
-        const uint32_t key = j < nb ? key_at(j) : 0;
-        const bool counted = key != 0 && (key & high_mask) == threshold;
-        const unsigned active = __ballot_sync(0xffffffffu, counted);
-        if (counted) {
-          const int bin = static_cast<int>((key >> shift) & (bins - 1));
-          const unsigned peers = __match_any_sync(active, bin);
-          if ((peers & ((1u << lane) - 1)) == 0) atomicAdd(&s.hist[bin], __popc(peers));
+    RadixState st;
+    st.remaining = static_cast<int>(std::min<int64_t>(p.k, INT_MAX));
+    const int visible = radix_pass<C>(s, st, visit_row);
+    if (visible <= p.k) {
+      // Every visible block is kept.
+      for_each_key<C>(row, cs, lo, hi, [&](uint32_t key, int j) {
+        if (key != 0) append(key, static_cast<uint32_t>(j));
+      });
+    } else {
+      // Narrow the threshold bin over the row until it fits the candidate buffer.
+      while (st.count > kCandidates && st.shift > 0) radix_pass<C>(s, st, visit_row);
+      if (st.count <= kCandidates) {
+        const RadixState at = st;
+        for_each_key<C>(row, cs, lo, hi, [&](uint32_t key, int j) {
+          if (key == 0) return;
+          if (at.shift < 32 && (key >> at.shift) > (at.prefix >> at.shift)) {
+            append(key, static_cast<uint32_t>(j));
+          } else if (at.carries(key)) {
+            const int c = atomicAdd(&s.candidates, 1);
+            cand_key[c] = key;
+            cand_id[c] = static_cast<uint32_t>(j);
+          }
+        });
+        __syncthreads();
+        const int nc = s.candidates;
+        const auto visit_candidates = [&](auto&& f) {
+          for (int c = tid; c < nc; c += kThreads) f(cand_key[c]);
+        };
+        while (st.shift > 0) radix_pass<C>(s, st, visit_candidates);
+        // st.prefix is the key T; st.remaining of its st.count blocks are taken.
+        const uint32_t t = st.prefix;
+        RadixState ids;  // over ~id of the blocks keyed T: the lowest ids first
+        ids.remaining = st.remaining;
+        if (st.remaining < st.count) {
+          const auto visit_ties = [&](auto&& f) {
+            for (int c = tid; c < nc; c += kThreads)
+              if (cand_key[c] == t) f(~cand_id[c]);
+          };
+          while (ids.shift > 0) radix_pass<C>(s, ids, visit_ties);
+        }
+        for (int c = tid; c < nc; c += kThreads) {
+          const uint32_t key = cand_key[c], id = cand_id[c];
+          if (key > t || (key == t && (~id) >= ids.prefix)) append(key, id);
+        }
+      } else {
+        // More than kCandidates blocks share the key T: the ties are taken in id order.
+        const uint32_t t = st.prefix;
+        const int needed = st.remaining;
+        int ties_before = 0;  // uniform
+        for (int base = lo; base < hi; base += kThreads) {
+          const int j = base + tid;
+          const uint32_t key = j < hi ? order_key(row[j * cs]) : 0;
+          if (key > t) append(key, static_cast<uint32_t>(j));
+          if (ties_before < needed) {
+            int total = 0;
+            const int before = block_exclusive_sum<C>(key == t, s.warp_sums, total);
+            if (key == t && ties_before + before < needed) append(key, static_cast<uint32_t>(j));
+            ties_before += total;
+          }
         }
       }
-      __syncthreads();
-      // Bins from the highest digit down, kBinsPerThread consecutive ones per thread: the
-      // chosen digit is where the running count first reaches `remaining`.
-      const auto count_at = [&](int from_top) {
-        return from_top < bins ? s.hist[bins - 1 - from_top] : 0;
-      };
-      const int first = tid * kBinsPerThread;
-      int sum = 0;
-      for (int i = 0; i < kBinsPerThread; ++i) sum += count_at(first + i);
-      int total = 0;
-      int above = block_exclusive_sum(sum, s.warp_sums, total);
-      if (pass == 0 && tid == 0) s.visible = total;
-      for (int i = 0; i < kBinsPerThread; ++i) {
-        const int c = count_at(first + i);
-        if (above < remaining && above + c >= remaining) {
-          s.digit = bins - 1 - (first + i);
-          s.remaining = static_cast<int>(remaining - above);
-          s.digit_count = c;
-        }
-        above += c;
-      }
-      __syncthreads();
-      if (pass == 0 && s.visible <= p.k) {
-        take_all = true;
-        break;
-      }
-      threshold |= static_cast<uint32_t>(s.digit) << shift;
-      remaining = s.remaining;
-      if (pass == kPasses - 1) {
-        ties_needed = remaining;
-        all_ties = remaining == s.digit_count;
-      }
     }
-    const int64_t selected = take_all ? s.visible : p.k;
+    __syncthreads();
+    const int64_t selected = std::min<int64_t>(visible, p.k);
 
-    // Gather: keys above the threshold, and the first ties_needed ties in block-id order.
-    int64_t ties_before = 0;
-    for (int64_t base = 0; base < nb; base += kThreads) {
-      const int64_t j = base + tid;
-      const uint32_t key = j < nb ? key_at(j) : 0;
-      const bool tie = !take_all && key == threshold;
-      bool take = key > threshold || (tie && all_ties);
-      if (!take_all && !all_ties && ties_before < ties_needed) {
-        int total = 0;
-        const int before = block_exclusive_sum(tie, s.warp_sums, total);
-        take = take || (tie && ties_before + before < ties_needed);
-        ties_before += total;
-      }
-      if (take) {
-        const int pos = atomicAdd(&s.selected, 1);
-        buf[pos] = (static_cast<uint64_t>(key) << 32) | (0xffffffffu - static_cast<uint32_t>(j));
-      }
-    }
-
-    // Sort (padding composites of 0 sort last) and emit, -1 beyond the selection.
+    // Sort (padding composites of 0 sort last) and emit.
     int64_t n = 1;
     while (n < selected) n *= 2;
     for (int64_t i = selected + tid; i < n; i += kThreads) buf[i] = 0;
     __syncthreads();
-    bitonic_sort_descending(buf, n);
-    for (int64_t j = tid; j < p.k; j += kThreads) {
-      out[j * p.out_col_stride] =
-          j < selected ? static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(buf[j])) : -1;
-    }
+    bitonic_sort_descending<C>(buf, n);
+    emit_row<C>(p, s, buf, selected, r, pos);
     __syncthreads();
   }
 }
 
+int64_t sort_capacity(const TopkProblem& p) {
+  int64_t c = 1;
+  while (c < std::min(p.k, p.num_blocks)) c *= 2;
+  return c;
+}
+
+// Rows are independent: enough CTAs for every SM, each looping over rows; fewer where their
+// global sort buffers would pass kMaxGlobalSortBytes.
+template <typename C>
+int64_t topk_grid(const TopkProblem& p, int device) {
+  const int64_t grid =
+      std::min<int64_t>(p.row_end - p.row_begin, int64_t{sm_count(device)} * C::kCtasPerSm);
+  const int64_t capacity = sort_capacity(p);
+  if (capacity <= kTopkMaxSharedSort) return grid;
+  return std::clamp<int64_t>(kMaxGlobalSortBytes / (capacity * int64_t{sizeof(uint64_t)}), 1,
+                             grid);
+}
+
+// The one choice of CTA shape: ManyRows once the rows fill more than one wave of FewRows.
+template <typename F>
+void with_config(const TopkProblem& p, int device, F&& f) {
+  if (p.row_end - p.row_begin > int64_t{sm_count(device)} * FewRows::kCtasPerSm) {
+    f(ManyRows{});
+  } else {
+    f(FewRows{});
+  }
+}
+
 }  // namespace
+
+size_t topk_global_sort_bytes(const TopkProblem& p, int device) {
+  const int64_t c = sort_capacity(p);
+  if (c <= kTopkMaxSharedSort || p.row_end <= p.row_begin) return 0;
+  size_t bytes = 0;
+  with_config(p, device, [&](auto cfg) {
+    bytes = static_cast<size_t>(topk_grid<decltype(cfg)>(p, device) * c) * sizeof(uint64_t);
+  });
+  return bytes;
+}
+
+void launch_topk(const TopkProblem& p, void* global_sort, int device, cudaStream_t stream) {
+  if (p.row_end <= p.row_begin) return;
+  const int64_t capacity = sort_capacity(p);
+  const bool shared = capacity <= kTopkMaxSharedSort;
+  with_config(p, device, [&](auto cfg) {
+    using C = decltype(cfg);
+    const size_t smem =
+        C::kCandidateBytes + (shared ? static_cast<size_t>(capacity) * sizeof(uint64_t) : 0);
+    const auto kernel = topk_kernel<C>;
+    SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                int(C::kCandidateBytes + kTopkMaxSharedSort * 8)));
+    kernel<<<unsigned(topk_grid<C>(p, device)), C::kThreads, smem, stream>>>(
+        p, shared ? nullptr : static_cast<uint64_t*>(global_sort), capacity);
+    SPARSE_ATTN_CUDA_CHECK_LAUNCH();
+  });
+}
+
 }  // namespace cuda::select
 
 void detail::native_topk_blocks(const TopkBlocksParams& p) {
   using namespace cuda::select;
-  const int64_t total_rows = p.batch * p.rows;
-  if (total_rows == 0) return;
+  if (p.batch * p.rows == 0) return;
   cuda::DeviceGuard guard(p.device_index);
   const auto stream = static_cast<cudaStream_t>(p.stream);
-
   TopkProblem t{};
-  t.total_rows = total_rows;
+  t.row_begin = 0;
+  t.row_end = p.batch * p.rows;
   t.rows = p.rows;
+  t.score_rows = p.rows;
   t.num_blocks = p.num_blocks;
   t.k = p.k;
   t.scores = p.scores;
@@ -243,34 +484,21 @@ void detail::native_topk_blocks(const TopkBlocksParams& p) {
   t.out_batch_stride = p.out_batch_stride;
   t.out_row_stride = p.out_row_stride;
   t.out_col_stride = p.out_col_stride;
-  t.sort_capacity = 1;
-  while (t.sort_capacity < std::min(p.k, p.num_blocks)) t.sort_capacity *= 2;
-
-  const int sms = cuda::sm_count(p.device_index);
-  const auto kernel = topk_blocks_kernel;
-  if (t.sort_capacity <= kMaxSharedSort) {
-    // Rows are independent and equally long: enough CTAs for every SM, each looping over rows.
-    const int64_t grid = std::min<int64_t>(total_rows, int64_t{sms} * 16);
-    const size_t smem = static_cast<size_t>(t.sort_capacity) * sizeof(uint64_t);
-    SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                int(kMaxSharedSort * 8)));
-    kernel<<<unsigned(grid), kThreads, smem, stream>>>(t);
-    SPARSE_ATTN_CUDA_CHECK_LAUNCH();
+  const size_t bytes = topk_global_sort_bytes(t, p.device_index);
+  if (bytes == 0) {
+    launch_topk(t, nullptr, p.device_index, stream);
     return;
   }
-  // Large selections: one resident wave of CTAs, each with its own global sort buffer, fewer
-  // CTAs where the buffers would pass kMaxGlobalSortBytes.
-  const int64_t per_cta = t.sort_capacity * int64_t{sizeof(uint64_t)};
-  const int64_t grid = std::clamp<int64_t>(kMaxGlobalSortBytes / per_cta, 1,
-                                           std::min<int64_t>(total_rows, int64_t{sms} * 2));
-  const size_t bytes = static_cast<size_t>(grid * t.sort_capacity) * sizeof(uint64_t);
+  // Selections above kTopkMaxSharedSort blocks sort in a per-CTA global buffer (docs/qsa.md).
   void* workspace = nullptr;
   SPARSE_ATTN_CUDA_CHECK(cudaMallocAsync(&workspace, bytes, stream));
-  t.global_sort = static_cast<uint64_t*>(workspace);
-  kernel<<<unsigned(grid), kThreads, 0, stream>>>(t);
-  const cudaError_t launch = cudaGetLastError();
+  try {
+    launch_topk(t, workspace, p.device_index, stream);
+  } catch (...) {
+    cudaFreeAsync(workspace, stream);
+    throw;
+  }
   SPARSE_ATTN_CUDA_CHECK(cudaFreeAsync(workspace, stream));
-  cuda::check(launch, "kernel launch", __FILE__, __LINE__);
 }
 
 }  // namespace sparse_attn
