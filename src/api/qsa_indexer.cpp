@@ -484,6 +484,16 @@ void check_decode_native(const char* op, const TensorView& q, const DecodeLayout
   }
 }
 
+IndexerScoreOptions stage_score_options(HostStaging& host, const IndexerScoreOptions& o) {
+  IndexerScoreOptions ho = o;
+  ho.block_table = host.input(o.block_table);
+  ho.cu_seqlens_q = host.input(o.cu_seqlens_q);
+  ho.token_to_req = host.input(o.token_to_req);
+  ho.query_positions = host.input(o.query_positions);
+  ho.seq_lens_q = host.input(o.seq_lens_q);
+  return ho;
+}
+
 }  // namespace detail
 
 Shape qsa_indexer_mqa_score_shape(const TensorView& q_idx, const TensorView& block_keys,
@@ -518,12 +528,7 @@ void qsa_indexer_mqa_score(const TensorView& q_idx, const TensorView& block_keys
     return;
   }
   detail::HostStaging host;
-  IndexerScoreOptions ho = o;
-  ho.block_table = host.input(o.block_table);
-  ho.cu_seqlens_q = host.input(o.cu_seqlens_q);
-  ho.token_to_req = host.input(o.token_to_req);
-  ho.query_positions = host.input(o.query_positions);
-  ho.seq_lens_q = host.input(o.seq_lens_q);
+  const IndexerScoreOptions ho = detail::stage_score_options(host, o);
   const TensorView hq = host.input(q_idx);
   const TensorView hk = host.input(block_keys);
   const TensorView hout = host.output(out);

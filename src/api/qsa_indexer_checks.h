@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "api/qsa_indexer_params.h"
+#include "api/staging.h"
 #include "sparse_attn/qsa.h"
 #include "sparse_attn/tensor.h"
 
@@ -101,5 +102,8 @@ MqaDecodeParams decode_params(const TensorView& q, const TensorView& k_cache,
                               const TensorView& page_table, const TensorView& context_lens,
                               int64_t max_model_len, float scale, StreamHandle stream);
 void set_decode_out(MqaDecodeParams& p, const TensorView& out);
+
+// The score options with every metadata tensor staged to the host (the reference backend).
+IndexerScoreOptions stage_score_options(HostStaging& host, const IndexerScoreOptions& o);
 
 }  // namespace sparse_attn::detail

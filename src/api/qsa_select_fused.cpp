@@ -373,12 +373,7 @@ void qsa_indexer_select(const TensorView& q_idx, const TensorView& block_keys_st
     return;
   }
   detail::HostStaging host;
-  IndexerScoreOptions ho = o;
-  ho.block_table = host.input(o.block_table);
-  ho.cu_seqlens_q = host.input(o.cu_seqlens_q);
-  ho.token_to_req = host.input(o.token_to_req);
-  ho.query_positions = host.input(o.query_positions);
-  ho.seq_lens_q = host.input(o.seq_lens_q);
+  const IndexerScoreOptions ho = detail::stage_score_options(host, o);
   const TensorView hq = host.input(q_idx);
   const TensorView hk = host.input(c.block_keys);
   const TensorView hids = host.output(block_ids);

@@ -22,7 +22,9 @@
 // into one 16-bit tile before the warps' MMAs read it, so the compute is the 16-bit kernel's.
 //
 // Masking: only tiles that intersect a row interval are loaded and computed; everything else
-// is filled with -inf by plain vector stores. Rows of several requests in one CTA (varlen,
+// is filled with -inf by plain vector stores, except in a fused selection's chunk (windows
+// set), whose top-k reads only each row's visible columns: there nothing outside the active
+// tiles is written. Rows of several requests in one CTA (varlen,
 // or padded rows straddling a request boundary) are handled in one pass per request, since
 // the keys differ per request.
 #pragma once

@@ -11,12 +11,15 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
+#include <string>
 
 #include "api/qsa_select_params.h"
 #include "cuda/common/device_guard.h"
 #include "cuda/common/workspace_pool.h"
 #include "cuda/indexer/mqa_problem.h"
 #include "cuda/select/topk_problem.h"
+#include "sparse_attn/errors.h"
 
 namespace sparse_attn {
 namespace cuda::select {

@@ -17,9 +17,9 @@
 // The set is sorted by the 64-bit composite (key, ~id) descending: composites are unique, so
 // the order is the reference's (score descending, ties by ascending id).
 //
-// Why not the previous kernel's four passes over the row with warp-aggregated histogram
-// updates (__match_any_sync per element): at 128K-token prefill it spent 48 ms on issue slots,
-// not bytes (docs/perf-notes.md, issue 17).
+// Per element a pass costs a load, the key transform and at most one shared atomic (no
+// warp-level match): the kernel is bound by issue slots and per-row barriers, not by bytes
+// (docs/perf-notes.md, issue 17, says where the time goes).
 #include <cuda_runtime.h>
 
 #include <algorithm>
