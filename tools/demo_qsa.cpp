@@ -73,7 +73,6 @@ MethodResult run_qsa_demo(const DemoOptions& opt, const Workload& w, const RunDe
     throw ValueError("QSA needs the indexer's inputs: pass --index-q and --index-k");
   const Device dev = rd.device;
   const int64_t Lk = o.seq_len, Lq = o.query_len, Hq = o.num_q_heads, D = o.head_dim;
-  const int64_t NB = w.index_key.shape()[1];
   const int64_t k = opt.topk, width = 4 * k + 3;
   const int64_t qoff = Lk - Lq;
   // Metrics on `eval` rows; the pipeline runs every row when every step runs natively (a GPU,
@@ -93,8 +92,8 @@ MethodResult run_qsa_demo(const DemoOptions& opt, const Workload& w, const RunDe
   res.rows_total = Lq * o.batch;
   res.scope = all_rows ? fmt::format("all {} query rows", format_size(Lq * o.batch))
                        : fmt::format("the {} evaluated query rows only", R * o.batch);
-  double t_index = 0, t_topk = 0, t_expand = 0, t_attn = 0;
-  std::string b_index, b_attn;
+  double t_select = 0, t_attn = 0;
+  std::string b_select, b_attn;
   double sel_total = 0, vis_total = 0, recall_sum = 0, err2 = 0, ref2 = 0;
   int64_t recall_n = 0;
   SelectionMap map(R, Lk);
@@ -120,40 +119,32 @@ MethodResult run_qsa_demo(const DemoOptions& opt, const Workload& w, const RunDe
       const Tensor qi = to_device(gather_rows(w.index_query, b, crow), dev);
       const Tensor q = to_device(gather_rows(w.query, b, crow), dev);
       const Tensor pos = to_device(int32_row(cpos), dev);
-      const Tensor scores = Tensor::empty({1, n, NB}, DType::kF32, dev);
       const Tensor top = Tensor::empty({1, n, k}, DType::kI32, dev);
       const Tensor tokens = Tensor::empty({1, n, width}, DType::kI32, dev);
-      const Tensor blocks = Tensor::empty({1, n, k}, DType::kI32, dev);
       const Tensor out = Tensor::empty({1, n, Hq, D}, o.dtype, dev);
       const Tensor lse = Tensor::empty({1, n, Hq}, DType::kF32, dev);
 
+      // Scores, top-k and the expansion to token ids in one op, as an engine selects. The
+      // selected blocks are all visible, so their ids are also the attention's block hint.
       Stopwatch sw;
-      const Backend bi = policy.run("qsa_indexer_mqa_score", [&](Backend be) {
+      const Backend bi = policy.run("qsa_indexer_select", [&](Backend be) {
         IndexerScoreOptions io;
         io.query_positions = pos.view();
         io.backend = be;
-        qsa_indexer_mqa_score(qi, bkeys, scores, io);
+        SelectOptions so;
+        so.token_indices = tokens.view();
+        qsa_indexer_select(qi, bkeys, k, top, io, so);
       });
-      synchronize(scores);
-      t_index += sw.seconds();
-      b_index = backend_name(bi);
-
-      sw.start();
-      qsa_topk_blocks(scores, k, top);
-      synchronize(top);
-      t_topk += sw.seconds();
-
-      sw.start();
-      qsa_expand_blocks(top, pos, tokens, blocks.view());
       synchronize(tokens);
-      t_expand += sw.seconds();
+      t_select += sw.seconds();
+      b_select = backend_name(bi);
 
       sw.start();
       // The block hint needs 1 <= k <= 512 (the seed's limit); wider selections go without.
       const Backend ba = policy.run("qsa_sparse_attention", [&](Backend be) {
         SparseAttentionOptions so;
         so.query_positions = pos.view();
-        if (k <= 512) so.block_indices = blocks.view();
+        if (k <= 512) so.block_indices = top.view();
         so.backend = be;
         qsa_sparse_attention(q, key, value, tokens.view(), out, lse.view(), so);
       });
@@ -207,9 +198,7 @@ MethodResult run_qsa_demo(const DemoOptions& opt, const Workload& w, const RunDe
   res.density = sel_total / std::max(vis_total, 1.0);
   res.recall = recall_sum / std::max<int64_t>(recall_n, 1);
   res.rel_error = std::sqrt(err2 / std::max(ref2, 1e-300));
-  res.stages = {{fmt::format("indexer scores ({})", b_index), t_index},
-                {fmt::format("top-k blocks ({})", dev.is_cuda() ? "native" : "host"), t_topk},
-                {fmt::format("expand to tokens ({})", dev.is_cuda() ? "native" : "host"), t_expand},
+  res.stages = {{fmt::format("indexer select: scores, top-k, tokens ({})", b_select), t_select},
                 {fmt::format("sparse attention ({})", b_attn), t_attn}};
   res.dense_label = fmt::format("dense attention ({} evaluated rows, host loop)", E * o.batch);
 
