@@ -55,7 +55,7 @@ expect partial-files 2 "--q, --k and --v" -- demo --q "$TMP/x.npy"
 # CPU backend runs every op natively; the selection helpers run on the host).
 expect demo 0 "on cpu" "QSA" "XAttention" "density \(selected / visible\) +[0-9.]+ %" \
   "attention-mass recall +[0-9.]+ %" "output relative error vs dense +[0-9.e+-]+" \
-  "needle hit rate +[0-9.]+ %" "indexer scores \(native\)" "sparse attention \(native\)" \
+  "needle hit rate +[0-9.]+ %" "indexer select: scores, top-k, tokens \(native\)" "sparse attention \(native\)" \
   "estimate \+ select \(native\)" "block-sparse attention \(native\)" \
   "dense attention \([0-9]+ evaluated rows" "sampled; --rows all evaluates every row" \
   "wrote $TMP/sel-qsa.png" "wrote $TMP/sel-xattn.png" -- \
