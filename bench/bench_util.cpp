@@ -54,20 +54,27 @@ Timing Timer::time(const std::function<void(cudaStream_t)>& launch, int warmup, 
   return {ms[ms.size() / 2], ms.front(), ms.back()};
 }
 
-Timing Timer::time_graph(const std::function<void(cudaStream_t)>& launch, int warmup, int reps) {
+Timing Timer::time_graph_back_to_back(const std::function<void(cudaStream_t)>& launch,
+                                      int repeats, int warmup, int reps) {
   launch(stream_);
   BENCH_CUDA(cudaStreamSynchronize(stream_));
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   BENCH_CUDA(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-  launch(stream_);
+  for (int i = 0; i < repeats; ++i) launch(stream_);
   BENCH_CUDA(cudaStreamEndCapture(stream_, &graph));
   BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  const Timing t =
-      time([&](cudaStream_t s) { BENCH_CUDA(cudaGraphLaunch(exec, s)); }, warmup, reps);
+  Timing t = time([&](cudaStream_t s) { BENCH_CUDA(cudaGraphLaunch(exec, s)); }, warmup, reps);
   BENCH_CUDA(cudaGraphExecDestroy(exec));
   BENCH_CUDA(cudaGraphDestroy(graph));
+  t.median_ms /= repeats;
+  t.min_ms /= repeats;
+  t.max_ms /= repeats;
   return t;
+}
+
+Timing Timer::time_graph(const std::function<void(cudaStream_t)>& launch, int warmup, int reps) {
+  return time_graph_back_to_back(launch, 1, warmup, reps);
 }
 
 Ceilings measure_ceilings(Timer& timer) {

@@ -34,6 +34,11 @@ class Timer {
   // eager call, the warm-up a library needs before capture): what an engine that replays its
   // decode step sees, without the host work of the eager call between the two events.
   Timing time_graph(const std::function<void(cudaStream_t)>& launch, int warmup = 3, int reps = 15);
+  // A graph of `repeats` launches back to back, L2 flushed before each replay only; the time a
+  // launch: what a kernel of a few microseconds costs inside a captured decode step, where its
+  // inputs were just written by the kernel before it (in L2) and no launch gap separates them.
+  Timing time_graph_back_to_back(const std::function<void(cudaStream_t)>& launch, int repeats = 20,
+                                 int warmup = 3, int reps = 15);
   cudaStream_t stream() const { return stream_; }
 
  private:

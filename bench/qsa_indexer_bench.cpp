@@ -11,7 +11,8 @@
 //     hint) on native qsa_mqa_prefill scores of random inputs, every row seeing the complete
 //     blocks before its position: prefill 16K, 64K and 128K (row r at position r), the last 4K
 //     rows of a 128K prefill, decode B = 1 and 128 at positions uniform in [8K, 128K) over 32K
-//     columns (graph-replayed). Floor: scores read once plus ids written (top-k), ids read plus tokens and
+//     columns (graph-replayed; the expansion also as 20 launches back to back in one graph,
+//     *_back_to_back, its inputs in L2 as in a decode step). Floor: scores read once plus ids written (top-k), ids read plus tokens and
 //     hint written (expansion), at the copy ceiling. No goal: the reference point is the
 //     attention that consumes the selection.
 //   fused selections (issue 17; select_*), each beside the unfused path on the same inputs
@@ -20,9 +21,9 @@
 //     compressed pages of 212); qsa_mqa_decode_select at B = 1, 32, 128 of 32K-token contexts,
 //     bf16 or FP8 keys, with token ids, graph-replayed. The issue's bars stand in the floor
 //     column (15 ms at 128K; 8 us at B = 1 and 60 us at B = 128): ratio >= 1 meets one.
-// Usage: qsa_indexer_bench [results.csv] [--only PREFIX]. Prints a table last. --only runs the
-// benchmarks whose names start with PREFIX (for a profiler run); the ceilings are still
-// measured first.
+// Usage: qsa_indexer_bench [results.csv] [--only PREFIX[,PREFIX...]]. Prints a table last.
+// --only runs the benchmarks whose names start with one of the prefixes (for a profiler run);
+// the ceilings are still measured first.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -192,7 +193,14 @@ std::vector<Result> bench_select(Timer& timer, const Ceilings& c, const std::str
     return Result{name, t.median_ms, 0.0,     bytes / (t.median_ms * 1e-3) / 1e12, floor_ms, "hbm",
                   0.0,  0.0,         floor_ms};
   };
-  return {result("topk_" + tag, tk, topk_bytes), result("expand_" + tag, te, expand_bytes)};
+  std::vector<Result> out = {result("topk_" + tag, tk, topk_bytes),
+                             result("expand_" + tag, te, expand_bytes)};
+  if (graph) {
+    const Timing tb = timer.time_graph_back_to_back(
+        [&](cudaStream_t s) { qsa_expand_blocks(ids, dp, tokens, blocks.view(), s); });
+    out.push_back(result("expand_" + tag + "_back_to_back", tb, expand_bytes));
+  }
+  return out;
 }
 
 
@@ -308,7 +316,16 @@ int main(int argc, char** argv) {
   const Ceilings c = report_device_and_ceilings(timer);
 
   std::vector<Result> results;
-  const auto wanted = [&](const std::string& name) { return name.rfind(only, 0) == 0; };
+  std::vector<std::string> prefixes;  // --only's comma-separated list
+  for (size_t at = 0; at <= only.size();) {
+    const size_t comma = std::min(only.find(',', at), only.size());
+    prefixes.push_back(only.substr(at, comma - at));
+    at = comma + 1;
+  }
+  const auto wanted = [&](const std::string& name) {
+    return std::any_of(prefixes.begin(), prefixes.end(),
+                       [&](const std::string& prefix) { return name.rfind(prefix, 0) == 0; });
+  };
   for (DType kdt : {DType::kBF16, DType::kF8E4M3})
     for (int64_t tokens : {4096, 16384, 65536})
       if (wanted(fmt::format("prefill_{}k{}", tokens / 1024, key_tag(kdt))))

@@ -56,21 +56,33 @@ constexpr int kMaxBins = 1 << 12;
 // all, by running fewer CTAs.
 constexpr int64_t kMaxGlobalSortBytes = int64_t{1} << 30;
 constexpr int64_t kBlockTokens = 4;
+// A warp's share of the sort in registers (two elements a lane); the sorted length is a power of
+// two of at least this.
+constexpr int64_t kSortChunk = 64;
 
 // The radix digits, most significant first: 12 + 12 + 8 bits. The first holds the sign, the
 // exponent and 3 mantissa bits, so scores of one magnitude still spread over 8 bins an octave.
 __device__ __forceinline__ int next_digit_bits(int shift) { return shift > 8 ? 12 : 8; }
 
-template <typename C>
-struct SharedStorage {
-  alignas(16) int hist[kMaxBins];
-  int warp_sums[C::kWarps];
-  int total;        // values counted by the last pass
-  int digit;        // the chosen digit of the last pass
+// What a radix pass found: the digit whose bin holds the remaining-th largest value.
+struct PassResult {
+  int digit;        // the chosen digit
   int remaining;    // values still to take at and below the chosen prefix
   int digit_count;  // values that carry the chosen prefix
-  int selected;     // append cursor of the selection
-  int candidates;   // append cursor of the candidates
+};
+
+// The block-wide scans alternate between two copies of their shared outputs (by a round counter
+// every thread advances alike), so a scan needs no barrier after its readers: the copy it
+// writes was last read before the barrier of the scan in between.
+template <typename C>
+struct SharedStorage {
+  // All zero between radix passes: each pass's scan clears the bins it reads, so a pass starts
+  // with no clearing loop and no barrier for it.
+  alignas(16) int hist[kMaxBins];
+  int warp_sums[2][C::kWarps];
+  PassResult result[2];
+  int selected;    // append cursor of the selection
+  int candidates;  // append cursor of the candidates
 };
 
 // Unsigned order of the key == float order of finite scores; 0 for -inf, +inf and NaN.
@@ -85,10 +97,13 @@ __device__ __forceinline__ uint64_t composite(uint32_t key, uint32_t id) {
   return (static_cast<uint64_t>(key) << 32) | (0xffffffffu - id);
 }
 
-// Exclusive sum of `v` over the threads of the block, and the block total; every thread calls it.
+// Exclusive sum of `v` over the threads of the block, and the block total; every thread calls it
+// with the same `round`, which it advances.
 template <typename C>
-__device__ __forceinline__ int block_exclusive_sum(int v, int* warp_sums, int& total) {
+__device__ __forceinline__ int block_exclusive_sum(int v, SharedStorage<C>& s, int& round,
+                                                   int& total) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int* const warp_sums = s.warp_sums[round++ & 1];
   int inclusive = v;
 #pragma unroll
   for (int d = 1; d < 32; d *= 2) {
@@ -105,7 +120,6 @@ __device__ __forceinline__ int block_exclusive_sum(int v, int* warp_sums, int& t
     if (w < warp) before += n;
     total += n;
   }
-  __syncthreads();
   return before;
 }
 
@@ -123,9 +137,10 @@ struct RadixState {
 
 // One radix pass: histograms the next digit of the values visit(f) yields (f(value) per value,
 // from every thread) that carry the state's prefix, and narrows the state to the digit whose
-// bin holds the remaining-th largest. Returns how many values were counted. Every thread calls it.
+// bin holds the remaining-th largest. Returns how many values were counted. Every thread calls
+// it, with the same `round`. Three barriers: after the histogram, in the scan, after the choice.
 template <typename C, typename Visit>
-__device__ int radix_pass(SharedStorage<C>& s, RadixState& st, Visit&& visit) {
+__device__ int radix_pass(SharedStorage<C>& s, RadixState& st, int& round, Visit&& visit) {
   constexpr int kThreads = C::kThreads, kBinsPerThread = kMaxBins / kThreads;
   static_assert(kMaxBins % kThreads == 0 && kBinsPerThread % 4 == 0,
                 "each thread scans whole 16-byte words of bins");
@@ -133,8 +148,6 @@ __device__ int radix_pass(SharedStorage<C>& s, RadixState& st, Visit&& visit) {
   const int bits = next_digit_bits(st.shift);
   const int bins = 1 << bits;
   const int shift = st.shift - bits;
-  for (int i = tid; i < bins; i += kThreads) s.hist[i] = 0;
-  __syncthreads();
   const RadixState cur = st;
   visit([&](uint32_t v) {
     if (cur.carries(v)) atomicAdd(&s.hist[(v >> shift) & (bins - 1)], 1);
@@ -142,11 +155,12 @@ __device__ int radix_pass(SharedStorage<C>& s, RadixState& st, Visit&& visit) {
   __syncthreads();
   // Bins from the highest digit down, kBinsPerThread consecutive ones per thread: the chosen
   // digit is where the running count first reaches `remaining`. Each thread reads its bins as
-  // 16-byte words (scalar loads kBinsPerThread words apart conflict that many ways).
+  // 16-byte words (scalar loads kBinsPerThread words apart conflict that many ways) and zeroes
+  // them for the next pass: no other thread reads them.
   const int first = tid * kBinsPerThread;
   int counts[kBinsPerThread] = {};  // from the top: counts[i] is bin bins - 1 - first - i
   if (first < bins) {
-    const int4* h = reinterpret_cast<const int4*>(s.hist + bins - kBinsPerThread - first);
+    int4* h = reinterpret_cast<int4*>(s.hist + bins - kBinsPerThread - first);
 #pragma unroll
     for (int v = 0; v < kBinsPerThread / 4; ++v) {
       const int4 w = h[v];
@@ -154,35 +168,30 @@ __device__ int radix_pass(SharedStorage<C>& s, RadixState& st, Visit&& visit) {
       counts[kBinsPerThread - 2 - 4 * v] = w.y;
       counts[kBinsPerThread - 3 - 4 * v] = w.z;
       counts[kBinsPerThread - 4 - 4 * v] = w.w;
+      h[v] = make_int4(0, 0, 0, 0);
     }
   }
-  const auto count_at = [&](int i) { return counts[i]; };
   int sum = 0;
 #pragma unroll
-  for (int i = 0; i < kBinsPerThread; ++i) sum += count_at(i);
+  for (int i = 0; i < kBinsPerThread; ++i) sum += counts[i];
+  PassResult* const result = &s.result[round & 1];
   int total = 0;
-  int above = block_exclusive_sum<C>(sum, s.warp_sums, total);
+  int above = block_exclusive_sum<C>(sum, s, round, total);
+  if (total < st.remaining) return total;  // uniform: fewer values than wanted, nothing chosen
 #pragma unroll
   for (int i = 0; i < kBinsPerThread; ++i) {
-    const int c = count_at(i);
-    if (above < st.remaining && above + c >= st.remaining) {
-      s.digit = bins - 1 - (first + i);
-      s.remaining = st.remaining - above;
-      s.digit_count = c;
-    }
+    const int c = counts[i];
+    if (above < st.remaining && above + c >= st.remaining)
+      *result = PassResult{bins - 1 - (first + i), st.remaining - above, c};
     above += c;
   }
-  if (tid == 0) s.total = total;
   __syncthreads();
-  if (total >= st.remaining) {
-    st.prefix |= static_cast<uint32_t>(s.digit) << shift;
-    st.shift = shift;
-    st.remaining = s.remaining;
-    st.count = s.digit_count;
-  }
-  const int counted = s.total;
-  __syncthreads();  // s.digit and friends are rewritten by the next pass
-  return counted;
+  const PassResult chosen = *result;
+  st.prefix |= static_cast<uint32_t>(chosen.digit) << shift;
+  st.shift = shift;
+  st.remaining = chosen.remaining;
+  st.count = chosen.digit_count;
+  return total;
 }
 
 // Calls f(key, column) for the columns [lo, hi) of a row, each once, spread over the threads;
@@ -224,11 +233,56 @@ __device__ __forceinline__ void for_each_key(const float* row, int64_t stride, i
   if (tail + tid < n) f(order_key(p[tail + tid]), lo + tail + tid);
 }
 
-// Sorts buf[0..n) descending; n is a power of two.
+// The bitonic network's compare-exchange at element i (held in a register) and its partner
+// i ^ stride (held by lane ^ stride): in a descending run (i & size == 0) the lower index of
+// the pair keeps the larger value, in an ascending run the smaller.
+__device__ __forceinline__ uint64_t exchange_across_lanes(uint64_t x, int64_t i, int64_t size,
+                                                          int stride) {
+  const uint64_t y = __shfl_xor_sync(0xffffffffu, x, stride);
+  const bool keep_larger = ((i & stride) == 0) == ((i & size) == 0);
+  return keep_larger ? max(x, y) : min(x, y);
+}
+
+// The stages of merge size `size` with strides 32 down to 1 on a warp's 64 consecutive elements
+// from `base`: the lane holds elements base + lane (a) and base + lane + 32 (b).
+__device__ __forceinline__ void merge_in_registers(uint64_t& a, uint64_t& b, int64_t base,
+                                                   int64_t size) {
+  const int lane = threadIdx.x % 32;
+  const int64_t ia = base + lane, ib = ia + 32;
+  if (size >= 64) {
+    const bool descending = (ia & size) == 0;
+    const uint64_t hi = max(a, b), lo = min(a, b);
+    a = descending ? hi : lo;
+    b = descending ? lo : hi;
+  }
+#pragma unroll
+  for (int stride = 16; stride > 0; stride /= 2) {
+    if (2 * stride > size) continue;
+    a = exchange_across_lanes(a, ia, size, stride);
+    b = exchange_across_lanes(b, ib, size, stride);
+  }
+}
+
+// Sorts buf[0..n) descending; n is a power of two, at least 64. Of the network's stages (45 at
+// n = 512) only those with strides of 64 and more go through shared memory, one barrier each;
+// the others run on each warp's 64-element chunks in registers, with shuffles.
 template <typename C>
 __device__ void bitonic_sort_descending(uint64_t* buf, int64_t n) {
-  for (int64_t size = 2; size <= n; size *= 2) {
-    for (int64_t stride = size / 2; stride > 0; stride /= 2) {
+  constexpr int64_t kChunk = kSortChunk;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const auto merge_chunks = [&](int64_t size_first, int64_t size_last) {
+    for (int64_t base = warp * kChunk; base < n; base += C::kWarps * kChunk) {
+      uint64_t a = buf[base + lane], b = buf[base + lane + 32];
+      for (int64_t size = size_first; size <= size_last; size *= 2)
+        merge_in_registers(a, b, base, size);
+      buf[base + lane] = a;
+      buf[base + lane + 32] = b;
+    }
+    __syncthreads();
+  };
+  merge_chunks(2, kChunk);
+  for (int64_t size = 2 * kChunk; size <= n; size *= 2) {
+    for (int64_t stride = size / 2; stride >= kChunk; stride /= 2) {
       for (int64_t i = threadIdx.x; i < n / 2; i += C::kThreads) {
         const int64_t lo = 2 * i - (i & (stride - 1));
         const int64_t hi = lo + stride;
@@ -241,6 +295,7 @@ __device__ void bitonic_sort_descending(uint64_t* buf, int64_t n) {
       }
       __syncthreads();
     }
+    merge_chunks(size, size);
   }
 }
 
@@ -248,8 +303,8 @@ __device__ void bitonic_sort_descending(uint64_t* buf, int64_t n) {
 // expansion to token ids at position `pos` and their count (qsa_expand_blocks' rule: block b is
 // kept iff 4b + 3 <= pos, in order, then the tail of the current block, then -1).
 template <typename C>
-__device__ void emit_row(const TopkProblem& p, SharedStorage<C>& s, const uint64_t* buf,
-                         int64_t selected, int64_t r, int32_t pos) {
+__device__ void emit_row(const TopkProblem& p, SharedStorage<C>& s, int& round,
+                         const uint64_t* buf, int64_t selected, int64_t r, int32_t pos) {
   constexpr int kThreads = C::kThreads;
   const int tid = threadIdx.x;
   const auto id_at = [&](int64_t j) {
@@ -269,7 +324,7 @@ __device__ void emit_row(const TopkProblem& p, SharedStorage<C>& s, const uint64
     const int32_t id = j < selected ? id_at(j) : -1;
     const bool keep = id >= 0 && kBlockTokens * id + kBlockTokens - 1 <= pos;
     int total = 0;
-    const int before = block_exclusive_sum<C>(keep, s.warp_sums, total);
+    const int before = block_exclusive_sum<C>(keep, s, round, total);
     if (keep && tokens) {
       const int64_t slot = kept + before;
 #pragma unroll
@@ -304,6 +359,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
   uint64_t* buf = global_sort ? global_sort + blockIdx.x * sort_capacity
                               : reinterpret_cast<uint64_t*>(smem + C::kCandidateBytes);
   const int tid = threadIdx.x;
+  for (int i = tid; i < kMaxBins; i += kThreads) s.hist[i] = 0;
+  int round = 0;  // of the block-wide scans (SharedStorage)
+  __syncthreads();
 
   for (int64_t r = p.row_begin + blockIdx.x; r < p.row_end; r += gridDim.x) {
     const int64_t l = r - p.row_begin;
@@ -330,7 +388,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
 
     RadixState st;
     st.remaining = static_cast<int>(std::min<int64_t>(p.k, INT_MAX));
-    const int visible = radix_pass<C>(s, st, visit_row);
+    const int visible = radix_pass<C>(s, st, round, visit_row);
     if (visible <= p.k) {
       // Every visible block is kept.
       for_each_key<C>(row, cs, lo, hi, [&](uint32_t key, int j) {
@@ -338,7 +396,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
       });
     } else {
       // Narrow the threshold bin over the row until it fits the candidate buffer.
-      while (st.count > kCandidates && st.shift > 0) radix_pass<C>(s, st, visit_row);
+      while (st.count > kCandidates && st.shift > 0) radix_pass<C>(s, st, round, visit_row);
       if (st.count <= kCandidates) {
         const RadixState at = st;
         for_each_key<C>(row, cs, lo, hi, [&](uint32_t key, int j) {
@@ -356,7 +414,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
         const auto visit_candidates = [&](auto&& f) {
           for (int c = tid; c < nc; c += kThreads) f(cand_key[c]);
         };
-        while (st.shift > 0) radix_pass<C>(s, st, visit_candidates);
+        while (st.shift > 0) radix_pass<C>(s, st, round, visit_candidates);
         // st.prefix is the key T; st.remaining of its st.count blocks are taken.
         const uint32_t t = st.prefix;
         RadixState ids;  // over ~id of the blocks keyed T: the lowest ids first
@@ -366,7 +424,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
             for (int c = tid; c < nc; c += kThreads)
               if (cand_key[c] == t) f(~cand_id[c]);
           };
-          while (ids.shift > 0) radix_pass<C>(s, ids, visit_ties);
+          while (ids.shift > 0) radix_pass<C>(s, ids, round, visit_ties);
         }
         for (int c = tid; c < nc; c += kThreads) {
           const uint32_t key = cand_key[c], id = cand_id[c];
@@ -383,7 +441,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
           if (key > t) append(key, static_cast<uint32_t>(j));
           if (ties_before < needed) {
             int total = 0;
-            const int before = block_exclusive_sum<C>(key == t, s.warp_sums, total);
+            const int before = block_exclusive_sum<C>(key == t, s, round, total);
             if (key == t && ties_before + before < needed) append(key, static_cast<uint32_t>(j));
             ties_before += total;
           }
@@ -394,18 +452,18 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
     const int64_t selected = std::min<int64_t>(visible, p.k);
 
     // Sort (padding composites of 0 sort last) and emit.
-    int64_t n = 1;
+    int64_t n = kSortChunk;
     while (n < selected) n *= 2;
     for (int64_t i = selected + tid; i < n; i += kThreads) buf[i] = 0;
     __syncthreads();
     bitonic_sort_descending<C>(buf, n);
-    emit_row<C>(p, s, buf, selected, r, pos);
+    emit_row<C>(p, s, round, buf, selected, r, pos);
     __syncthreads();
   }
 }
 
 int64_t sort_capacity(const TopkProblem& p) {
-  int64_t c = 1;
+  int64_t c = kSortChunk;
   while (c < std::min(p.k, p.num_blocks)) c *= 2;
   return c;
 }
