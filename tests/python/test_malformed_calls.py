@@ -32,7 +32,7 @@ def rand(*shape, dtype=BF):
 # Tensor arguments are found by position or keyword and replaced one at a time below.
 def valid_calls():
     cu = ints(0, 130, 200)
-    return {
+    calls = {
         "qsa_indexer_mqa_score": (sparse_attn.qsa_indexer_mqa_score,
                                   (rand(1, 5, 4, 128), rand(1, 3, 128)), {}),
         "qsa_mqa_prefill": (sparse_attn.qsa_mqa_prefill,
@@ -44,6 +44,17 @@ def valid_calls():
                                  (rand(2, 1, 4, 32), rand(2, 8, 2, 32), rand(2, 8, 2, 32),
                                   torch.randint(-1, 8, (2, 1, 5), dtype=I32)),
                                  {"return_lse": True}),
+        "qsa_indexer_select": (sparse_attn.qsa_indexer_select,
+                               (rand(1, 5, 4, 128), rand(1, 3, 128), 2),
+                               {"return_tokens": True, "return_valid_counts": True}),
+        "qsa_mqa_decode_select": (sparse_attn.qsa_mqa_decode_select,
+                                  (rand(2, 4, 128), rand(4, 16, 128), ints(0, 1, 2, 3).view(2, 2),
+                                   ints(20, 5), 32, 2),
+                                  {"query_positions": ints(79, 19), "return_tokens": True}),
+        "qsa_compress_block_keys": (sparse_attn.qsa_compress_block_keys,
+                                    (rand(8, 128), rand(128)), {"rope_theta": 10000.0}),
+        "merge_attention_states": (sparse_attn.merge_attention_states,
+                                   (rand(2, 3, 2, 16), torch.randn(2, 3, 2)), {}),
         "qsa_topk_blocks": (sparse_attn.qsa_topk_blocks, (torch.randn(3, 20), 4), {}),
         "qsa_expand_blocks": (sparse_attn.qsa_expand_blocks,
                               (torch.randint(-1, 5, (3, 4), dtype=I32), ints(3, 17, 25)),
@@ -67,7 +78,16 @@ def valid_calls():
                                (rand(1, 2, 256, 32, dtype=torch.float32),
                                 rand(1, 2, 256, 32, dtype=torch.float32),
                                 rand(1, 2, 256, 32, dtype=torch.float32), 8), {}),
+        "xattention_prefill_paged": (sparse_attn.xattention_prefill_paged,
+                                     (rand(1, 2, 128, 32), rand(2, 128, 2, 32),
+                                      rand(2, 128, 2, 32), ints(0, 1).view(1, 2), 256, 8), {}),
     }
+    # The workspace sizes take their op's arguments and validate them alike.
+    for op in ("qsa_indexer_select", "qsa_mqa_decode_select", "qsa_sparse_attention"):
+        _, args, kwargs = calls[op]
+        calls[f"{op}_workspace_size"] = (getattr(sparse_attn, f"{op}_workspace_size"), args,
+                                         kwargs)
+    return calls
 
 
 # The binding's names of the positional tensor arguments (the seed's parameter names).
@@ -76,6 +96,13 @@ ARG_NAMES = {
     "qsa_mqa_prefill": ["q", "k", "row_starts", "row_ends"],
     "qsa_mqa_decode": ["q", "k_cache", "page_table", "context_lens"],
     "qsa_sparse_attention": ["query", "key", "value", "token_indices"],
+    "qsa_indexer_select": ["q_idx", "block_keys"],
+    "qsa_mqa_decode_select": ["q", "k_cache", "page_table", "context_lens"],
+    "qsa_compress_block_keys": ["keys", "weight"],
+    "qsa_indexer_select_workspace_size": ["q_idx", "block_keys"],
+    "qsa_mqa_decode_select_workspace_size": ["q", "k_cache", "page_table", "context_lens"],
+    "qsa_sparse_attention_workspace_size": ["query", "key", "value", "token_indices"],
+    "merge_attention_states": ["partial_out", "partial_lse"],
     "qsa_topk_blocks": ["scores"],
     "qsa_expand_blocks": ["block_ids", "query_positions"],
     "xattn_estimate": ["query_states", "key_states"],
@@ -85,6 +112,7 @@ ARG_NAMES = {
     "block_sparse_attn_paged_func": ["q", "k_cache", "v_cache", "block_table", "seqlens_k",
                                      "cu_seqlens_q", "base_blockmask"],
     "Xattention_prefill": ["query_states", "key_states", "value_states"],
+    "xattention_prefill_paged": ["query_states", "k_cache", "v_cache", "block_table"],
 }
 
 
@@ -198,6 +226,10 @@ SCALE_CALLS = {
     "prefill_score_scale": ("qsa_mqa_prefill", "score_scale"),
     "decode_scale": ("qsa_mqa_decode", "scale"),
     "decode_score_scale": ("qsa_mqa_decode", "score_scale"),
+    "indexer_select_scale": ("qsa_indexer_select", "scale"),
+    "indexer_select_score_scale": ("qsa_indexer_select", "score_scale"),
+    "decode_select_scale": ("qsa_mqa_decode_select", "scale"),
+    "decode_select_score_scale": ("qsa_mqa_decode_select", "score_scale"),
     "attention_scale": ("qsa_sparse_attention", "scale"),
     "attention_softmax_scale": ("qsa_sparse_attention", "softmax_scale"),
     "estimate_norm": ("xattn_estimate", "norm"),
@@ -205,6 +237,8 @@ SCALE_CALLS = {
     "paged_softmax_scale": ("block_sparse_attn_paged_func", "softmax_scale"),
     "prefill_xattn_norm": ("Xattention_prefill", "norm"),
     "prefill_xattn_softmax_scale": ("Xattention_prefill", "softmax_scale"),
+    "paged_xattn_norm": ("xattention_prefill_paged", "norm"),
+    "paged_xattn_softmax_scale": ("xattention_prefill_paged", "softmax_scale"),
 }
 
 
@@ -307,6 +341,11 @@ HUGE_CASES = [
     ("qsa_indexer_mqa_score", 1, 1, 0, lambda t: t.float(), "q_idx"),
     ("qsa_sparse_attention", 0, 0, 1, lambda t: t.float(), "key"),
     ("qsa_sparse_attention", 0, 2, 1, lambda t: t.float(), "key"),
+    ("qsa_indexer_select", 0, 1, 1, lambda t: t.float(), "block_keys"),
+    ("qsa_indexer_select", 1, 1, 0, lambda t: t.float(), "q_idx"),
+    ("qsa_mqa_decode_select", 0, 0, 1, lambda t: t.float(), "k_cache"),
+    ("qsa_compress_block_keys", 0, 0, 1, lambda t: t.long(), "weight"),
+    ("merge_attention_states", 0, 1, 1, lambda t: t.long(), "partial_lse"),
     ("qsa_topk_blocks", 0, 0, 0, lambda t: t.half(), "scores"),
     ("qsa_expand_blocks", 0, 0, 1, lambda t: t.long(), "query_positions"),
     # The XAttention bindings name the Python parameters (key_states, input_tensor), not the
@@ -318,6 +357,7 @@ HUGE_CASES = [
     ("block_sparse_attn_func", 0, 1, 1, lambda t: t.float(), "k"),
     ("block_sparse_attn_paged_func", 0, 1, 2, lambda t: t.float(), "v_cache"),
     ("Xattention_prefill", 0, 1, 1, lambda t: t.half(), "key_states"),
+    ("xattention_prefill_paged", 0, 1, 2, lambda t: t.float(), "v_cache"),
 ]
 
 
