@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from .merge import merge_attention_states
 from .qsa import qsa_sparse_attention
 from .select import QSA_TOPK_BLOCKS, qsa_topk_blocks
 from .xattn import block_sparse_attn_func
@@ -72,17 +73,6 @@ def _index(value, name, minimum=0):
 def _require_tensor(value, name):
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__qualname__}")
-
-
-def _merge_op():
-    import sparse_attn  # the package is loaded by the time a merge runs
-
-    merge = getattr(sparse_attn, "merge_attention_states", None)
-    if merge is None or not hasattr(_C, "merge_attention_states"):
-        raise NotSupportedError(
-            "merge_attention_states: this build of sparse_attn has no merge_attention_states, "
-            "which the sharded attention functions merge their partial results with")
-    return merge
 
 
 def _all_gather_flat(buffer, group):
@@ -218,7 +208,6 @@ def merge_shard_states(partial_out, partial_lse, *, gate=None, out=None, lse=Non
     if partial_out.dim() < 3 or tuple(partial_lse.shape) != tuple(partial_out.shape[:-1]):
         raise ValueError(f"partial_out, partial_lse: expected [N, ..., H, D] and [N, ..., H], "
                          f"got {tuple(partial_out.shape)} and {tuple(partial_lse.shape)}")
-    merge = _merge_op()
     n = partial_out.shape[0]
     shape = tuple(partial_out.shape[1:])
     heads, dim = shape[-2], shape[-1]
@@ -229,7 +218,7 @@ def merge_shard_states(partial_out, partial_lse, *, gate=None, out=None, lse=Non
         and tuple(out.shape) == shape else None
     direct_lse = lse if lse is not None and lse.is_contiguous() \
         and tuple(lse.shape) == shape[:-1] else None
-    merged, merged_lse = merge(
+    merged, merged_lse = merge_attention_states(
         po, pl, return_lse=True, backend=backend,
         out=None if direct_out is None else direct_out.view(-1, heads, dim),
         lse_out=None if direct_lse is None else direct_lse.view(-1, heads))

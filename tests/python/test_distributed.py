@@ -6,13 +6,10 @@ Two kinds of tests:
 * simulated ranks (one process, no process group): the per-rank pieces called for every shard,
   their partials checked against the op on the whole cache restricted to the shard's tokens
   (bitwise: the same tokens in the same order), merged with a float64 LSE merge written here
-  and with the library's merge (where the build has it);
+  and with the library's merge;
 * real process groups of 2 and 3 ranks on gloo (CPU tensors), started from a forkserver (one
   server per test session, so a world costs a fork and a rendezvous, not an interpreter with
   torch), each rank holding one shard of inputs every rank draws from the same seed.
-
-The attention cases need sparse_attn.merge_attention_states; where the build does not have it
-they are skipped and the rest runs.
 """
 
 import datetime
@@ -29,11 +26,6 @@ import sparse_attn
 from sparse_attn import distributed as sd
 from qsa_testing import assert_close
 
-# The wrapper and the binding: the wrapper may be in the tree before the build has the binding.
-HAS_MERGE = hasattr(sparse_attn, "merge_attention_states") and \
-    hasattr(sparse_attn._C, "merge_attention_states")
-needs_merge = pytest.mark.skipif(
-    not HAS_MERGE, reason="sparse_attn.merge_attention_states is not in this build yet")
 HAS_GLOO = dist.is_available() and dist.is_gloo_available()
 needs_gloo = pytest.mark.skipif(not HAS_GLOO, reason="torch.distributed has no gloo backend")
 
@@ -355,12 +347,11 @@ def test_simulated_qsa_attention(name, kind, gate, seq_lens, paged, cuts, empty,
             out = gated(out, case["gate"])
         assert_close(out, want, **OUT_TOL[dt])
         assert_close(lse, want_lse, **LSE_TOL)
-        if HAS_MERGE:
-            got, got_lse = sd.merge_shard_states(outs, lses, gate=case.get("gate"))
-            assert_close(got, want, **OUT_TOL[dt])
-            assert_close(got_lse, want_lse, **LSE_TOL)
-            if name.endswith("holds-everything") and "gate" not in case:
-                assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+        got, got_lse = sd.merge_shard_states(outs, lses, gate=case.get("gate"))
+        assert_close(got, want, **OUT_TOL[dt])
+        assert_close(got_lse, want_lse, **LSE_TOL)
+        if name.endswith("holds-everything") and "gate" not in case:
+            assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
 
 
 @pytest.mark.parametrize("seed,q_len,k_len,dtype,heads,causal,cuts", XATTN_CASES)
@@ -381,10 +372,9 @@ def test_simulated_xattn_block_sparse(seed, q_len, k_len, dtype, heads, causal, 
         out, lse = merge_oracle(outs, lses)
         assert_close(out, want, **OUT_TOL[dtype])
         assert_close(lse, want_lse, **LSE_TOL)
-        if HAS_MERGE:
-            got, got_lse = sd.merge_shard_states(outs, lses)
-            assert_close(got, want, **OUT_TOL[dtype])
-            assert_close(got_lse, want_lse, **LSE_TOL)
+        got, got_lse = sd.merge_shard_states(outs, lses)
+        assert_close(got, want, **OUT_TOL[dtype])
+        assert_close(got_lse, want_lse, **LSE_TOL)
 
 
 def test_simulated_xattn_reference_backend():
@@ -520,27 +510,10 @@ def _run_xattn_suite(rank, world, group):
 SUITES = {"topk": _run_topk_suite, "qsa": _run_qsa_suite, "xattn": _run_xattn_suite}
 
 
-def _oracle_merge_op(partial_out, partial_lse, *, out=None, lse_out=None, return_lse=True,
-                     backend="native"):
-    # merge_attention_states' signature over merge_oracle: for the worlds that check the
-    # shards and the gather where the build has no merge yet.
-    merged, merged_lse = merge_oracle(partial_out, partial_lse)
-    merged, merged_lse = merged.to(partial_out.dtype), merged_lse.float()
-    if out is not None:
-        out.copy_(merged)
-        merged = out
-    if lse_out is not None:
-        lse_out.copy_(merged_lse)
-        merged_lse = lse_out
-    return (merged, merged_lse) if return_lse else merged
-
-
-def _worker(rank, world, port, suite, merge):
+def _worker(rank, world, port, suite):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    if merge == "oracle":  # this rank's process only
-        sd._merge_op = lambda: _oracle_merge_op
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
@@ -567,14 +540,9 @@ def _start_method():
     return "spawn"
 
 
-def run_world(world, suite, merge="library"):
-    torch.multiprocessing.start_processes(_worker, args=(world, _free_port(), suite, merge),
+def run_world(world, suite):
+    torch.multiprocessing.start_processes(_worker, args=(world, _free_port(), suite),
                                           nprocs=world, join=True, start_method=_start_method())
-
-
-# The attention worlds run with the library's merge, and with the float64 merge of this file
-# in its place (the shards, the packing and the gather checked where the build has no merge).
-MERGES = [pytest.param("library", marks=needs_merge), "oracle"]
 
 
 @needs_gloo
@@ -584,14 +552,12 @@ def test_world_topk(world):
 
 
 @needs_gloo
-@pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("world", [2, 3])
-def test_world_qsa_attention(world, merge):
-    run_world(world, "qsa", merge)
+def test_world_qsa_attention(world):
+    run_world(world, "qsa")
 
 
 @needs_gloo
-@pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("world", [2, 3])
-def test_world_xattn_block_sparse(world, merge):
-    run_world(world, "xattn", merge)
+def test_world_xattn_block_sparse(world):
+    run_world(world, "xattn")
