@@ -31,17 +31,19 @@ import torch.distributed as dist
 from . import _C
 from .merge import merge_attention_states
 from .qsa import qsa_sparse_attention
-from .select import QSA_TOPK_BLOCKS, qsa_topk_blocks
-from .xattn import block_sparse_attn_func
+from .select import QSA_TOPK_BLOCKS, qsa_indexer_select, qsa_topk_blocks
+from .xattn import Xattention_prefill, block_sparse_attn_func
 
 NotSupportedError = _C.NotSupportedError
 BLOCK = _C.BLOCK_SPARSE_BLOCK_SIZE  # 128: XAttention shards hold whole key blocks
 
 __all__ = [
+    "all_gather_sequence",
     "all_gather_states",
     "merge_shard_states",
     "qsa_sparse_attention_shard",
     "qsa_sparse_attention_sharded",
+    "qsa_prefill_context_parallel",
     "qsa_shard_positions",
     "qsa_shard_token_indices",
     "qsa_topk_blocks_local",
@@ -49,6 +51,8 @@ __all__ = [
     "qsa_topk_merge",
     "xattn_block_sparse_shard",
     "xattn_block_sparse_sharded",
+    "xattn_prefill_context_parallel",
+    "zigzag_ranges",
 ]
 
 
@@ -489,3 +493,226 @@ def xattn_block_sparse_sharded(q, k_shard, v_shard, base_blockmask, *, k_len, bl
     outs, lses = all_gather_states(part_out, part_lse, group)
     return merge_shard_states(outs, lses, out=out, lse=lse, return_lse=return_lse,
                               backend=merge_backend)
+
+
+# --------------------------------------------------------------------------------------------
+# Prefill: query rows sharded with the sequence, K/V all-gathered (docs/distributed.md,
+# "Context-parallel prefill")
+
+
+def zigzag_ranges(total, world, *, align=1):
+    """The load-balanced split of a causal prefill of `total` tokens over `world` ranks: the
+    sequence in 2 * world chunks of equal size (a multiple of `align`; the last chunks take
+    what is left, and may be short or empty), rank r holding chunks r and 2 * world - 1 - r.
+    Under a causal mask chunk i's rows see i + 1/2 chunks of keys on average, so every rank's
+    two chunks see the same: the work of each rank is total^2 / (2 world) key-row pairs.
+    Returns a list over ranks of [(start, len), (start, len)], the same on every rank."""
+    total = _index(total, "total")
+    world = _index(world, "world", 1)
+    align = _index(align, "align", 1)
+    chunk = _cdiv(_cdiv(total, 2 * world), align) * align
+
+    def piece(i):
+        start = min(i * chunk, total)
+        return (start, min(start + chunk, total) - start)
+
+    return [[piece(r), piece(2 * world - 1 - r)] for r in range(world)]
+
+
+def _check_ranges(ranges, world, name="ranges"):
+    """ranges: one list of (start, len) per rank, disjoint, together [0, total). Returns them
+    as lists of int pairs, and total."""
+    if not isinstance(ranges, (list, tuple)) or len(ranges) != world:
+        raise ValueError(f"{name}: expected one list of (start, len) per rank ({world} ranks), "
+                         f"got {ranges!r}")
+    checked, pieces = [], []
+    for r, own in enumerate(ranges):
+        if not isinstance(own, (list, tuple)):
+            raise TypeError(f"{name}[{r}]: expected a list of (start, len), got "
+                            f"{type(own).__qualname__}")
+        mine = []
+        for piece in own:
+            if not isinstance(piece, (list, tuple)) or len(piece) != 2:
+                raise ValueError(f"{name}[{r}]: expected (start, len) pairs, got {piece!r}")
+            start = _index(piece[0], f"{name}[{r}] start")
+            length = _index(piece[1], f"{name}[{r}] len")
+            mine.append((start, length))
+            if length:
+                pieces.append((start, length))
+        checked.append(mine)
+    pieces.sort()
+    end = 0
+    for start, length in pieces:
+        if start != end:
+            raise ValueError(f"{name}: expected disjoint ranges that cover 0 .. total - 1 "
+                             f"together; {'tokens overlap' if start < end else 'a gap'} at "
+                             f"{min(start, end)}")
+        end = start + length
+    return checked, end
+
+
+def _row_bytes(t, dim):
+    n = t.element_size()
+    for d, size in enumerate(t.shape):
+        if d != dim:
+            n *= size
+    return n
+
+
+def _gather_sequences(items, rank, world, group):
+    """One all_gather for several sequence-sharded tensors. items: (name, local, ranges, dim),
+    local holding this rank's rows of ranges[rank] along dim (in that order); every rank passes
+    the same shapes but for dim. Returns each tensor whole (the ranges' total rows along dim,
+    in sequence order)."""
+    def rows(ranges, r):
+        return sum(length for _, length in ranges[r])
+
+    for name, local, ranges, dim in items:
+        if local.shape[dim] != rows(ranges, rank):
+            raise ValueError(f"{name}: expected {rows(ranges, rank)} rows along dim {dim} (this "
+                             f"rank's ranges {ranges[rank]}), got {local.shape[dim]}")
+    # Byte offsets of rank r's items in its buffer (16-byte aligned), and the buffer's size.
+    offsets = []
+    for r in range(world):
+        at, mine = 0, []
+        for _, local, ranges, dim in items:
+            mine.append(at)
+            at += (rows(ranges, r) * _row_bytes(local, dim) + 15) // 16 * 16
+        offsets.append((mine, at))
+    size = max(at for _, at in offsets)
+    packed = torch.zeros((size,), dtype=torch.uint8, device=items[0][1].device)
+    for (_, local, _, dim), at in zip(items, offsets[rank][0]):
+        data = local.movedim(dim, 0).contiguous().view(-1).view(torch.uint8)
+        packed[at:at + data.numel()] = data
+    gathered = _all_gather_flat(packed, group)
+    wholes = []
+    for i, (_, local, ranges, dim) in enumerate(items):
+        shape = list(local.shape)
+        shape[dim] = sum(length for own in ranges for _, length in own)
+        whole = torch.empty(shape, dtype=local.dtype, device=local.device)
+        rest = shape[:dim] + shape[dim + 1:]
+        for r in range(world):
+            n = rows(ranges, r)
+            at = offsets[r][0][i]
+            src = gathered[r, at:at + n * _row_bytes(local, dim)].view(local.dtype)
+            src = src.view(n, *rest)
+            row = 0
+            for start, length in ranges[r]:
+                whole.narrow(dim, start, length).copy_(src[row:row + length].movedim(0, dim))
+                row += length
+        wholes.append(whole)
+    return wholes
+
+
+def all_gather_sequence(local, ranges, *, dim=0, group=None):
+    """A tensor sharded by sequence over the group, whole on every rank: rank r's `local`
+    holds the rows ranges[r] (a list of (start, len), concatenated in that order) along `dim`;
+    ranges (one list per rank, the same on every rank, e.g. zigzag_ranges) are disjoint and
+    cover 0 .. total - 1. Every rank passes the same shape but for dim, and the same dtype.
+    Returns the tensor with `total` rows along dim, in sequence order. One all_gather of
+    max-rank rows x row bytes per rank."""
+    _require_tensor(local, "local")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    ranges, _ = _check_ranges(ranges, world)
+    dim = _index(dim, "dim")
+    if dim >= local.dim():
+        raise ValueError(f"dim: expected an axis of local ({local.dim()} axes), got {dim}")
+    return _gather_sequences([("local", local, ranges, dim)], rank, world, group)[0]
+
+
+def _positions(own, device):
+    return torch.cat([torch.arange(s, s + n, dtype=torch.int32, device=device) for s, n in own]
+                     or [torch.empty((0,), dtype=torch.int32, device=device)])
+
+
+def qsa_prefill_context_parallel(query, key, value, q_idx, block_keys, *, ranges,
+                                 topk=QSA_TOPK_BLOCKS, group=None, gate=None, return_lse=False,
+                                 indexer_options=None, **attention_kwargs):
+    """QSA's prefill of one request whose tokens are sharded over the group, query rows with
+    them: rank r holds the tokens ranges[r] (a list of (start, len), e.g. zigzag_ranges(T,
+    world, align=4)), and for them query [n, Hq, D], key / value [n, Hkv, D], the indexer's
+    q_idx [n, H_idx, D_idx] and block_keys [n_blocks, D_idx], the compressed keys of the
+    complete 4-token blocks of its ranges (qsa_compress_block_keys of its raw index keys;
+    starts multiples of 4, lengths too unless a range ends the sequence). One all_gather
+    makes K, V and the block keys whole on every rank (2 Hkv D + D_idx / 4 elements a token);
+    then the rank selects for its own rows (qsa_indexer_select, topk blocks expanded to
+    tokens at each row's position, indexer_options its keywords) and attends to them
+    (qsa_sparse_attention with `gate` [n, Hq(, D)] and the other keywords). Nothing is merged:
+    each rank's rows are whole. Returns the rank's out [n, Hq, D] (and lse FP32 [n, Hq] with
+    return_lse), row for row what the single-process pipeline gives those rows."""
+    for value_, name in ((query, "query"), (key, "key"), (value, "value"), (q_idx, "q_idx"),
+                         (block_keys, "block_keys")):
+        _require_tensor(value_, name)
+    if return_lse is not True and return_lse is not False:
+        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__qualname__}")
+    for name in ("query_positions", "token_indices", "selected_kv_indices"):
+        if attention_kwargs.get(name) is not None:
+            raise ValueError(f"{name}: set by the context-parallel prefill (each rank's rows "
+                             f"are at their ranges' positions and select their own tokens)")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    ranges, total = _check_ranges(ranges, world)
+    for r, own in enumerate(ranges):
+        for start, length in own:
+            if length and (start % 4 or (length % 4 and start + length != total)):
+                raise ValueError(f"ranges[{r}]: expected starts and lengths that are multiples "
+                                 f"of 4 (whole indexer blocks; only the range that ends the "
+                                 f"sequence may end inside one), got ({start}, {length})")
+    blocks = [[(s // 4, n // 4) for s, n in own] for own in ranges]
+    k_all, v_all, keys_all = _gather_sequences(
+        [("key", key, ranges, 0), ("value", value, ranges, 0),
+         ("block_keys", block_keys, blocks, 0)], rank, world, group)
+    positions = _positions(ranges[rank], query.device)[None]
+    _, tokens = qsa_indexer_select(q_idx[None], keys_all[None], topk, query_positions=positions,
+                                   return_tokens=True, **(indexer_options or {}))
+    result = qsa_sparse_attention(query[None], k_all[None], v_all[None], tokens,
+                                  query_positions=positions,
+                                  gate=None if gate is None else gate[None],
+                                  return_lse=return_lse, **attention_kwargs)
+    if return_lse:
+        return result[0][0], result[1][0]
+    return result[0]
+
+
+def xattn_prefill_context_parallel(query_states, key_states, value_states, stride, *, ranges,
+                                   group=None, **prefill_kwargs):
+    """Xattention_prefill (causal) of one sequence whose tokens are sharded over the group,
+    query rows with them: rank r holds the tokens ranges[r] (a list of (start, len), e.g.
+    zigzag_ranges(T, world, align=128); starts and lengths multiples of 128 unless a range ends
+    the sequence) and for them query_states [B, Hq, n, D], key / value_states [B, Hkv, n, D].
+    One all_gather makes K and V whole on every rank; then each range runs as a prefill chunk
+    against the keys up to its end (Xattention_prefill with its rows the last of those keys:
+    the estimate, the selection and the attention of those rows exactly as in one call over
+    the whole sequence). Returns the rank's out [B, Hq, n, D]."""
+    for value_, name in ((query_states, "query_states"), (key_states, "key_states"),
+                         (value_states, "value_states")):
+        _require_tensor(value_, name)
+    for name in ("out", "lse"):
+        if prefill_kwargs.get(name) is not None:
+            raise NotSupportedError(f"{name}: not taken by the context-parallel prefill")
+    if prefill_kwargs.get("causal", True) is not True:
+        raise ValueError("causal: the context-parallel prefill is causal (each rank's rows see "
+                         "the keys up to their own)")
+    block = prefill_kwargs.get("block_size", BLOCK)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    ranges, total = _check_ranges(ranges, world)
+    for r, own in enumerate(ranges):
+        for start, length in own:
+            if length and (start % block or (length % block and start + length != total)):
+                raise ValueError(f"ranges[{r}]: expected starts and lengths that are multiples "
+                                 f"of the block size {block} (only the range that ends the "
+                                 f"sequence may end inside a block), got ({start}, {length})")
+    k_all, v_all = _gather_sequences(
+        [("key_states", key_states, ranges, 2), ("value_states", value_states, ranges, 2)],
+        rank, world, group)
+    outs, row = [], 0
+    for start, length in ranges[rank]:
+        if length == 0:
+            continue
+        end = start + length
+        outs.append(Xattention_prefill(query_states[:, :, row:row + length],
+                                       k_all[:, :, :end], v_all[:, :, :end], stride,
+                                       **prefill_kwargs))
+        row += length
+    if not outs:
+        return torch.empty_like(query_states)
+    return torch.cat(outs, dim=2)

@@ -416,6 +416,29 @@ def test_shard_arguments_are_checked():
                                     **xattn_shard_kwargs(x, True, 0))
 
 
+@pytest.mark.parametrize("total,world,align", [(1000, 2, 4), (4096, 4, 128), (1000, 3, 128),
+                                               (0, 2, 4), (5, 4, 4)])
+def test_zigzag_ranges_cover_the_sequence_and_balance_causal_work(total, world, align):
+    ranges = sd.zigzag_ranges(total, world, align=align)
+    assert len(ranges) == world and all(len(own) == 2 for own in ranges)
+    pieces = sorted(p for own in ranges for p in own if p[1])
+    end = 0
+    for start, length in pieces:
+        assert start == end and (start % align == 0)
+        end = start + length
+    assert end == total
+
+    def work(own):  # causal key-row pairs of the rows in own
+        return sum((s + n) * (s + n + 1) // 2 - s * (s + 1) // 2 for s, n in own)
+
+    if total % (2 * world * align) == 0 and total:
+        assert len({work(own) for own in ranges}) == 1
+    with pytest.raises(ValueError, match="^world"):
+        sd.zigzag_ranges(10, 0)
+    with pytest.raises(TypeError, match="^align"):
+        sd.zigzag_ranges(10, 2, align=1.5)
+
+
 # --------------------------------------------------------------------------------------------
 # Process groups of 2 and 3 ranks (gloo)
 
@@ -507,7 +530,92 @@ def _run_xattn_suite(rank, world, group):
         _same_on_every_rank(out, group)
 
 
-SUITES = {"topk": _run_topk_suite, "qsa": _run_qsa_suite, "xattn": _run_xattn_suite}
+def cp_qsa_case(seed, total):
+    """One request of `total` tokens, every input of the QSA prefill pipeline per token."""
+    g = _gen(seed)
+    hq, hkv, d = 4, 2, 32
+    return dict(query=_randn((total, hq, d), torch.bfloat16, g),
+                key=_randn((total, hkv, d), torch.bfloat16, g),
+                value=_randn((total, hkv, d), torch.bfloat16, g),
+                q_idx=_randn((total, 4, 128), torch.bfloat16, g),
+                block_keys=_randn((total // 4, 128), torch.bfloat16, g),
+                gate=_randn((total, hq), torch.bfloat16, g, 2.0))
+
+
+def cp_qsa_single_process(case, topk, backend):
+    """The pipeline on one process, every row: (out, lse)."""
+    total = case["query"].shape[0]
+    positions = torch.arange(total, dtype=torch.int32)[None]
+    _, tokens = sparse_attn.qsa_indexer_select(
+        case["q_idx"][None], case["block_keys"][None], topk, query_positions=positions,
+        return_tokens=True, backend=backend)
+    out, lse = sparse_attn.qsa_sparse_attention(
+        case["query"][None], case["key"][None], case["value"][None], tokens,
+        query_positions=positions, gate=case["gate"][None], return_lse=True, scale=0.3,
+        backend=backend)
+    return out[0], lse[0]
+
+
+def _rows(t, own, dim=0):
+    return torch.cat([t.narrow(dim, s, n) for s, n in own], dim=dim)
+
+
+def _run_context_parallel_suite(rank, world, group):
+    # all_gather_sequence: uneven ranges, not in rank order, along an inner axis.
+    x = torch.arange(2 * 3 * 23, dtype=torch.float32).view(2, 23, 3)
+    ranges = [[(17, 6), (0, 5)], [(5, 12)], [(23, 0)]][:world]
+    if world == 2:
+        ranges[1] = [(5, 12)]
+        ranges[0] = [(17, 6), (0, 5)]
+    got = sd.all_gather_sequence(_rows(x, ranges[rank], 1), ranges, dim=1, group=group)
+    assert torch.equal(got, x)
+    with pytest.raises(ValueError, match="^ranges: expected disjoint"):
+        bad = [[(0, 6)], [(5, 18)], [(23, 0)]][:world]
+        sd.all_gather_sequence(_rows(x, bad[rank], 1), bad, dim=1, group=group)
+    with pytest.raises(ValueError, match="^local: expected"):
+        sd.all_gather_sequence(x[:, :1], ranges, dim=1, group=group)
+
+    for total, topk in ((600, 16), (1001, 8)):
+        case = cp_qsa_case(31, total)
+        own = sd.zigzag_ranges(total, world, align=4)
+        mine = own[rank]
+        for backend in ("native", "reference"):
+            want, want_lse = cp_qsa_single_process(case, topk, backend)
+            out, lse = sd.qsa_prefill_context_parallel(
+                _rows(case["query"], mine), _rows(case["key"], mine),
+                _rows(case["value"], mine), _rows(case["q_idx"], mine),
+                _rows(case["block_keys"], [(s // 4, n // 4) for s, n in mine]), ranges=own,
+                topk=topk, group=group, gate=_rows(case["gate"], mine), return_lse=True,
+                scale=0.3, backend=backend, indexer_options={"backend": backend})
+            assert torch.equal(out, _rows(want, mine)), (total, backend, rank)
+            assert torch.equal(lse, _rows(want_lse, mine)), (total, backend, rank)
+    with pytest.raises(ValueError, match=r"^ranges\[0\]: expected starts and lengths"):
+        shifted = [[(0, 2)], *[[(2, 598)] if r == 1 else [] for r in range(1, world)]]
+        sd.qsa_prefill_context_parallel(
+            case["query"][:2], case["key"][:2], case["value"][:2], case["q_idx"][:2],
+            case["block_keys"][:0], ranges=shifted, group=group)
+
+    for total in (1024, 1000):
+        g = _gen(41)
+        q = _randn((1, 4, total, 64), torch.bfloat16, g)
+        k = _randn((1, 2, total, 64), torch.bfloat16, g)
+        v = _randn((1, 2, total, 64), torch.bfloat16, g)
+        own = sd.zigzag_ranges(total, world, align=128)
+        mine = own[rank]
+        for backend in ("native", "reference"):
+            want = sparse_attn.Xattention_prefill(q, k, v, 8, threshold=0.9, backend=backend)
+            got = sd.xattn_prefill_context_parallel(
+                _rows(q, mine, 2), _rows(k, mine, 2), _rows(v, mine, 2), 8, ranges=own,
+                group=group, threshold=0.9, backend=backend)
+            assert torch.equal(got, _rows(want, mine, 2)), (total, backend, rank)
+    with pytest.raises(ValueError, match="^causal"):
+        sd.xattn_prefill_context_parallel(_rows(q, mine, 2), _rows(k, mine, 2),
+                                          _rows(v, mine, 2), 8, ranges=own, group=group,
+                                          causal=False)
+
+
+SUITES = {"topk": _run_topk_suite, "qsa": _run_qsa_suite, "xattn": _run_xattn_suite,
+          "context_parallel": _run_context_parallel_suite}
 
 
 def _worker(rank, world, port, suite):
@@ -561,3 +669,9 @@ def test_world_qsa_attention(world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_world_xattn_block_sparse(world):
     run_world(world, "xattn")
+
+
+@needs_gloo
+@pytest.mark.parametrize("world", [2, 3])
+def test_world_context_parallel_prefill(world):
+    run_world(world, "context_parallel")
