@@ -16,7 +16,10 @@ import datetime
 import math
 import multiprocessing
 import os
+import pathlib
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -675,3 +678,19 @@ def test_world_xattn_block_sparse(world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_world_context_parallel_prefill(world):
     run_world(world, "context_parallel")
+
+
+@needs_gloo
+def test_distributed_bench_smoke():
+    # bench/distributed_bench.py on the CPU (worlds 1 and 2 on gloo): it runs, and world 2's
+    # sampled rows equal world 1's (the CPU backend is row-independent).
+    root = pathlib.Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(root / "bench" / "distributed_bench.py"),
+                           "--smoke"], capture_output=True, text=True, timeout=600, check=True)
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
+            if line.startswith("| qsa") or line.startswith("| xattn")]
+    assert sorted((r[0].strip(), r[2].strip()) for r in rows) == \
+        [("qsa", "1"), ("qsa", "2"), ("xattn", "1"), ("xattn", "2")], done.stdout
+    for r in rows:
+        if r[2].strip() == "2":
+            assert float(r[-1]) == 0.0, done.stdout
