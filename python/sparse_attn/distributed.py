@@ -44,6 +44,7 @@ __all__ = [
     "qsa_sparse_attention_shard",
     "qsa_sparse_attention_sharded",
     "qsa_prefill_context_parallel",
+    "qsa_prefill_rows",
     "qsa_shard_positions",
     "qsa_shard_token_indices",
     "qsa_topk_blocks_local",
@@ -52,6 +53,7 @@ __all__ = [
     "xattn_block_sparse_shard",
     "xattn_block_sparse_sharded",
     "xattn_prefill_context_parallel",
+    "xattn_prefill_rows",
     "zigzag_ranges",
 ]
 
@@ -519,30 +521,27 @@ def zigzag_ranges(total, world, *, align=1):
     return [[piece(r), piece(2 * world - 1 - r)] for r in range(world)]
 
 
+def _parse_ranges(own, name):
+    """One rank's list of (start, len) as int pairs."""
+    if not isinstance(own, (list, tuple)):
+        raise TypeError(f"{name}: expected a list of (start, len), got {type(own).__qualname__}")
+    pairs = []
+    for piece in own:
+        if not isinstance(piece, (list, tuple)) or len(piece) != 2:
+            raise ValueError(f"{name}: expected (start, len) pairs, got {piece!r}")
+        pairs.append((_index(piece[0], f"{name} start"), _index(piece[1], f"{name} len")))
+    return pairs
+
+
 def _check_ranges(ranges, world, name="ranges"):
     """ranges: one list of (start, len) per rank, disjoint, together [0, total). Returns them
     as lists of int pairs, and total."""
     if not isinstance(ranges, (list, tuple)) or len(ranges) != world:
         raise ValueError(f"{name}: expected one list of (start, len) per rank ({world} ranks), "
                          f"got {ranges!r}")
-    checked, pieces = [], []
-    for r, own in enumerate(ranges):
-        if not isinstance(own, (list, tuple)):
-            raise TypeError(f"{name}[{r}]: expected a list of (start, len), got "
-                            f"{type(own).__qualname__}")
-        mine = []
-        for piece in own:
-            if not isinstance(piece, (list, tuple)) or len(piece) != 2:
-                raise ValueError(f"{name}[{r}]: expected (start, len) pairs, got {piece!r}")
-            start = _index(piece[0], f"{name}[{r}] start")
-            length = _index(piece[1], f"{name}[{r}] len")
-            mine.append((start, length))
-            if length:
-                pieces.append((start, length))
-        checked.append(mine)
-    pieces.sort()
+    checked = [_parse_ranges(own, f"{name}[{r}]") for r, own in enumerate(ranges)]
     end = 0
-    for start, length in pieces:
+    for start, length in sorted(p for own in checked for p in own if p[1]):
         if start != end:
             raise ValueError(f"{name}: expected disjoint ranges that cover 0 .. total - 1 "
                              f"together; {'tokens overlap' if start < end else 'a gap'} at "
@@ -625,6 +624,46 @@ def _positions(own, device):
                      or [torch.empty((0,), dtype=torch.int32, device=device)])
 
 
+def _check_granularity(ranges, total, step, what):
+    for r, own in enumerate(ranges):
+        for start, length in own:
+            if length and (start % step or (length % step and start + length != total)):
+                raise ValueError(f"ranges[{r}]: expected starts and lengths that are multiples "
+                                 f"of {step} ({what}; only the range that ends the sequence "
+                                 f"may end inside one), got ({start}, {length})")
+
+
+def qsa_prefill_rows(query, q_idx, key, value, block_keys, *, ranges, topk=QSA_TOPK_BLOCKS,
+                     gate=None, return_lse=False, indexer_options=None, **attention_kwargs):
+    """The per-rank piece of qsa_prefill_context_parallel, without a process group: the rows
+    of `ranges` (one rank's list of (start, len), its query [n, Hq, D], q_idx [n, H_idx, D_idx]
+    and gate [n, Hq(, D)] in that order) against the whole key / value [T, Hkv, D] and
+    block_keys [T // 4, D_idx]: qsa_indexer_select at each row's position (topk blocks
+    expanded to tokens; indexer_options its keywords), then qsa_sparse_attention (the other
+    keywords). Returns out [n, Hq, D] (and lse FP32 [n, Hq] with return_lse)."""
+    for value_, name in ((query, "query"), (key, "key"), (value, "value"), (q_idx, "q_idx"),
+                         (block_keys, "block_keys")):
+        _require_tensor(value_, name)
+    if return_lse is not True and return_lse is not False:
+        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__qualname__}")
+    for name in ("query_positions", "token_indices", "selected_kv_indices"):
+        if attention_kwargs.get(name) is not None:
+            raise ValueError(f"{name}: set by the context-parallel prefill (each rank's rows "
+                             f"are at their ranges' positions and select their own tokens)")
+    own = _parse_ranges(ranges, "ranges")
+    positions = _positions(own, query.device)[None]
+    _, tokens = qsa_indexer_select(q_idx[None], block_keys[None], topk,
+                                   query_positions=positions, return_tokens=True,
+                                   **(indexer_options or {}))
+    result = qsa_sparse_attention(query[None], key[None], value[None], tokens,
+                                  query_positions=positions,
+                                  gate=None if gate is None else gate[None],
+                                  return_lse=return_lse, **attention_kwargs)
+    if return_lse:
+        return result[0][0], result[1][0]
+    return result[0]
+
+
 def qsa_prefill_context_parallel(query, key, value, q_idx, block_keys, *, ranges,
                                  topk=QSA_TOPK_BLOCKS, group=None, gate=None, return_lse=False,
                                  indexer_options=None, **attention_kwargs):
@@ -635,54 +674,31 @@ def qsa_prefill_context_parallel(query, key, value, q_idx, block_keys, *, ranges
     complete 4-token blocks of its ranges (qsa_compress_block_keys of its raw index keys;
     starts multiples of 4, lengths too unless a range ends the sequence). One all_gather
     makes K, V and the block keys whole on every rank (2 Hkv D + D_idx / 4 elements a token);
-    then the rank selects for its own rows (qsa_indexer_select, topk blocks expanded to
-    tokens at each row's position, indexer_options its keywords) and attends to them
-    (qsa_sparse_attention with `gate` [n, Hq(, D)] and the other keywords). Nothing is merged:
-    each rank's rows are whole. Returns the rank's out [n, Hq, D] (and lse FP32 [n, Hq] with
-    return_lse), row for row what the single-process pipeline gives those rows."""
-    for value_, name in ((query, "query"), (key, "key"), (value, "value"), (q_idx, "q_idx"),
-                         (block_keys, "block_keys")):
+    then the rank selects for and attends to its own rows (qsa_prefill_rows: gate
+    [n, Hq(, D)], indexer_options, the attention's keywords). Nothing is merged: each rank's
+    rows are whole. Returns the rank's out [n, Hq, D] (and lse FP32 [n, Hq] with return_lse),
+    row for row what the single-process pipeline gives those rows."""
+    for value_, name in ((key, "key"), (value, "value"), (block_keys, "block_keys")):
         _require_tensor(value_, name)
-    if return_lse is not True and return_lse is not False:
-        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__qualname__}")
-    for name in ("query_positions", "token_indices", "selected_kv_indices"):
-        if attention_kwargs.get(name) is not None:
-            raise ValueError(f"{name}: set by the context-parallel prefill (each rank's rows "
-                             f"are at their ranges' positions and select their own tokens)")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     ranges, total = _check_ranges(ranges, world)
-    for r, own in enumerate(ranges):
-        for start, length in own:
-            if length and (start % 4 or (length % 4 and start + length != total)):
-                raise ValueError(f"ranges[{r}]: expected starts and lengths that are multiples "
-                                 f"of 4 (whole indexer blocks; only the range that ends the "
-                                 f"sequence may end inside one), got ({start}, {length})")
+    _check_granularity(ranges, total, 4, "whole indexer blocks")
     blocks = [[(s // 4, n // 4) for s, n in own] for own in ranges]
     k_all, v_all, keys_all = _gather_sequences(
         [("key", key, ranges, 0), ("value", value, ranges, 0),
          ("block_keys", block_keys, blocks, 0)], rank, world, group)
-    positions = _positions(ranges[rank], query.device)[None]
-    _, tokens = qsa_indexer_select(q_idx[None], keys_all[None], topk, query_positions=positions,
-                                   return_tokens=True, **(indexer_options or {}))
-    result = qsa_sparse_attention(query[None], k_all[None], v_all[None], tokens,
-                                  query_positions=positions,
-                                  gate=None if gate is None else gate[None],
-                                  return_lse=return_lse, **attention_kwargs)
-    if return_lse:
-        return result[0][0], result[1][0]
-    return result[0]
+    return qsa_prefill_rows(query, q_idx, k_all, v_all, keys_all, ranges=ranges[rank],
+                            topk=topk, gate=gate, return_lse=return_lse,
+                            indexer_options=indexer_options, **attention_kwargs)
 
 
-def xattn_prefill_context_parallel(query_states, key_states, value_states, stride, *, ranges,
-                                   group=None, **prefill_kwargs):
-    """Xattention_prefill (causal) of one sequence whose tokens are sharded over the group,
-    query rows with them: rank r holds the tokens ranges[r] (a list of (start, len), e.g.
-    zigzag_ranges(T, world, align=128); starts and lengths multiples of 128 unless a range ends
-    the sequence) and for them query_states [B, Hq, n, D], key / value_states [B, Hkv, n, D].
-    One all_gather makes K and V whole on every rank; then each range runs as a prefill chunk
-    against the keys up to its end (Xattention_prefill with its rows the last of those keys:
-    the estimate, the selection and the attention of those rows exactly as in one call over
-    the whole sequence). Returns the rank's out [B, Hq, n, D]."""
+def xattn_prefill_rows(query_states, key_states, value_states, stride, *, ranges,
+                       **prefill_kwargs):
+    """The per-rank piece of xattn_prefill_context_parallel, without a process group: the rows
+    of `ranges` (one rank's list of (start, len); its query_states [B, Hq, n, D] in that order)
+    against the whole key / value_states [B, Hkv, T, D], each range a prefill chunk against
+    the keys up to its end (Xattention_prefill, causal, with prefill_kwargs). Returns
+    out [B, Hq, n, D]."""
     for value_, name in ((query_states, "query_states"), (key_states, "key_states"),
                          (value_states, "value_states")):
         _require_tensor(value_, name)
@@ -692,27 +708,41 @@ def xattn_prefill_context_parallel(query_states, key_states, value_states, strid
     if prefill_kwargs.get("causal", True) is not True:
         raise ValueError("causal: the context-parallel prefill is causal (each rank's rows see "
                          "the keys up to their own)")
-    block = prefill_kwargs.get("block_size", BLOCK)
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    ranges, total = _check_ranges(ranges, world)
-    for r, own in enumerate(ranges):
-        for start, length in own:
-            if length and (start % block or (length % block and start + length != total)):
-                raise ValueError(f"ranges[{r}]: expected starts and lengths that are multiples "
-                                 f"of the block size {block} (only the range that ends the "
-                                 f"sequence may end inside a block), got ({start}, {length})")
-    k_all, v_all = _gather_sequences(
-        [("key_states", key_states, ranges, 2), ("value_states", value_states, ranges, 2)],
-        rank, world, group)
     outs, row = [], 0
-    for start, length in ranges[rank]:
+    for start, length in _parse_ranges(ranges, "ranges"):
         if length == 0:
             continue
         end = start + length
         outs.append(Xattention_prefill(query_states[:, :, row:row + length],
-                                       k_all[:, :, :end], v_all[:, :, :end], stride,
+                                       key_states[:, :, :end], value_states[:, :, :end], stride,
                                        **prefill_kwargs))
         row += length
     if not outs:
         return torch.empty_like(query_states)
     return torch.cat(outs, dim=2)
+
+
+def xattn_prefill_context_parallel(query_states, key_states, value_states, stride, *, ranges,
+                                   group=None, **prefill_kwargs):
+    """Xattention_prefill (causal) of one sequence whose tokens are sharded over the group,
+    query rows with them: rank r holds the tokens ranges[r] (a list of (start, len), e.g.
+    zigzag_ranges(T, world, align=128); starts and lengths multiples of the block size unless
+    a range ends the sequence) and for them query_states [B, Hq, n, D], key / value_states
+    [B, Hkv, n, D]. One all_gather makes K and V whole on every rank; then each range runs as
+    a prefill chunk against the keys up to its end (xattn_prefill_rows: the estimate, the
+    selection and the attention of those rows exactly as in one call over the whole
+    sequence). Returns the rank's out [B, Hq, n, D]."""
+    for value_, name in ((key_states, "key_states"), (value_states, "value_states")):
+        _require_tensor(value_, name)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    ranges, total = _check_ranges(ranges, world)
+    _check_granularity(ranges, total, prefill_kwargs.get("block_size", BLOCK),
+                       "whole blocks of the block size")
+    if prefill_kwargs.get("causal", True) is not True:
+        raise ValueError("causal: the context-parallel prefill is causal (each rank's rows see "
+                         "the keys up to their own)")
+    k_all, v_all = _gather_sequences(
+        [("key_states", key_states, ranges, 2), ("value_states", value_states, ranges, 2)],
+        rank, world, group)
+    return xattn_prefill_rows(query_states, k_all, v_all, stride, ranges=ranges[rank],
+                              **prefill_kwargs)

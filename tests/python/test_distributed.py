@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import sparse_attn
 from sparse_attn import distributed as sd
-from qsa_testing import assert_close
+from qsa_testing import DEVICES, assert_close, needs_cuda
 
 HAS_GLOO = dist.is_available() and dist.is_gloo_available()
 needs_gloo = pytest.mark.skipif(not HAS_GLOO, reason="torch.distributed has no gloo backend")
@@ -99,10 +99,10 @@ TOPK_CASES = [
 ]
 
 
-def qsa_case(kind, seed, dtype=torch.bfloat16, gate_kind=None, seq_lens=False):
+def qsa_case(kind, seed, dtype=torch.bfloat16, gate_kind=None, seq_lens=False, d=32):
     """A QSA attention problem on padded K/V [B, S, Hkv, D]: dict of the op's arguments."""
     g = _gen(seed)
-    hq, hkv, d, S = 4, 2, 32, 48
+    hq, hkv, S = 4, 2, 48
     if kind == "decode":
         B, W = 3, 24
         positions = torch.tensor([[47], [30], [5]], dtype=torch.int64)
@@ -177,9 +177,9 @@ QSA_CASES = [
 ]
 
 
-def xattn_case(seed, q_len, k_len, dtype, heads="mixed"):
+def xattn_case(seed, q_len, k_len, dtype, heads="mixed", d=32):
     g = _gen(seed)
-    hq, hkv, d = 4, 2, 32
+    hq, hkv = 4, 2
     qb, kb = -(-q_len // BLOCK), -(-k_len // BLOCK)
     if heads == "mixed":
         head_mask_type = [1, 0, -1, 1]
@@ -250,9 +250,10 @@ def test_shard_token_indices_and_positions():
         sd.qsa_shard_token_indices(ids, 0, 2.5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed,shape,nb,k,cuts,perm", TOPK_CASES)
-def test_simulated_topk_equals_the_global_topk(seed, shape, nb, k, cuts, perm):
-    scores = topk_case(seed, shape, nb)
+def test_simulated_topk_equals_the_global_topk(seed, shape, nb, k, cuts, perm, device):
+    scores = topk_case(seed, shape, nb).to(device)
     want = sparse_attn.qsa_topk_blocks(scores, k)
     for world in (1, 2, 3):
         bounds = [(0, nb)] if world == 1 else shard_bounds(nb, cuts[world])
@@ -396,6 +397,107 @@ def test_simulated_xattn_reference_backend():
     assert_close(lse, want_lse, **LSE_TOL)
 
 
+def _on(case, device):
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+
+
+# The QSA cases native CUDA takes (D = 256; padded queries with padded K/V, flattened queries
+# with paged K/V): checked on the GPU against the reference backend.
+GPU_QSA_CASES = [c for c in QSA_CASES if c[1] == "decode" or c[4]]
+
+
+@needs_cuda
+@pytest.mark.parametrize("name,kind,gate,seq_lens,paged,cuts,empty",
+                         GPU_QSA_CASES, ids=[c[0] for c in GPU_QSA_CASES])
+def test_simulated_qsa_attention_on_the_gpu(name, kind, gate, seq_lens, paged, cuts, empty):
+    # One GPU, ranks simulated by shards: each shard's native partial against the reference of
+    # the whole cache restricted to its tokens, the merge against the reference of the whole.
+    for world in (2, 3):
+        bounds = shard_bounds(48, cuts[world])
+        case = qsa_case(kind, 7, torch.bfloat16, gate, seq_lens, d=256)
+        want, want_lse = qsa_reference(case, "reference")
+        outs, lses = [], []
+        kwargs = {k: v for k, v in case.items()
+                  if k not in ("query", "key", "value", "token_indices", "gate")}
+        for r, (s, n) in enumerate(bounds):
+            k_sh, v_sh, layout = key_shard(case, s, n, paged=paged, seed=r)
+            out, lse = sd.qsa_sparse_attention_shard(
+                case["query"].cuda(), k_sh.cuda(), v_sh.cuda(), case["token_indices"].cuda(),
+                shard_start=s, shard_len=n, backend="native", **_on(kwargs, "cuda"),
+                **_on(layout, "cuda"))
+            ids = case["token_indices"]
+            alone = {**{k: v for k, v in case.items() if k != "gate"},
+                     "token_indices": torch.where((ids >= s) & (ids < s + n), ids, -1)}
+            a_out, a_lse = qsa_reference(alone, "reference")
+            assert_close(out.cpu(), a_out, **OUT_TOL[torch.bfloat16])
+            assert_close(lse.cpu(), a_lse, **LSE_TOL)
+            outs.append(out)
+            lses.append(lse)
+        got, got_lse = sd.merge_shard_states(torch.stack(outs), torch.stack(lses),
+                                             gate=None if gate is None else case["gate"].cuda())
+        assert_close(got.cpu(), want, **OUT_TOL[torch.bfloat16])
+        assert_close(got_lse.cpu(), want_lse, **LSE_TOL)
+
+
+GPU_XATTN_CASES = [c for c in XATTN_CASES if c[3] == torch.bfloat16]
+
+
+@needs_cuda
+@pytest.mark.parametrize("seed,q_len,k_len,dtype,heads,causal,cuts", GPU_XATTN_CASES)
+def test_simulated_xattn_block_sparse_on_the_gpu(seed, q_len, k_len, dtype, heads, causal,
+                                                 cuts):
+    case = _on(xattn_case(seed, q_len, k_len, dtype, heads, d=64), "cuda")
+    want, want_lse = xattn_reference(case, causal, "native")
+    for world in (2, 3):
+        outs, lses = [], []
+        for block_start, first, n in block_shards(k_len, cuts[world]):
+            out, lse = sd.xattn_block_sparse_shard(
+                case["q"], case["k"][first:first + n], case["v"][first:first + n],
+                case["base_blockmask"], **xattn_shard_kwargs(case, causal, block_start))
+            outs.append(out)
+            lses.append(lse)
+        got, got_lse = sd.merge_shard_states(torch.stack(outs), torch.stack(lses))
+        assert_close(got, want, **OUT_TOL[dtype])
+        assert_close(got_lse, want_lse, **LSE_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("world", [2, 3])
+def test_simulated_qsa_prefill_rows(device, world):
+    # Every rank's piece of the context-parallel prefill (its zigzag rows against the whole
+    # K/V) gives the single-process pipeline's rows: bitwise on the CPU; on the GPU within
+    # rounding (the row-tile kernel's tiles group other rows).
+    total, topk = 600, 16
+    case = _on(cp_qsa_case(31, total, d=32 if device == "cpu" else 256), device)
+    want, want_lse = cp_qsa_single_process(case, topk, "native")
+    for own in sd.zigzag_ranges(total, world, align=4):
+        out, lse = sd.qsa_prefill_rows(
+            _rows(case["query"], own), _rows(case["q_idx"], own), case["key"], case["value"],
+            case["block_keys"], ranges=own, topk=topk, gate=_rows(case["gate"], own),
+            return_lse=True, scale=0.3)
+        if device == "cpu":
+            assert torch.equal(out, _rows(want, own)) and torch.equal(lse, _rows(want_lse, own))
+        else:
+            assert_close(out, _rows(want, own), **OUT_TOL[torch.bfloat16])
+            assert_close(lse, _rows(want_lse, own), **LSE_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("world", [2, 3])
+def test_simulated_xattn_prefill_rows(device, world):
+    total = 1000
+    g = _gen(41)
+    q, k, v = (_randn(shape, torch.bfloat16, g).to(device)
+               for shape in ((1, 4, total, 64), (1, 2, total, 64), (1, 2, total, 64)))
+    want = sparse_attn.Xattention_prefill(q, k, v, 8, threshold=0.9)
+    for own in sd.zigzag_ranges(total, world, align=128):
+        got = sd.xattn_prefill_rows(_rows(q, own, 2), k, v, 8, ranges=own, threshold=0.9)
+        if device == "cpu":
+            assert torch.equal(got, _rows(want, own, 2))
+        else:
+            assert_close(got, _rows(want, own, 2), **OUT_TOL[torch.bfloat16])
+
+
 def test_shard_arguments_are_checked():
     case = qsa_case("decode", 1)
     k_sh, v_sh, _ = key_shard(case, 0, 20)
@@ -533,10 +635,10 @@ def _run_xattn_suite(rank, world, group):
         _same_on_every_rank(out, group)
 
 
-def cp_qsa_case(seed, total):
+def cp_qsa_case(seed, total, d=32):
     """One request of `total` tokens, every input of the QSA prefill pipeline per token."""
     g = _gen(seed)
-    hq, hkv, d = 4, 2, 32
+    hq, hkv = 4, 2
     return dict(query=_randn((total, hq, d), torch.bfloat16, g),
                 key=_randn((total, hkv, d), torch.bfloat16, g),
                 value=_randn((total, hkv, d), torch.bfloat16, g),
