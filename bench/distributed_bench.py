@@ -10,6 +10,12 @@ drawn on each device from one seed (every world sees the same tensors); on them 
 estimate keeps most blocks at 0.9, so its rows measure a near-dense prefill. The ranks hold
 zigzag_ranges (2N chunks, rank r chunks r and 2N - 1 - r).
 
+decode: one QSA decode step of 8 requests at position tokens - 1 with K/V and the compressed
+indexer cache sharded by sequence (contiguous shards): the shard's indexer scores, the global
+top-512 (qsa_topk_blocks_sharded), the expansion, the sharded attention (partials gathered and
+merged through their LSE). Decode scales for memory, not speed: its step is tens of
+microseconds, of the order of the collectives' latency.
+
 Per (method, tokens, world): the step time (CUDA events around the call on every rank, after
 a barrier; the slowest rank's, median of --reps), the fastest rank's (the imbalance), the
 scaling efficiency t(1) / (N t(N)), the K/V gather alone (the same collective the call makes)
@@ -22,7 +28,7 @@ as for bench/xattn_bench.py; NVLink multicast stays off: the NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 the machine sets are kept, and
 set here when absent):
   PYTHONPATH=build-gpu/python:python python3 bench/distributed_bench.py --gpus 1,2,4,8 --csv F
---tokens 131072,1m (a k / m suffix means 1024 / 1048576), --methods qsa,xattn, --reps N.
+--tokens 131072,1m (a k / m suffix means 1024 / 1048576), --methods qsa,xattn,decode, --reps N.
 --smoke runs worlds 1 and 2 on the CPU (gloo, 2K tokens, 4/2/32 and 4/2/64 heads, the CPU
 backend) to check the script where there is no GPU. Prints a markdown table.
 """
@@ -52,8 +58,8 @@ def length(text):
 
 def shapes(smoke):
     if smoke:
-        return dict(qsa=(4, 2, 32), xattn=(4, 2, 64))
-    return dict(qsa=(24, 2, 256), xattn=(32, 8, 128))
+        return dict(qsa=(4, 2, 32), xattn=(4, 2, 64), decode=(4, 2, 32))
+    return dict(qsa=(24, 2, 256), xattn=(32, 8, 128), decode=(24, 2, 256))
 
 
 class Clock:
@@ -159,7 +165,59 @@ def xattn_case(sd, total, world, rank, device, heads, backend):
     return step, gather, mine, 2 * hkv * d * 2, 2
 
 
-CASES = {"qsa": qsa_case, "xattn": xattn_case}
+DECODE_BATCH = 8
+DECODE_PAGE = 64  # the compressed indexer cache's page, in blocks
+
+
+def decode_case(sd, total, world, rank, device, heads, backend):
+    """One QSA decode step of DECODE_BATCH requests at position total - 1, K/V and the indexer
+    cache sharded by sequence (contiguous shards: decode rows see every token): the indexer
+    scores of the shard's blocks, the global top-512 (qsa_topk_blocks_sharded), the expansion,
+    the sharded attention (partials gathered and merged)."""
+    import sparse_attn
+
+    hq, hkv, d = heads
+    batch = 2 if device.type == "cpu" else DECODE_BATCH
+    gen = torch.Generator(device=device).manual_seed(99)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
+
+    # Every rank draws the whole tensors (the same values in every world) and keeps its shard.
+    cut = [total * r // world // 4 * 4 for r in range(world)] + [total]
+    start, n = cut[rank], cut[rank + 1] - cut[rank]
+    query, q_idx, gate = randn(batch, 1, hq, d), randn(batch, 4, 128), randn(batch, 1, hq)
+    keys, values = randn(batch, total, hkv, d), randn(batch, total, hkv, d)
+    key_shard = keys[:, start:start + n].contiguous()
+    value_shard = values[:, start:start + n].contiguous()
+    block_keys = randn(batch, total // 4, 128)
+    local_blocks = n // 4
+    local_pages = max(1, -(-local_blocks // DECODE_PAGE))
+    cache = torch.zeros(batch, local_pages * DECODE_PAGE, 128, dtype=torch.bfloat16,
+                        device=device)
+    cache[:, :local_blocks] = block_keys[:, start // 4:start // 4 + local_blocks]
+    cache = cache.view(batch * local_pages, DECODE_PAGE, 128)
+    del keys, values, block_keys
+    table = torch.arange(batch * local_pages, dtype=torch.int32, device=device)
+    table = table.view(batch, local_pages)
+    lens = torch.full((batch,), local_blocks, dtype=torch.int32, device=device)
+    positions = torch.full((batch,), total - 1, dtype=torch.int32, device=device)
+
+    def step():
+        scores = sparse_attn.qsa_mqa_decode(q_idx, cache, table, lens,
+                                            local_pages * DECODE_PAGE, backend=backend)
+        ids = sd.qsa_topk_blocks_sharded(scores[:, :local_blocks].contiguous(), 512,
+                                         block_offset=start // 4)
+        tokens = sparse_attn.qsa_expand_blocks(ids, positions)
+        return sd.qsa_sparse_attention_sharded(
+            query, key_shard, value_shard, tokens[:, None], shard_start=start, shard_len=n,
+            query_positions=positions[:, None], gate=gate, backend=backend)
+
+    mine = [(0, batch)]  # every rank returns every request's row
+    return step, None, mine, 0, 0
+
+
+CASES = {"qsa": qsa_case, "xattn": xattn_case, "decode": decode_case}
 
 
 def worker(rank, world, port, args, workdir):
@@ -186,16 +244,19 @@ def worker(rank, world, port, args, workdir):
             for total in args.tokens:
                 step, gather, mine, token_bytes, dim = CASES[method](
                     sd, total, world, rank, device, shapes(args.smoke)[method], backend)
-                slow, fast = rank_times(clock, step, args.reps, None)
-                gather_ms = rank_times(clock, gather, args.reps, None)[0] if world > 1 else 0.0
+                reps = args.reps * (10 if method == "decode" else 1)
+                slow, fast = rank_times(clock, step, reps, None)
+                gathers = world > 1 and gather is not None
+                gather_ms = rank_times(clock, gather, args.reps, None)[0] if gathers else 0.0
                 received = sum(n for s, n in mine)  # this rank's rows; the rest it receives
                 received = (total - received) * token_bytes
-                # Output rows at the sample positions this rank holds, for the comparison.
+                # Output rows at the sample positions this rank holds, for the comparison
+                # (decode: every request's row, which every rank returns).
                 out = step()
                 positions, at = [], 0
                 for s, n in mine:
-                    positions += [(p, at + p - s) for p in sample_positions(total)
-                                  if s <= p < s + n]
+                    wanted = range(s, s + n) if method == "decode" else sample_positions(total)
+                    positions += [(p, at + p - s) for p in wanted if s <= p < s + n]
                     at += n
                 sample = {p: out.select(dim, i).float().cpu() for p, i in positions}
                 torch.save(sample, os.path.join(workdir, f"{method}_{total}_{world}_{rank}.pt"))
@@ -254,7 +315,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", default="1,2,4,8")
     parser.add_argument("--tokens", default="128k,1m")
-    parser.add_argument("--methods", default="qsa,xattn")
+    parser.add_argument("--methods", default="qsa,xattn,decode")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--csv")
     parser.add_argument("--smoke", action="store_true")

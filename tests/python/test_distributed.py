@@ -784,15 +784,17 @@ def test_world_context_parallel_prefill(world):
 
 @needs_gloo
 def test_distributed_bench_smoke():
-    # bench/distributed_bench.py on the CPU (worlds 1 and 2 on gloo): it runs, and world 2's
-    # sampled rows equal world 1's (the CPU backend is row-independent).
+    # bench/distributed_bench.py on the CPU (worlds 1 and 2 on gloo): it runs; world 2's
+    # sampled prefill rows equal world 1's (the CPU backend is row-independent), its decode
+    # rows within the merge's rounding (each partial is rounded to bf16 before the merge).
     root = pathlib.Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, str(root / "bench" / "distributed_bench.py"),
                            "--smoke"], capture_output=True, text=True, timeout=600, check=True)
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines()
-            if line.startswith("| qsa") or line.startswith("| xattn")]
+            if line.startswith(("| qsa", "| xattn", "| decode"))]
     assert sorted((r[0].strip(), r[2].strip()) for r in rows) == \
-        [("qsa", "1"), ("qsa", "2"), ("xattn", "1"), ("xattn", "2")], done.stdout
+        [("decode", "1"), ("decode", "2"), ("qsa", "1"), ("qsa", "2"), ("xattn", "1"),
+         ("xattn", "2")], done.stdout
     for r in rows:
         if r[2].strip() == "2":
-            assert float(r[-1]) == 0.0, done.stdout
+            assert float(r[-1]) <= (1e-2 if r[0].strip() == "decode" else 0.0), done.stdout
