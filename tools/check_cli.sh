@@ -52,7 +52,7 @@ expect missing-file 2 "$TMP/none.npy: no such file" -- \
 expect partial-files 2 "--q, --k and --v" -- demo --q "$TMP/x.npy"
 
 # demo: both methods on a small structured workload; metrics, times, plots, saved tensors (the
-# CPU backend runs every op natively; the selection helpers run on the host).
+# CPU backend runs every op natively, QSA's selection as one fused op).
 expect demo 0 "on cpu" "QSA" "XAttention" "density \(selected / visible\) +[0-9.]+ %" \
   "attention-mass recall +[0-9.]+ %" "output relative error vs dense +[0-9.e+-]+" \
   "needle hit rate +[0-9.]+ %" "indexer select: scores, top-k, tokens \(native\)" "sparse attention \(native\)" \
