@@ -195,12 +195,12 @@ def xattn_case(seed, q_len, k_len, dtype, heads="mixed", d=32):
 
 def xattn_reference(case, causal, backend):
     q, k = case["q"], case["k"]
-    lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+    lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
     out = sparse_attn.block_sparse_attn_func(
-        q, k, case["v"], torch.tensor([0, q.shape[0]], dtype=torch.int32),
-        torch.tensor([0, k.shape[0]], dtype=torch.int32), case["head_mask_type"],
-        case["streaming_info"], case["base_blockmask"], q.shape[0], k.shape[0], 0.0,
-        softmax_scale=0.25, is_causal=causal, backend=backend, lse=lse)
+        q, k, case["v"], torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device),
+        torch.tensor([0, k.shape[0]], dtype=torch.int32, device=q.device),
+        case["head_mask_type"], case["streaming_info"], case["base_blockmask"], q.shape[0],
+        k.shape[0], 0.0, softmax_scale=0.25, is_causal=causal, backend=backend, lse=lse)
     return out, lse
 
 
@@ -650,7 +650,7 @@ def cp_qsa_case(seed, total, d=32):
 def cp_qsa_single_process(case, topk, backend):
     """The pipeline on one process, every row: (out, lse)."""
     total = case["query"].shape[0]
-    positions = torch.arange(total, dtype=torch.int32)[None]
+    positions = torch.arange(total, dtype=torch.int32, device=case["query"].device)[None]
     _, tokens = sparse_attn.qsa_indexer_select(
         case["q_idx"][None], case["block_keys"][None], topk, query_positions=positions,
         return_tokens=True, backend=backend)
