@@ -482,6 +482,52 @@ def test_simulated_qsa_prefill_rows(device, world):
             assert_close(lse, _rows(want_lse, own), **LSE_TOL)
 
 
+def random_ranges(total, world, align, seed):
+    """A random split of 0 .. total - 1 into pieces on the `align` grid, dealt to `world`
+    ranks in random order (a rank may get none, or several not in sequence order)."""
+    g = _gen(seed)
+    cuts = sorted({int(c) * align for c in torch.randint(1, max(2, total // align), (6,),
+                                                         generator=g)} - {0})
+    edges = [0, *[c for c in cuts if c < total], total]
+    pieces = [(a, b - a) for a, b in zip(edges, edges[1:])]
+    owner = torch.randint(0, world, (len(pieces),), generator=g).tolist()
+    order = torch.randperm(len(pieces), generator=g).tolist()
+    return [[pieces[i] for i in order if owner[i] == r] for r in range(world)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_simulated_qsa_prefill_rows_on_random_ranges(seed):
+    # Any ranges on the block grid, not only zigzag ones: every rank's rows are the
+    # single-process rows, bit for bit (CPU backend).
+    total, topk = 301, 8
+    case = cp_qsa_case(50 + seed, total)
+    want, want_lse = cp_qsa_single_process(case, topk, "native")
+    for own in random_ranges(total, 3, 4, seed):
+        out, lse = sd.qsa_prefill_rows(
+            _rows(case["query"], own) if own else case["query"][:0],
+            _rows(case["q_idx"], own) if own else case["q_idx"][:0], case["key"],
+            case["value"], case["block_keys"], ranges=own, topk=topk,
+            gate=_rows(case["gate"], own) if own else case["gate"][:0], return_lse=True,
+            scale=0.3)
+        if own:
+            assert torch.equal(out, _rows(want, own)) and torch.equal(lse, _rows(want_lse, own))
+        else:
+            assert out.shape[0] == 0
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_simulated_xattn_prefill_rows_on_random_ranges(seed):
+    total = 1000
+    g = _gen(60 + seed)
+    q, k, v = (_randn(shape, torch.bfloat16, g)
+               for shape in ((1, 4, total, 64), (1, 2, total, 64), (1, 2, total, 64)))
+    want = sparse_attn.Xattention_prefill(q, k, v, 8, threshold=0.9)
+    for own in random_ranges(total, 2, 128, seed):
+        if own:
+            got = sd.xattn_prefill_rows(_rows(q, own, 2), k, v, 8, ranges=own, threshold=0.9)
+            assert torch.equal(got, _rows(want, own, 2))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("world", [2, 3])
 def test_simulated_xattn_prefill_rows(device, world):
