@@ -24,6 +24,7 @@ Two layers:
 
 import math
 import operator
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -558,18 +559,88 @@ def _row_bytes(t, dim):
     return n
 
 
+_MAX_DIMS = 8
+# What a rank found wrong with an item before the gather (the header's second entry).
+_PROBLEMS = {1: "not a tensor", 2: f"fewer axes than its sequence axis, or more than {_MAX_DIMS}",
+             3: "not as many rows along its sequence axis as its ranges hold"}
+
+
+def _signature(local, dim):
+    """An item's dtype and shape but its sequence axis, as the header's _MAX_DIMS + 2 ints."""
+    sizes = [-1 if d == dim else size for d, size in enumerate(local.shape)]
+    return [zlib.crc32(str(local.dtype).encode()), local.dim(),
+            *sizes, *[0] * (_MAX_DIMS - len(sizes))]
+
+
+def _buffer_device(items, group):
+    for _, local, _, _ in items:
+        if isinstance(local, torch.Tensor):
+            return local.device
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _agree_on_items(items, rank, world, group, device):
+    """Every rank's check of its items, shared before the data moves (one small all_gather),
+    so that a malformed item on one rank makes every rank raise instead of leaving the others
+    in a collective of another size: the rank that found it raises its own error, the others a
+    ValueError naming the item and the rank. Items whose dtype or shape (but the sequence
+    axis) differ across ranks, and ranks that passed different ranges, raise on every rank
+    too."""
+    error, status, signatures = None, [-1, 0], []
+    for i, (name, local, ranges, dim) in enumerate(items):
+        rows = sum(length for _, length in ranges[rank])
+        try:
+            _require_tensor(local, name)
+            if local.dim() <= dim or local.dim() > _MAX_DIMS:
+                status = [i, 2]
+                raise ValueError(f"{name}: expected an axis {dim} (its sequence axis) and at most "
+                                 f"{_MAX_DIMS} axes, got shape {list(local.shape)}")
+            if local.shape[dim] != rows:
+                status = [i, 3]
+                raise ValueError(f"{name}: expected {rows} rows along dim {dim} (this rank's "
+                                 f"ranges {ranges[rank]}), got {local.shape[dim]}")
+        except (TypeError, ValueError) as e:
+            error = e
+            if status[0] < 0:
+                status = [i, 1]
+            break
+    for _, local, _, dim in items:
+        signatures += [0] * (_MAX_DIMS + 2) if error else _signature(local, dim)
+    layout = zlib.crc32(repr([ranges for _, _, ranges, _ in items]).encode())
+    header = torch.tensor(status + [layout] + signatures, dtype=torch.int64, device=device)
+    headers = _all_gather_flat(header, group).cpu()
+    if error is not None:
+        raise error
+    for r in range(world):
+        item, problem = int(headers[r, 0]), int(headers[r, 1])
+        if item >= 0:
+            raise ValueError(f"{items[item][0]}: rank {r}'s is {_PROBLEMS[problem]} (that rank "
+                             f"raised the details)")
+    if not all(int(headers[r, 2]) == layout for r in range(world)):
+        raise ValueError("ranges: expected the same ranges on every rank (they say where every "
+                         "rank's rows go); the ranks passed different ones")
+    width = _MAX_DIMS + 2
+    for i, (name, local, _, dim) in enumerate(items):
+        mine = headers[rank, 3 + i * width:3 + (i + 1) * width]
+        for r in range(world):
+            if not torch.equal(headers[r, 3 + i * width:3 + (i + 1) * width], mine):
+                raise ValueError(f"{name}: expected the same dtype and shape (but axis {dim}) on "
+                                 f"every rank; rank {r}'s differs from rank {rank}'s "
+                                 f"({local.dtype}, {list(local.shape)})")
+
+
 def _gather_sequences(items, rank, world, group):
     """One all_gather for several sequence-sharded tensors. items: (name, local, ranges, dim),
     local holding this rank's rows of ranges[rank] along dim (in that order); every rank passes
-    the same shapes but for dim. Returns each tensor whole (the ranges' total rows along dim,
-    in sequence order)."""
+    the same dtypes and shapes but for dim (checked first, _agree_on_items). Returns each tensor
+    whole (the ranges' total rows along dim, in sequence order)."""
     def rows(ranges, r):
         return sum(length for _, length in ranges[r])
 
-    for name, local, ranges, dim in items:
-        if local.shape[dim] != rows(ranges, rank):
-            raise ValueError(f"{name}: expected {rows(ranges, rank)} rows along dim {dim} (this "
-                             f"rank's ranges {ranges[rank]}), got {local.shape[dim]}")
+    device = _buffer_device(items, group)
+    _agree_on_items(items, rank, world, group, device)
     # Byte offsets of rank r's items in its buffer (16-byte aligned), and the buffer's size.
     offsets = []
     for r in range(world):
@@ -579,7 +650,7 @@ def _gather_sequences(items, rank, world, group):
             at += (rows(ranges, r) * _row_bytes(local, dim) + 15) // 16 * 16
         offsets.append((mine, at))
     size = max(at for _, at in offsets)
-    packed = torch.zeros((size,), dtype=torch.uint8, device=items[0][1].device)
+    packed = torch.zeros((size,), dtype=torch.uint8, device=device)
     for (_, local, _, dim), at in zip(items, offsets[rank][0]):
         data = local.movedim(dim, 0).contiguous().view(-1).view(torch.uint8)
         packed[at:at + data.numel()] = data
@@ -610,12 +681,9 @@ def all_gather_sequence(local, ranges, *, dim=0, group=None):
     cover 0 .. total - 1. Every rank passes the same shape but for dim, and the same dtype.
     Returns the tensor with `total` rows along dim, in sequence order. One all_gather of
     max-rank rows x row bytes per rank."""
-    _require_tensor(local, "local")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     ranges, _ = _check_ranges(ranges, world)
     dim = _index(dim, "dim")
-    if dim >= local.dim():
-        raise ValueError(f"dim: expected an axis of local ({local.dim()} axes), got {dim}")
     return _gather_sequences([("local", local, ranges, dim)], rank, world, group)[0]
 
 
@@ -678,8 +746,6 @@ def qsa_prefill_context_parallel(query, key, value, q_idx, block_keys, *, ranges
     [n, Hq(, D)], indexer_options, the attention's keywords). Nothing is merged: each rank's
     rows are whole. Returns the rank's out [n, Hq, D] (and lse FP32 [n, Hq] with return_lse),
     row for row what the single-process pipeline gives those rows."""
-    for value_, name in ((key, "key"), (value, "value"), (block_keys, "block_keys")):
-        _require_tensor(value_, name)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     ranges, total = _check_ranges(ranges, world)
     _check_granularity(ranges, total, 4, "whole indexer blocks")
@@ -732,8 +798,6 @@ def xattn_prefill_context_parallel(query_states, key_states, value_states, strid
     a prefill chunk against the keys up to its end (xattn_prefill_rows: the estimate, the
     selection and the attention of those rows exactly as in one call over the whole
     sequence). Returns the rank's out [B, Hq, n, D]."""
-    for value_, name in ((key_states, "key_states"), (value_states, "value_states")):
-        _require_tensor(value_, name)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     ranges, total = _check_ranges(ranges, world)
     _check_granularity(ranges, total, prefill_kwargs.get("block_size", BLOCK),

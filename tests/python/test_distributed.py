@@ -746,6 +746,27 @@ def _run_context_parallel_suite(rank, world, group):
             case["query"][:2], case["key"][:2], case["value"][:2], case["q_idx"][:2],
             case["block_keys"][:0], ranges=shifted, group=group)
 
+    # A malformed input on one rank makes every rank raise (no rank is left in a collective).
+    case = cp_qsa_case(31, 600)
+    own = sd.zigzag_ranges(600, world, align=4)
+    mine = own[rank]
+    args = dict(query=_rows(case["query"], mine), key=_rows(case["key"], mine),
+                value=_rows(case["value"], mine), q_idx=_rows(case["q_idx"], mine),
+                block_keys=_rows(case["block_keys"], [(s // 4, n // 4) for s, n in mine]))
+    last = world - 1
+    broken = [
+        ("key", 1, lambda a: {**a, "key": a["key"][1:]}, own),
+        ("value", 0, lambda a: {**a, "value": a["value"].float()}, own),
+        ("block_keys", last, lambda a: {**a, "block_keys": None}, own),
+        ("ranges", 0, lambda a: a, [list(reversed(r)) for r in own]),
+    ]
+    for name, culprit, breaks, ranges_ in broken:
+        mine_args = breaks(args) if rank == culprit else args
+        mine_ranges = ranges_ if rank == culprit else own
+        with pytest.raises((ValueError, TypeError), match=rf"^{name}: "):
+            sd.qsa_prefill_context_parallel(**mine_args, ranges=mine_ranges, topk=16,
+                                            group=group)
+
     for total in (1024, 1000):
         g = _gen(41)
         q = _randn((1, 4, total, 64), torch.bfloat16, g)
