@@ -174,25 +174,55 @@ def qsa_topk_blocks_sharded(local_scores, k=QSA_TOPK_BLOCKS, *, block_offset, gr
 # Partial attention states: gather and merge
 
 
-def all_gather_states(partial_out, partial_lse, group=None):
-    """Gathers every rank's partial (out, lse) in one all_gather (the two packed into one byte
-    buffer): returns ([N, *out.shape], [N, *lse.shape]) in rank order. out of any float dtype,
-    lse FP32; rows * heads * (D * out.element_size() + 4) bytes per rank."""
-    _require_tensor(partial_out, "partial_out")
-    _require_tensor(partial_lse, "partial_lse")
+def _gather_states(partial_out, partial_lse, group, failed=False):
+    """all_gather_states with one status word a rank in front (16 bytes): returns the outs,
+    the lses and which ranks said they failed."""
     out_bytes = partial_out.numel() * partial_out.element_size()
-    lse_offset = (out_bytes + 15) // 16 * 16  # the lse part aligned, for its float view
-    total = lse_offset + partial_lse.numel() * 4
-    total = (total + 15) // 16 * 16
+    out_offset = 16
+    lse_offset = (out_offset + out_bytes + 15) // 16 * 16  # aligned, for the float view
+    total = (lse_offset + partial_lse.numel() * 4 + 15) // 16 * 16
     packed = torch.zeros((total,), dtype=torch.uint8, device=partial_out.device)
-    packed[:out_bytes] = partial_out.contiguous().view(-1).view(torch.uint8)
+    packed[0] = int(failed)
+    packed[out_offset:out_offset + out_bytes] = partial_out.contiguous().view(-1).view(torch.uint8)
     packed[lse_offset:lse_offset + partial_lse.numel() * 4] = \
         partial_lse.float().contiguous().view(-1).view(torch.uint8)
     gathered = _all_gather_flat(packed, group)
     world = gathered.shape[0]
-    outs = gathered[:, :out_bytes].view(partial_out.dtype).view(world, *partial_out.shape)
+    outs = gathered[:, out_offset:out_offset + out_bytes].view(partial_out.dtype)
     lses = gathered[:, lse_offset:lse_offset + partial_lse.numel() * 4].view(torch.float32)
-    return outs, lses.view(world, *partial_lse.shape)
+    failed_ranks = [r for r, flag in enumerate(gathered[:, 0].tolist()) if flag]
+    return (outs.view(world, *partial_out.shape), lses.view(world, *partial_lse.shape),
+            failed_ranks)
+
+
+def all_gather_states(partial_out, partial_lse, group=None):
+    """Gathers every rank's partial (out, lse) in one all_gather (the two packed into one byte
+    buffer): returns ([N, *out.shape], [N, *lse.shape]) in rank order. out of any float dtype,
+    lse FP32; rows * heads * (D * out.element_size() + 4) + 16 bytes per rank."""
+    _require_tensor(partial_out, "partial_out")
+    _require_tensor(partial_lse, "partial_lse")
+    outs, lses, _ = _gather_states(partial_out, partial_lse, group)
+    return outs, lses
+
+
+def _gather_or_raise(partial, like, group):
+    """The gather of the sharded functions: `partial` is this rank's (out, lse), or the error
+    its per-shard call raised. A rank that failed still takes part (with zeros shaped like the
+    query `like`, which every rank passes the same), then raises its error; the others raise a
+    ValueError naming it, so no rank is left waiting in the gather."""
+    error = partial if isinstance(partial, Exception) else None
+    if error is not None:
+        part_out = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+        part_lse = torch.zeros(like.shape[:-1], dtype=torch.float32, device=like.device)
+    else:
+        part_out, part_lse = partial
+    outs, lses, failed = _gather_states(part_out, part_lse, group, error is not None)
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(f"rank {failed[0]}: its per-shard call raised (that rank raised the "
+                         f"details); every rank raises")
+    return outs, lses
 
 
 def _sigmoid_fp32(gate):
@@ -338,10 +368,14 @@ def qsa_sparse_attention_sharded(query, key_shard, value_shard, token_indices, *
         raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__qualname__}")
     if gate is not None:
         _require_tensor(gate, "gate")
-    part_out, part_lse = qsa_sparse_attention_shard(
-        query, key_shard, value_shard, token_indices, shard_start=shard_start,
-        shard_len=shard_len, **attention_kwargs)
-    outs, lses = all_gather_states(part_out, part_lse, group)
+    _require_tensor(query, "query")
+    try:
+        partial = qsa_sparse_attention_shard(
+            query, key_shard, value_shard, token_indices, shard_start=shard_start,
+            shard_len=shard_len, **attention_kwargs)
+    except (ValueError, TypeError) as e:  # NotSupportedError is a ValueError
+        partial = e
+    outs, lses = _gather_or_raise(partial, query, group)
     return merge_shard_states(outs, lses, gate=gate, out=out, lse=lse, return_lse=return_lse,
                               backend=merge_backend)
 
@@ -489,11 +523,15 @@ def xattn_block_sparse_sharded(q, k_shard, v_shard, base_blockmask, *, k_len, bl
     out [Lq, Hq, D] (exactly out= when given), or (out, lse) when return_lse."""
     if return_lse is not True and return_lse is not False:
         raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__qualname__}")
-    part_out, part_lse = xattn_block_sparse_shard(
-        q, k_shard, v_shard, base_blockmask, k_len=k_len, block_start=block_start,
-        head_mask_type=head_mask_type, streaming_info=streaming_info,
-        softmax_scale=softmax_scale, is_causal=is_causal, backend=backend)
-    outs, lses = all_gather_states(part_out, part_lse, group)
+    _require_tensor(q, "q")
+    try:
+        partial = xattn_block_sparse_shard(
+            q, k_shard, v_shard, base_blockmask, k_len=k_len, block_start=block_start,
+            head_mask_type=head_mask_type, streaming_info=streaming_info,
+            softmax_scale=softmax_scale, is_causal=is_causal, backend=backend)
+    except (ValueError, TypeError) as e:  # NotSupportedError is a ValueError
+        partial = e
+    outs, lses = _gather_or_raise(partial, q, group)
     return merge_shard_states(outs, lses, out=out, lse=lse, return_lse=return_lse,
                               backend=merge_backend)
 

@@ -651,6 +651,16 @@ def _run_qsa_suite(rank, world, group):
             case["query"], k_sh, v_sh, case["token_indices"], shard_start=s, shard_len=n,
             group=group, out=dest, **kwargs, **layout)
         assert got is dest and torch.equal(dest, out)
+    # One rank's malformed shard: that rank raises its error, the others name it; none hangs.
+    case = qsa_case("decode", 7, torch.bfloat16)
+    s, n = shard_bounds(48, QSA_CASES[0][5][world])[rank]
+    k_sh, v_sh, _ = key_shard(case, s, n)
+    if rank == 1:
+        k_sh = k_sh.float()
+    with pytest.raises((ValueError, TypeError), match="^key" if rank == 1 else "^rank 1: "):
+        sd.qsa_sparse_attention_sharded(
+            case["query"], k_sh, v_sh, case["token_indices"], shard_start=s, shard_len=n,
+            group=group, query_positions=case["query_positions"])
     if world == 3:
         # A subgroup of ranks 0 and 2 (group ranks 0 and 1) shards one case, rank 1 stays out.
         sub = dist.new_group([0, 2])
@@ -784,6 +794,15 @@ def _run_context_parallel_suite(rank, world, group):
         sd.xattn_prefill_context_parallel(_rows(q, mine, 2), _rows(k, mine, 2),
                                           _rows(v, mine, 2), 8, ranges=own, group=group,
                                           causal=False)
+    # One rank's malformed shard (not whole blocks, not the last): every rank raises.
+    case = xattn_case(11, 200, 600, torch.bfloat16)
+    block_start, first, n = block_shards(600, XATTN_CASES[0][6][world])[rank]
+    if rank == 0:
+        n -= 1
+    with pytest.raises((ValueError, TypeError), match="^k_shard" if rank == 0 else "^rank 0: "):
+        sd.xattn_block_sparse_sharded(
+            case["q"], case["k"][first:first + n], case["v"][first:first + n],
+            case["base_blockmask"], group=group, **xattn_shard_kwargs(case, True, block_start))
 
 
 SUITES = {"topk": _run_topk_suite, "qsa": _run_qsa_suite, "xattn": _run_xattn_suite,
