@@ -163,10 +163,29 @@ def qsa_topk_blocks_sharded(local_scores, k=QSA_TOPK_BLOCKS, *, block_offset, gr
     [B, Q, local_blocks], the same rows on every rank). Returns the same int32 global ids, in
     the same order, as ``qsa_topk_blocks`` on the scores concatenated in block order would
     (the shards must be disjoint; they need not be in rank order or of equal width). One
-    all_gather of rows * k * 8 bytes per rank."""
-    ids, scores = qsa_topk_blocks_local(local_scores, k, block_offset=block_offset)
-    packed = torch.stack([ids, scores.view(torch.int32)]).reshape(-1)
-    gathered = _all_gather_flat(packed, group).view(-1, 2, *ids.shape)
+    all_gather of rows * k * 8 + 4 bytes per rank (a status word: a rank whose local top-k
+    raised raises, and the others name it)."""
+    _require_tensor(local_scores, "local_scores")
+    k = _index(k, "k", 1)
+    try:
+        ids, scores = qsa_topk_blocks_local(local_scores, k, block_offset=block_offset)
+        error = None
+    except (ValueError, TypeError) as e:
+        # This rank still takes part (the rows are the same on every rank), then raises.
+        error = e
+        ids = torch.zeros((*local_scores.shape[:-1], k), dtype=torch.int32,
+                          device=local_scores.device)
+        scores = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    status = torch.tensor([int(error is not None)], dtype=torch.int32, device=ids.device)
+    packed = torch.cat([status, torch.stack([ids, scores.view(torch.int32)]).reshape(-1)])
+    gathered = _all_gather_flat(packed, group)
+    if error is not None:
+        raise error
+    failed = [r for r, flag in enumerate(gathered[:, 0].tolist()) if flag]
+    if failed:
+        raise ValueError(f"rank {failed[0]}: its local top-k raised (that rank raised the "
+                         f"details); every rank raises")
+    gathered = gathered[:, 1:].reshape(-1, 2, *ids.shape)
     return qsa_topk_merge(gathered[:, 0], gathered[:, 1].view(torch.float32), k, out=out)
 
 

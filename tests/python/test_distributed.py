@@ -603,6 +603,14 @@ def _run_topk_suite(rank, world, group):
         got = sd.qsa_topk_blocks_sharded(scores[..., s:s + n].contiguous(), k, block_offset=s,
                                          group=group)
         assert torch.equal(got, want), (seed, world, rank)
+    # One rank's malformed scores: that rank raises its error, the others name it.
+    seed, shape, nb, k, cuts, _ = TOPK_CASES[0]
+    scores = topk_case(seed, shape, nb)
+    s, n = shard_bounds(nb, cuts[world])[rank]
+    local = scores[..., s:s + n].contiguous()
+    with pytest.raises((ValueError, TypeError), match="^scores" if rank == 1 else "^rank 1: "):
+        sd.qsa_topk_blocks_sharded(local.half() if rank == 1 else local, k, block_offset=s,
+                                   group=group)
     if world == 3:
         # A subgroup: ranks 1 and 2 shard one case between them, rank 0 stays out.
         sub = dist.new_group([1, 2])
