@@ -109,13 +109,15 @@ def rows_of(t, own, dim):
     return torch.cat([t.narrow(dim, s, n) for s, n in own], dim=dim)
 
 
+def bf16_randn(device, seed):
+    """randn(*shape) in bf16 on `device` from one seed: the same values in every world."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return lambda *shape: torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
+
+
 def qsa_case(sd, total, world, rank, device, heads, backend):
     hq, hkv, d = heads
-    gen = torch.Generator(device=device).manual_seed(1234)
-
-    def randn(*shape):
-        return torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
-
+    randn = bf16_randn(device, 1234)
     own = sd.zigzag_ranges(total, world, align=4)
     mine = own[rank]
     tensors = dict(query=randn(total, hq, d), key=randn(total, hkv, d),
@@ -144,11 +146,7 @@ def qsa_case(sd, total, world, rank, device, heads, backend):
 
 def xattn_case(sd, total, world, rank, device, heads, backend):
     hq, hkv, d = heads
-    gen = torch.Generator(device=device).manual_seed(4321)
-
-    def randn(*shape):
-        return torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
-
+    randn = bf16_randn(device, 4321)
     own = sd.zigzag_ranges(total, world, align=128)
     mine = own[rank]
     q, k, v = randn(1, hq, total, d), randn(1, hkv, total, d), randn(1, hkv, total, d)
@@ -178,11 +176,7 @@ def decode_case(sd, total, world, rank, device, heads, backend):
 
     hq, hkv, d = heads
     batch = 2 if device.type == "cpu" else DECODE_BATCH
-    gen = torch.Generator(device=device).manual_seed(99)
-
-    def randn(*shape):
-        return torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
-
+    randn = bf16_randn(device, 99)
     # Every rank draws the whole tensors (the same values in every world) and keeps its shard.
     cut = [total * r // world // 4 * 4 for r in range(world)] + [total]
     start, n = cut[rank], cut[rank + 1] - cut[rank]
