@@ -37,6 +37,7 @@ from .xattn import Xattention_prefill, block_sparse_attn_func
 
 NotSupportedError = _C.NotSupportedError
 BLOCK = _C.BLOCK_SPARSE_BLOCK_SIZE  # 128: XAttention shards hold whole key blocks
+_HINT_MAX_BLOCKS = 512  # qsa_sparse_attention's block hint: at most 512 blocks (docs/qsa.md)
 
 __all__ = [
     "all_gather_sequence",
@@ -765,23 +766,30 @@ def qsa_prefill_rows(query, q_idx, key, value, block_keys, *, ranges, topk=QSA_T
     and gate [n, Hq(, D)] in that order) against the whole key / value [T, Hkv, D] and
     block_keys [T // 4, D_idx]: qsa_indexer_select at each row's position (topk blocks
     expanded to tokens; indexer_options its keywords), then qsa_sparse_attention (the other
-    keywords). Returns out [n, Hq, D] (and lse FP32 [n, Hq] with return_lse)."""
+    keywords) with the selected blocks as its block hint (topk <= 512). Returns out [n, Hq, D]
+    (and lse FP32 [n, Hq] with return_lse)."""
     for value_, name in ((query, "query"), (key, "key"), (value, "value"), (q_idx, "q_idx"),
                          (block_keys, "block_keys")):
         _require_tensor(value_, name)
     if return_lse is not True and return_lse is not False:
         raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__qualname__}")
-    for name in ("query_positions", "token_indices", "selected_kv_indices"):
+    for name in ("query_positions", "token_indices", "selected_kv_indices", "block_indices",
+                 "assume_compact_blocks"):
         if attention_kwargs.get(name) is not None:
             raise ValueError(f"{name}: set by the context-parallel prefill (each rank's rows "
                              f"are at their ranges' positions and select their own tokens)")
     own = _parse_ranges(ranges, "ranges")
     positions = _positions(own, query.device)[None]
-    _, tokens = qsa_indexer_select(q_idx[None], block_keys[None], topk,
-                                   query_positions=positions, return_tokens=True,
-                                   **(indexer_options or {}))
+    ids, tokens = qsa_indexer_select(q_idx[None], block_keys[None], topk,
+                                     query_positions=positions, return_tokens=True,
+                                     **(indexer_options or {}))
+    # The selected blocks are visible ones, ids first and -1 after: they are the attention's
+    # block hint as they stand, up to the hint's widest selection.
+    hinted = _index(topk, "topk", 1) <= _HINT_MAX_BLOCKS
     result = qsa_sparse_attention(query[None], key[None], value[None], tokens,
                                   query_positions=positions,
+                                  block_indices=ids if hinted else None,
+                                  assume_compact_blocks=hinted,
                                   gate=None if gate is None else gate[None],
                                   return_lse=return_lse, **attention_kwargs)
     if return_lse:

@@ -498,6 +498,20 @@ def test_simulated_qsa_prefill_rows_on_random_ranges(seed):
             assert out.shape[0] == 0
 
 
+def test_prefill_rows_refuse_what_they_set():
+    case = cp_qsa_case(3, 64)
+    own = [(0, 64)]
+    args = (case["query"], case["q_idx"], case["key"], case["value"], case["block_keys"])
+    for name, value in (("query_positions", torch.zeros(1, 64, dtype=torch.int32)),
+                        ("block_indices", torch.zeros(1, 64, 8, dtype=torch.int32)),
+                        ("token_indices", torch.zeros(1, 64, 35, dtype=torch.int32))):
+        with pytest.raises(ValueError, match=f"^{name}: set by the context-parallel prefill"):
+            sd.qsa_prefill_rows(*args, ranges=own, topk=8, **{name: value})
+    with pytest.raises(ValueError, match="^causal"):
+        sd.xattn_prefill_rows(torch.zeros(1, 2, 128, 64), torch.zeros(1, 2, 128, 64),
+                              torch.zeros(1, 2, 128, 64), 8, ranges=own, causal=False)
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_simulated_xattn_prefill_rows_on_random_ranges(seed):
     total = 1000
