@@ -128,11 +128,13 @@ def qsa_case(sd, total, world, rank, device, heads, backend):
     del tensors
     blocks = [[(s // 4, n // 4) for s, n in r] for r in own]
 
+    # Scores in chunks of up to 4 GiB (4096 rows of 1M-token rows) rather than the default 1.
+    indexer = {"backend": backend, "max_workspace_bytes": 4 << 30}
+
     def step():
         return sd.qsa_prefill_context_parallel(
             local["query"], local["key"], local["value"], local["q_idx"], local["block_keys"],
-            ranges=own, gate=local["gate"], backend=backend,
-            indexer_options={"backend": backend})
+            ranges=own, gate=local["gate"], backend=backend, indexer_options=indexer)
 
     def gather():
         # The collective the call makes (sparse_attn.distributed's own packing), timed alone.
