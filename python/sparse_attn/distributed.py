@@ -164,29 +164,10 @@ def qsa_topk_blocks_sharded(local_scores, k=QSA_TOPK_BLOCKS, *, block_offset, gr
     [B, Q, local_blocks], the same rows on every rank). Returns the same int32 global ids, in
     the same order, as ``qsa_topk_blocks`` on the scores concatenated in block order would
     (the shards must be disjoint; they need not be in rank order or of equal width). One
-    all_gather of rows * k * 8 + 4 bytes per rank (a status word: a rank whose local top-k
-    raised raises, and the others name it)."""
-    _require_tensor(local_scores, "local_scores")
-    k = _index(k, "k", 1)
-    try:
-        ids, scores = qsa_topk_blocks_local(local_scores, k, block_offset=block_offset)
-        error = None
-    except (ValueError, TypeError) as e:
-        # This rank still takes part (the rows are the same on every rank), then raises.
-        error = e
-        ids = torch.zeros((*local_scores.shape[:-1], k), dtype=torch.int32,
-                          device=local_scores.device)
-        scores = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
-    status = torch.tensor([int(error is not None)], dtype=torch.int32, device=ids.device)
-    packed = torch.cat([status, torch.stack([ids, scores.view(torch.int32)]).reshape(-1)])
-    gathered = _all_gather_flat(packed, group)
-    if error is not None:
-        raise error
-    failed = [r for r, flag in enumerate(gathered[:, 0].tolist()) if flag]
-    if failed:
-        raise ValueError(f"rank {failed[0]}: its local top-k raised (that rank raised the "
-                         f"details); every rank raises")
-    gathered = gathered[:, 1:].reshape(-1, 2, *ids.shape)
+    all_gather of rows * k * 8 bytes per rank."""
+    ids, scores = qsa_topk_blocks_local(local_scores, k, block_offset=block_offset)
+    packed = torch.stack([ids, scores.view(torch.int32)]).reshape(-1)
+    gathered = _all_gather_flat(packed, group).view(-1, 2, *ids.shape)
     return qsa_topk_merge(gathered[:, 0], gathered[:, 1].view(torch.float32), k, out=out)
 
 
@@ -194,55 +175,41 @@ def qsa_topk_blocks_sharded(local_scores, k=QSA_TOPK_BLOCKS, *, block_offset, gr
 # Partial attention states: gather and merge
 
 
-def _gather_states(partial_out, partial_lse, group, failed=False):
-    """all_gather_states with one status word a rank in front (16 bytes): returns the outs,
-    the lses and which ranks said they failed."""
+def all_gather_states(partial_out, partial_lse, group=None):
+    """Gathers every rank's partial (out, lse) in one all_gather (the two packed into one byte
+    buffer): returns ([N, *out.shape], [N, *lse.shape]) in rank order. out of any float dtype,
+    lse FP32; rows * heads * (D * out.element_size() + 4) bytes per rank."""
+    _require_tensor(partial_out, "partial_out")
+    _require_tensor(partial_lse, "partial_lse")
     out_bytes = partial_out.numel() * partial_out.element_size()
-    out_offset = 16
-    lse_offset = (out_offset + out_bytes + 15) // 16 * 16  # aligned, for the float view
-    total = (lse_offset + partial_lse.numel() * 4 + 15) // 16 * 16
+    lse_offset = (out_bytes + 15) // 16 * 16  # the lse part aligned, for its float view
+    total = lse_offset + partial_lse.numel() * 4
+    total = (total + 15) // 16 * 16
     packed = torch.zeros((total,), dtype=torch.uint8, device=partial_out.device)
-    packed[0] = int(failed)
-    packed[out_offset:out_offset + out_bytes] = partial_out.contiguous().view(-1).view(torch.uint8)
+    packed[:out_bytes] = partial_out.contiguous().view(-1).view(torch.uint8)
     packed[lse_offset:lse_offset + partial_lse.numel() * 4] = \
         partial_lse.float().contiguous().view(-1).view(torch.uint8)
     gathered = _all_gather_flat(packed, group)
     world = gathered.shape[0]
-    outs = gathered[:, out_offset:out_offset + out_bytes].view(partial_out.dtype)
+    outs = gathered[:, :out_bytes].view(partial_out.dtype).view(world, *partial_out.shape)
     lses = gathered[:, lse_offset:lse_offset + partial_lse.numel() * 4].view(torch.float32)
-    failed_ranks = [r for r, flag in enumerate(gathered[:, 0].tolist()) if flag]
-    return (outs.view(world, *partial_out.shape), lses.view(world, *partial_lse.shape),
-            failed_ranks)
+    return outs, lses.view(world, *partial_lse.shape)
 
 
-def all_gather_states(partial_out, partial_lse, group=None):
-    """Gathers every rank's partial (out, lse) in one all_gather (the two packed into one byte
-    buffer): returns ([N, *out.shape], [N, *lse.shape]) in rank order. out of any float dtype,
-    lse FP32; rows * heads * (D * out.element_size() + 4) + 16 bytes per rank."""
-    _require_tensor(partial_out, "partial_out")
-    _require_tensor(partial_lse, "partial_lse")
-    outs, lses, _ = _gather_states(partial_out, partial_lse, group)
-    return outs, lses
-
-
-def _gather_or_raise(partial, like, group):
-    """The gather of the sharded functions: `partial` is this rank's (out, lse), or the error
-    its per-shard call raised. A rank that failed still takes part (with zeros shaped like the
-    query `like`, which every rank passes the same), then raises its error; the others raise a
-    ValueError naming it, so no rank is left waiting in the gather."""
-    error = partial if isinstance(partial, Exception) else None
-    if error is not None:
-        part_out = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
-        part_lse = torch.zeros(like.shape[:-1], dtype=torch.float32, device=like.device)
-    else:
-        part_out, part_lse = partial
-    outs, lses, failed = _gather_states(part_out, part_lse, group, error is not None)
-    if error is not None:
-        raise error
-    if failed:
-        raise ValueError(f"rank {failed[0]}: its per-shard call raised (that rank raised the "
-                         f"details); every rank raises")
-    return outs, lses
+def _gather_or_poison(partial, like, group):
+    """The gather of the sharded attention functions: `partial` is this rank's (out, lse), or
+    the error its per-shard call raised. A rank that failed still takes part, with a NaN LSE
+    shaped like the query `like` (which every rank passes the same), then raises its error:
+    no rank is left waiting in the gather, and the merge turns every row of the other ranks'
+    results into NaN (merge_attention_states' rule for a NaN LSE) rather than a quietly wrong
+    one. Telling the other ranks to raise would need a host synchronisation every step, which
+    CUDA graph capture forbids."""
+    if not isinstance(partial, Exception):
+        return all_gather_states(*partial, group)
+    part_out = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+    part_lse = torch.full(like.shape[:-1], math.nan, dtype=torch.float32, device=like.device)
+    all_gather_states(part_out, part_lse, group)
+    raise partial
 
 
 def _sigmoid_fp32(gate):
@@ -395,7 +362,7 @@ def qsa_sparse_attention_sharded(query, key_shard, value_shard, token_indices, *
             shard_len=shard_len, **attention_kwargs)
     except (ValueError, TypeError) as e:  # NotSupportedError is a ValueError
         partial = e
-    outs, lses = _gather_or_raise(partial, query, group)
+    outs, lses = _gather_or_poison(partial, query, group)
     return merge_shard_states(outs, lses, gate=gate, out=out, lse=lse, return_lse=return_lse,
                               backend=merge_backend)
 
@@ -551,7 +518,7 @@ def xattn_block_sparse_sharded(q, k_shard, v_shard, base_blockmask, *, k_len, bl
             softmax_scale=softmax_scale, is_causal=is_causal, backend=backend)
     except (ValueError, TypeError) as e:  # NotSupportedError is a ValueError
         partial = e
-    outs, lses = _gather_or_raise(partial, q, group)
+    outs, lses = _gather_or_poison(partial, q, group)
     return merge_shard_states(outs, lses, out=out, lse=lse, return_lse=return_lse,
                               backend=merge_backend)
 
