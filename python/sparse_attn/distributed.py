@@ -576,6 +576,11 @@ def _check_ranges(ranges, world, name="ranges"):
     return checked, end
 
 
+def _range_rows(own):
+    """Rows of one rank's ranges."""
+    return sum(length for _, length in own)
+
+
 def _row_bytes(t, dim):
     n = t.element_size()
     for d, size in enumerate(t.shape):
@@ -615,7 +620,7 @@ def _agree_on_items(items, rank, world, group, device):
     too."""
     error, status, signatures = None, [-1, 0], []
     for i, (name, local, ranges, dim) in enumerate(items):
-        rows = sum(length for _, length in ranges[rank])
+        rows = _range_rows(ranges[rank])
         try:
             _require_tensor(local, name)
             if local.dim() <= dim or local.dim() > _MAX_DIMS:
@@ -661,9 +666,6 @@ def _gather_sequences(items, rank, world, group):
     local holding this rank's rows of ranges[rank] along dim (in that order); every rank passes
     the same dtypes and shapes but for dim (checked first, _agree_on_items). Returns each tensor
     whole (the ranges' total rows along dim, in sequence order)."""
-    def rows(ranges, r):
-        return sum(length for _, length in ranges[r])
-
     device = _buffer_device(items, group)
     _agree_on_items(items, rank, world, group, device)
     # Byte offsets of rank r's items in its buffer (16-byte aligned), and the buffer's size.
@@ -672,7 +674,7 @@ def _gather_sequences(items, rank, world, group):
         at, mine = 0, []
         for _, local, ranges, dim in items:
             mine.append(at)
-            at += (rows(ranges, r) * _row_bytes(local, dim) + 15) // 16 * 16
+            at += (_range_rows(ranges[r]) * _row_bytes(local, dim) + 15) // 16 * 16
         offsets.append((mine, at))
     size = max(at for _, at in offsets)
     packed = torch.zeros((size,), dtype=torch.uint8, device=device)
@@ -683,11 +685,11 @@ def _gather_sequences(items, rank, world, group):
     wholes = []
     for i, (_, local, ranges, dim) in enumerate(items):
         shape = list(local.shape)
-        shape[dim] = sum(length for own in ranges for _, length in own)
+        shape[dim] = sum(_range_rows(own) for own in ranges)
         whole = torch.empty(shape, dtype=local.dtype, device=local.device)
         rest = shape[:dim] + shape[dim + 1:]
         for r in range(world):
-            n = rows(ranges, r)
+            n = _range_rows(ranges[r])
             at = offsets[r][0][i]
             src = gathered[r, at:at + n * _row_bytes(local, dim)].view(local.dtype)
             src = src.view(n, *rest)
@@ -834,9 +836,6 @@ def xattn_prefill_context_parallel(query_states, key_states, value_states, strid
     ranges, total = _check_ranges(ranges, world)
     _check_granularity(ranges, total, prefill_kwargs.get("block_size", BLOCK),
                        "whole blocks of the block size")
-    if prefill_kwargs.get("causal", True) is not True:
-        raise ValueError("causal: the context-parallel prefill is causal (each rank's rows see "
-                         "the keys up to their own)")
     k_all, v_all = _gather_sequences(
         [("key_states", key_states, ranges, 2), ("value_states", value_states, ranges, 2)],
         rank, world, group)

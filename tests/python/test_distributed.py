@@ -309,18 +309,28 @@ def test_simulated_topk_of_decode_scores_computed_on_each_shard():
     assert torch.equal(got, want)
 
 
-def _qsa_partials(case, bounds, backend, paged=False):
+def _qsa_partials(case, bounds, backend, paged=False, device="cpu"):
+    """Every shard's partial (qsa_sparse_attention_shard), its inputs moved to `device`."""
     kwargs = {k: v for k, v in case.items()
               if k not in ("query", "key", "value", "token_indices", "gate")}
     outs, lses = [], []
     for r, (s, n) in enumerate(bounds):
         k_sh, v_sh, layout = key_shard(case, s, n, paged=paged, seed=r)
         out, lse = sd.qsa_sparse_attention_shard(
-            case["query"], k_sh, v_sh, case["token_indices"], shard_start=s, shard_len=n,
-            backend=backend, **kwargs, **layout)
+            case["query"].to(device), k_sh.to(device), v_sh.to(device),
+            case["token_indices"].to(device), shard_start=s, shard_len=n, backend=backend,
+            **_on(kwargs, device), **_on(layout, device))
         outs.append(out)
         lses.append(lse)
     return torch.stack(outs), torch.stack(lses)
+
+
+def _shard_alone(case, start, length):
+    """The ungated case with only the ids inside [start, start + length): what one shard's
+    partial must equal when computed on the whole cache."""
+    ids = case["token_indices"]
+    return {**{k: v for k, v in case.items() if k != "gate"},
+            "token_indices": torch.where((ids >= start) & (ids < start + length), ids, -1)}
 
 
 @pytest.mark.parametrize("name,kind,gate,seq_lens,paged,cuts,empty",
@@ -337,11 +347,8 @@ def test_simulated_qsa_attention(name, kind, gate, seq_lens, paged, cuts, empty,
         want, want_lse = qsa_reference(case, backend)
         outs, lses = _qsa_partials(case, bounds, backend, paged)
         # Each partial is the op on the whole cache restricted to the shard's tokens.
-        ungated = {k: v for k, v in case.items() if k != "gate"}
         for r, (s, n) in enumerate(bounds):
-            ids = case["token_indices"]
-            alone = {**ungated, "token_indices": torch.where((ids >= s) & (ids < s + n), ids, -1)}
-            a_out, a_lse = qsa_reference(alone, backend)
+            a_out, a_lse = qsa_reference(_shard_alone(case, s, n), backend)
             assert torch.equal(outs[r], a_out) and torch.equal(lses[r], a_lse), (world, r)
         if empty is not None:
             r = empty[world]
@@ -421,24 +428,12 @@ def test_simulated_qsa_attention_on_the_gpu(name, kind, gate, seq_lens, paged, c
         bounds = shard_bounds(48, cuts[world])
         case = qsa_case(kind, 7, torch.bfloat16, gate, seq_lens, d=256)
         want, want_lse = qsa_reference(case, "reference")
-        outs, lses = [], []
-        kwargs = {k: v for k, v in case.items()
-                  if k not in ("query", "key", "value", "token_indices", "gate")}
+        outs, lses = _qsa_partials(case, bounds, "native", paged, device="cuda")
         for r, (s, n) in enumerate(bounds):
-            k_sh, v_sh, layout = key_shard(case, s, n, paged=paged, seed=r)
-            out, lse = sd.qsa_sparse_attention_shard(
-                case["query"].cuda(), k_sh.cuda(), v_sh.cuda(), case["token_indices"].cuda(),
-                shard_start=s, shard_len=n, backend="native", **_on(kwargs, "cuda"),
-                **_on(layout, "cuda"))
-            ids = case["token_indices"]
-            alone = {**{k: v for k, v in case.items() if k != "gate"},
-                     "token_indices": torch.where((ids >= s) & (ids < s + n), ids, -1)}
-            a_out, a_lse = qsa_reference(alone, "reference")
-            assert_close(out.cpu(), a_out, **OUT_TOL[torch.bfloat16])
-            assert_close(lse.cpu(), a_lse, **LSE_TOL)
-            outs.append(out)
-            lses.append(lse)
-        got, got_lse = sd.merge_shard_states(torch.stack(outs), torch.stack(lses),
+            a_out, a_lse = qsa_reference(_shard_alone(case, s, n), "reference")
+            assert_close(outs[r].cpu(), a_out, **OUT_TOL[torch.bfloat16])
+            assert_close(lses[r].cpu(), a_lse, **LSE_TOL)
+        got, got_lse = sd.merge_shard_states(outs, lses,
                                              gate=None if gate is None else case["gate"].cuda())
         assert_close(got.cpu(), want, **OUT_TOL[torch.bfloat16])
         assert_close(got_lse.cpu(), want_lse, **LSE_TOL)
