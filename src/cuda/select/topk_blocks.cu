@@ -2,10 +2,10 @@
 // CTA per row (rows strided over the grid), bit-exact with the reference
 // (src/reference/qsa_select_ref.cpp).
 //
-// Each finite score maps to a 32-bit key whose unsigned order is the float order (-0 and +0
-// share one key, as they compare equal); non-finite scores map to 0, below every finite key,
-// and are never counted. A radix select finds the key T of the k-th best visible block, digits
-// of 12, 12 and 8 bits, most significant first:
+// Each score maps to a 32-bit key whose unsigned order is the float order (-0 and +0 share one
+// key, as they compare equal); non-finite scores are never counted or taken. A radix select
+// finds the key T of the k-th best visible block, digits of 12, 12 and 8 bits, most
+// significant first:
 //   1. one pass over the row histograms the first digit; the bin holding the k-th block is
 //      usually a few percent of the row;
 //   2. one more pass takes every block of a higher bin and copies the blocks of that bin into
@@ -17,12 +17,13 @@
 // The set is sorted by the 64-bit composite (key, ~id) descending: composites are unique, so
 // the order is the reference's (score descending, ties by ascending id).
 //
-// Per element a pass costs a load, the key transform and at most one shared atomic (no
-// warp-level match): the kernel is bound by issue slots and per-row barriers, not by bytes
-// (docs/perf-notes.md, issue 17, says where the time goes).
+// Per score, the first pass costs the key and one shared atomic, with no test or branch; the
+// second two float compares, and the key only for the few scores at or above the bin
+// (docs/perf-notes.md, issue 17, says where the rest of the time goes).
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <climits>
 #include <cstdint>
 
@@ -85,12 +86,31 @@ struct SharedStorage {
   int candidates;  // append cursor of the candidates
 };
 
-// Unsigned order of the key == float order of finite scores; 0 for -inf, +inf and NaN.
+// Unsigned order of the key == float order, for every float: f + 0 turns -0 into +0, so the two
+// share one key (IEEE round-to-nearest; the build does not flush denormals), then negative
+// values have every bit flipped and the others the sign bit only.
+__device__ __forceinline__ uint32_t raw_key(float f) {
+  const uint32_t u = __float_as_uint(__fadd_rn(f, 0.0f));
+  return u ^ (static_cast<uint32_t>(static_cast<int32_t>(u) >> 31) | 0x80000000u);
+}
+
+// The keys of the finite scores are [key(-FLT_MAX), key(FLT_MAX)]; -inf and -NaN lie below,
+// +inf and +NaN above. In the first digit (key >> 20) the non-finite keys fill bins 0-7 and
+// 0xff8-0xfff, and nothing else does: the first pass counts every score and its scan ignores
+// those bins, with no per-element test.
+constexpr uint32_t kLowestFiniteKey = 0x00800000u, kHighestFiniteKey = 0xff7fffffu;
+constexpr int kFirstDigitShift = 20;
+__device__ __forceinline__ bool finite_first_digit(int bin) { return bin >= 8 && bin < 0xff8; }
+
+// The key, or 0 (below every finite key) for a non-finite score.
 __device__ __forceinline__ uint32_t order_key(float f) {
-  if (!isfinite(f)) return 0;
-  uint32_t u = __float_as_uint(f);
-  if ((u << 1) == 0) u = 0;  // -0 == +0
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  const uint32_t k = raw_key(f);
+  return k - kLowestFiniteKey <= kHighestFiniteKey - kLowestFiniteKey ? k : 0;
+}
+
+// The float whose key is `key` (+0 for the zeros' key).
+__device__ __forceinline__ float key_value(uint32_t key) {
+  return __uint_as_float(key & 0x80000000u ? key ^ 0x80000000u : ~key);
 }
 
 __device__ __forceinline__ uint64_t composite(uint32_t key, uint32_t id) {
@@ -135,24 +155,20 @@ struct RadixState {
   }
 };
 
-// One radix pass: histograms the next digit of the values visit(f) yields (f(value) per value,
-// from every thread) that carry the state's prefix, and narrows the state to the digit whose
-// bin holds the remaining-th largest. Returns how many values were counted. Every thread calls
-// it, with the same `round`. Three barriers: after the histogram, in the scan, after the choice.
-template <typename C, typename Visit>
-__device__ int radix_pass(SharedStorage<C>& s, RadixState& st, int& round, Visit&& visit) {
+// The second half of a radix pass, once s.hist holds the counts of the next digit (`bits`
+// wide) and a barrier has passed: narrows the state to the digit whose bin holds the
+// remaining-th largest. Returns how many values were counted (with `first_digit_of_keys`, the
+// first pass over a row's keys, the bins of non-finite keys count as empty). Every thread calls
+// it, with the same `round`. Two barriers: in the scan, after the choice.
+template <typename C>
+__device__ int choose_digit(SharedStorage<C>& s, RadixState& st, int& round, int bits,
+                            bool first_digit_of_keys) {
   constexpr int kThreads = C::kThreads, kBinsPerThread = kMaxBins / kThreads;
   static_assert(kMaxBins % kThreads == 0 && kBinsPerThread % 4 == 0,
                 "each thread scans whole 16-byte words of bins");
   const int tid = threadIdx.x;
-  const int bits = next_digit_bits(st.shift);
   const int bins = 1 << bits;
   const int shift = st.shift - bits;
-  const RadixState cur = st;
-  visit([&](uint32_t v) {
-    if (cur.carries(v)) atomicAdd(&s.hist[(v >> shift) & (bins - 1)], 1);
-  });
-  __syncthreads();
   // Bins from the highest digit down, kBinsPerThread consecutive ones per thread: the chosen
   // digit is where the running count first reaches `remaining`. Each thread reads its bins as
   // 16-byte words (scalar loads kBinsPerThread words apart conflict that many ways) and zeroes
@@ -170,6 +186,11 @@ __device__ int radix_pass(SharedStorage<C>& s, RadixState& st, int& round, Visit
       counts[kBinsPerThread - 4 - 4 * v] = w.w;
       h[v] = make_int4(0, 0, 0, 0);
     }
+  }
+  if (first_digit_of_keys) {
+#pragma unroll
+    for (int i = 0; i < kBinsPerThread; ++i)
+      if (!finite_first_digit(bins - 1 - (first + i))) counts[i] = 0;
   }
   int sum = 0;
 #pragma unroll
@@ -194,22 +215,37 @@ __device__ int radix_pass(SharedStorage<C>& s, RadixState& st, int& round, Visit
   return total;
 }
 
-// Calls f(key, column) for the columns [lo, hi) of a row, each once, spread over the threads;
-// 16-byte loads where the row is contiguous, four of them in flight per thread. Columns are
-// below 2^31 (num_blocks is checked), so they are 32-bit here.
-template <typename C, typename F>
-__device__ __forceinline__ void for_each_key(const float* row, int64_t stride, int lo, int hi,
-                                             F&& f) {
+// One radix pass: histograms the next digit of the values visit(f) yields (f(value) per value,
+// from every thread) that carry the state's prefix, then chooses the digit.
+template <typename C, typename Visit>
+__device__ int radix_pass(SharedStorage<C>& s, RadixState& st, int& round, Visit&& visit) {
+  const int bits = next_digit_bits(st.shift);
+  const int shift = st.shift - bits;
+  const RadixState cur = st;
+  visit([&](uint32_t v) {
+    if (cur.carries(v)) atomicAdd(&s.hist[(v >> shift) & ((1 << bits) - 1)], 1);
+  });
+  __syncthreads();
+  return choose_digit<C>(s, st, round, bits, false);
+}
+
+// Calls f4(four scores, column of the first) and f1(score, column) for the columns [lo, hi) of a
+// row, each column once, spread over the threads: f4 on 16-byte loads where the row is
+// contiguous, four of them in flight per thread, f1 on the rest. Columns are below 2^31
+// (num_blocks is checked), so they are 32-bit here.
+template <typename C, typename F4, typename F1>
+__device__ __forceinline__ void for_each_score(const float* row, int64_t stride, int lo, int hi,
+                                               F4&& f4, F1&& f1) {
   constexpr int kThreads = C::kThreads;
   const int tid = threadIdx.x;
   if (stride != 1) {
-    for (int j = lo + tid; j < hi; j += kThreads) f(order_key(row[j * stride]), j);
+    for (int j = lo + tid; j < hi; j += kThreads) f1(row[j * stride], j);
     return;
   }
   const float* p = row + lo;
   const int n = hi - lo;
   const int head = min(n, int((16 - (reinterpret_cast<uintptr_t>(p) & 15)) & 15) / 4);
-  if (tid < head) f(order_key(p[tid]), lo + tid);
+  if (tid < head) f1(p[tid], lo + tid);
   const float4* v = reinterpret_cast<const float4*>(p + head);
   const int nv = (n - head) / 4;
   constexpr int kUnroll = 4;
@@ -221,16 +257,73 @@ __device__ __forceinline__ void for_each_key(const float* row, int64_t stride, i
       x[u] = i < nv ? __ldg(v + i) : make_float4(NAN, NAN, NAN, NAN);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int j = lo + head + 4 * (base + u * kThreads + tid);
-      f(order_key(x[u].x), j);
-      f(order_key(x[u].y), j + 1);
-      f(order_key(x[u].z), j + 2);
-      f(order_key(x[u].w), j + 3);
-    }
+    for (int u = 0; u < kUnroll; ++u) f4(x[u], lo + head + 4 * (base + u * kThreads + tid));
   }
   const int tail = head + 4 * nv;
-  if (tail + tid < n) f(order_key(p[tail + tid]), lo + tail + tid);
+  if (tail + tid < n) f1(p[tail + tid], lo + tail + tid);
+}
+
+// f(key, column) for the finite scores of a row's columns [lo, hi).
+template <typename C, typename F>
+__device__ __forceinline__ void for_each_key(const float* row, int64_t stride, int lo, int hi,
+                                             F&& f) {
+  const auto f1 = [&](float x, int j) {
+    const uint32_t key = order_key(x);
+    if (key != 0) f(key, j);
+  };
+  for_each_score<C>(
+      row, stride, lo, hi,
+      [&](float4 x, int j) {
+        f1(x.x, j);
+        f1(x.y, j + 1);
+        f1(x.z, j + 2);
+        f1(x.w, j + 3);
+      },
+      f1);
+}
+
+// The first pass over a row: the histogram of the first digit of every score's key, with no
+// test per score (finite_first_digit), then the choice.
+template <typename C>
+__device__ int first_pass(SharedStorage<C>& s, RadixState& st, int& round, const float* row,
+                          int64_t stride, int lo, int hi) {
+  int* const hist = s.hist;
+  const auto count = [&](float x, int) { atomicAdd(hist + (raw_key(x) >> kFirstDigitShift), 1); };
+  for_each_score<C>(
+      row, stride, lo, hi,
+      [&](float4 x, int j) {
+        count(x.x, j);
+        count(x.y, j);
+        count(x.z, j);
+        count(x.w, j);
+      },
+      count);
+  __syncthreads();
+  return choose_digit<C>(s, st, round, 32 - kFirstDigitShift, true);
+}
+
+// Visits a row's scores whose keys are finite and at least `lowest` (a finite key), calling
+// take(key, column) for each. The test per score is two float compares against the value of
+// `lowest` and FLT_MAX (NaN fails both); one branch per four scores leads to the key.
+template <typename C, typename Take>
+__device__ __forceinline__ void for_each_key_from(const float* row, int64_t stride, int lo,
+                                                  int hi, uint32_t lowest, Take&& take) {
+  const float low = key_value(lowest);
+  const auto wanted = [&](float x) { return x >= low && x <= FLT_MAX; };
+  const auto f1 = [&](float x, int j) {
+    if (wanted(x)) take(raw_key(x), j);
+  };
+  for_each_score<C>(
+      row, stride, lo, hi,
+      [&](float4 x, int j) {
+        if (wanted(x.x) | wanted(x.y) | wanted(x.z) | wanted(x.w)) {
+          f1(x.x, j);
+          f1(x.y, j + 1);
+          f1(x.z, j + 2);
+          f1(x.w, j + 3);
+        }
+      },
+      f1);
 }
 
 // The bitonic network's compare-exchange at element i (held in a register) and its partner
@@ -377,9 +470,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
     }
     const int64_t cs = p.scores_col_stride;
     const auto visit_row = [&](auto&& f) {
-      for_each_key<C>(row, cs, lo, hi, [&](uint32_t key, int) {
-        if (key != 0) f(key);
-      });
+      for_each_key<C>(row, cs, lo, hi, [&](uint32_t key, int) { f(key); });
     };
     const auto append = [&](uint32_t key, uint32_t id) {
       buf[atomicAdd(&s.selected, 1)] = composite(key, id);
@@ -388,22 +479,22 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
 
     RadixState st;
     st.remaining = static_cast<int>(std::min<int64_t>(p.k, INT_MAX));
-    const int visible = radix_pass<C>(s, st, round, visit_row);
+    const int visible = first_pass<C>(s, st, round, row, cs, lo, hi);
     if (visible <= p.k) {
       // Every visible block is kept.
-      for_each_key<C>(row, cs, lo, hi, [&](uint32_t key, int j) {
-        if (key != 0) append(key, static_cast<uint32_t>(j));
+      for_each_key_from<C>(row, cs, lo, hi, kLowestFiniteKey, [&](uint32_t key, int j) {
+        append(key, static_cast<uint32_t>(j));
       });
     } else {
       // Narrow the threshold bin over the row until it fits the candidate buffer.
       while (st.count > kCandidates && st.shift > 0) radix_pass<C>(s, st, round, visit_row);
       if (st.count <= kCandidates) {
-        const RadixState at = st;
-        for_each_key<C>(row, cs, lo, hi, [&](uint32_t key, int j) {
-          if (key == 0) return;
-          if (at.shift < 32 && (key >> at.shift) > (at.prefix >> at.shift)) {
+        // Keys above the bin's are taken, the bin's are the candidates.
+        const uint32_t top = st.prefix | ((1u << st.shift) - 1);
+        for_each_key_from<C>(row, cs, lo, hi, st.prefix, [&](uint32_t key, int j) {
+          if (key > top) {
             append(key, static_cast<uint32_t>(j));
-          } else if (at.carries(key)) {
+          } else {
             const int c = atomicAdd(&s.candidates, 1);
             cand_key[c] = key;
             cand_id[c] = static_cast<uint32_t>(j);
