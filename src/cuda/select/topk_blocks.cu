@@ -26,6 +26,7 @@
 #include <cfloat>
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "api/qsa_select_params.h"
 #include "cuda/common/check.h"
@@ -59,7 +60,7 @@ constexpr int64_t kMaxGlobalSortBytes = int64_t{1} << 30;
 constexpr int64_t kBlockTokens = 4;
 // A warp's share of the sort in registers (two elements a lane); the sorted length is a power of
 // two of at least this.
-constexpr int64_t kSortChunk = 64;
+constexpr int kSortChunk = 64;
 
 // The radix digits, most significant first: 12 + 12 + 8 bits. The first holds the sign, the
 // exponent and 3 mantissa bits, so scores of one magnitude still spread over 8 bins an octave.
@@ -199,12 +200,14 @@ __device__ int choose_digit(SharedStorage<C>& s, RadixState& st, int& round, int
   int total = 0;
   int above = block_exclusive_sum<C>(sum, s, round, total);
   if (total < st.remaining) return total;  // uniform: fewer values than wanted, nothing chosen
+  if (above < st.remaining && above + sum >= st.remaining) {  // one thread: the crossing is here
 #pragma unroll
-  for (int i = 0; i < kBinsPerThread; ++i) {
-    const int c = counts[i];
-    if (above < st.remaining && above + c >= st.remaining)
-      *result = PassResult{bins - 1 - (first + i), st.remaining - above, c};
-    above += c;
+    for (int i = 0; i < kBinsPerThread; ++i) {
+      const int c = counts[i];
+      if (above < st.remaining && above + c >= st.remaining)
+        *result = PassResult{bins - 1 - (first + i), st.remaining - above, c};
+      above += c;
+    }
   }
   __syncthreads();
   const PassResult chosen = *result;
@@ -229,13 +232,16 @@ __device__ int radix_pass(SharedStorage<C>& s, RadixState& st, int& round, Visit
   return choose_digit<C>(s, st, round, bits, false);
 }
 
-// Calls f4(four scores, column of the first) and f1(score, column) for the columns [lo, hi) of a
-// row, each column once, spread over the threads: f4 on 16-byte loads where the row is
-// contiguous, four of them in flight per thread, f1 on the rest. Columns are below 2^31
-// (num_blocks is checked), so they are 32-bit here.
-template <typename C, typename F4, typename F1>
+// Calls group(x, j) with kUnroll vectors of four scores x[u] (columns j[u] to j[u] + 3) and
+// f1(score, column) for the columns [lo, hi) of a row, each column once, spread over the
+// threads: group on 16-byte loads where the row is contiguous, kUnroll of them in flight per
+// thread, f1 on the rest. Every thread of the block makes the same group calls (vectors past the
+// row are NaN), so group may use warp collectives; f1 may not. Columns are below 2^31 (num_blocks
+// is checked), so they are 32-bit here.
+constexpr int kUnroll = 4;
+template <typename C, typename Group, typename F1>
 __device__ __forceinline__ void for_each_score(const float* row, int64_t stride, int lo, int hi,
-                                               F4&& f4, F1&& f1) {
+                                               Group&& group, F1&& f1) {
   constexpr int kThreads = C::kThreads;
   const int tid = threadIdx.x;
   if (stride != 1) {
@@ -248,19 +254,33 @@ __device__ __forceinline__ void for_each_score(const float* row, int64_t stride,
   if (tid < head) f1(p[tid], lo + tid);
   const float4* v = reinterpret_cast<const float4*>(p + head);
   const int nv = (n - head) / 4;
-  constexpr int kUnroll = 4;
   for (int base = 0; base < nv; base += kUnroll * kThreads) {
     float4 x[kUnroll];
+    int j[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int i = base + u * kThreads + tid;
       x[u] = i < nv ? __ldg(v + i) : make_float4(NAN, NAN, NAN, NAN);
+      j[u] = lo + head + 4 * i;
     }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) f4(x[u], lo + head + 4 * (base + u * kThreads + tid));
+    group(x, j);
   }
   const int tail = head + 4 * nv;
   if (tail + tid < n) f1(p[tail + tid], lo + tail + tid);
+}
+
+// f(score, column) for every score of for_each_score's groups.
+template <typename F>
+__device__ __forceinline__ auto each_score(F&& f) {
+  return [&f](const float4 (&x)[kUnroll], const int (&j)[kUnroll]) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      f(x[u].x, j[u]);
+      f(x[u].y, j[u] + 1);
+      f(x[u].z, j[u] + 2);
+      f(x[u].w, j[u] + 3);
+    }
+  };
 }
 
 // f(key, column) for the finite scores of a row's columns [lo, hi).
@@ -271,15 +291,7 @@ __device__ __forceinline__ void for_each_key(const float* row, int64_t stride, i
     const uint32_t key = order_key(x);
     if (key != 0) f(key, j);
   };
-  for_each_score<C>(
-      row, stride, lo, hi,
-      [&](float4 x, int j) {
-        f1(x.x, j);
-        f1(x.y, j + 1);
-        f1(x.z, j + 2);
-        f1(x.w, j + 3);
-      },
-      f1);
+  for_each_score<C>(row, stride, lo, hi, each_score(f1), f1);
 }
 
 // The first pass over a row: the histogram of the first digit of every score's key, with no
@@ -289,96 +301,128 @@ __device__ int first_pass(SharedStorage<C>& s, RadixState& st, int& round, const
                           int64_t stride, int lo, int hi) {
   int* const hist = s.hist;
   const auto count = [&](float x, int) { atomicAdd(hist + (raw_key(x) >> kFirstDigitShift), 1); };
-  for_each_score<C>(
-      row, stride, lo, hi,
-      [&](float4 x, int j) {
-        count(x.x, j);
-        count(x.y, j);
-        count(x.z, j);
-        count(x.w, j);
-      },
-      count);
+  for_each_score<C>(row, stride, lo, hi, each_score(count), count);
   __syncthreads();
   return choose_digit<C>(s, st, round, 32 - kFirstDigitShift, true);
 }
 
-// Visits a row's scores whose keys are finite and at least `lowest` (a finite key), calling
-// take(key, column) for each. The test per score is two float compares against the value of
-// `lowest` and FLT_MAX (NaN fails both); one branch per four scores leads to the key.
-template <typename C, typename Take>
-__device__ __forceinline__ void for_each_key_from(const float* row, int64_t stride, int lo,
-                                                  int hi, uint32_t lowest, Take&& take) {
+// The scores of a row whose keys are finite and at least `lowest` (a finite key) are the ones
+// `at_least(lowest)` accepts: two float compares (NaN fails both).
+__device__ __forceinline__ auto at_least(uint32_t lowest) {
   const float low = key_value(lowest);
-  const auto wanted = [&](float x) { return x >= low && x <= FLT_MAX; };
-  const auto f1 = [&](float x, int j) {
-    if (wanted(x)) take(raw_key(x), j);
-  };
-  for_each_score<C>(
-      row, stride, lo, hi,
-      [&](float4 x, int j) {
-        if (wanted(x.x) | wanted(x.y) | wanted(x.z) | wanted(x.w)) {
-          f1(x.x, j);
-          f1(x.y, j + 1);
-          f1(x.z, j + 2);
-          f1(x.w, j + 3);
-        }
-      },
-      f1);
+  return [low](float x) { return x >= low && x <= FLT_MAX; };
 }
 
-// The bitonic network's compare-exchange at element i (held in a register) and its partner
-// i ^ stride (held by lane ^ stride): in a descending run (i & size == 0) the lower index of
-// the pair keeps the larger value, in an ascending run the smaller.
-__device__ __forceinline__ uint64_t exchange_across_lanes(uint64_t x, int64_t i, int64_t size,
-                                                          int stride) {
+// Stores every score of a row's columns [lo, hi) that `wanted` accepts: store(slot, score,
+// column), at slots taken from *cursor. Every thread calls it. Per group of kUnroll vectors a
+// thread keeps its tests as a bit mask, and its warp makes one scan of the counts and one shared
+// atomic; a score costs its test and a bit, and a store only when it is taken.
+template <typename C, typename Wanted, typename Store>
+__device__ __forceinline__ void append_scores(const float* row, int64_t stride, int lo, int hi,
+                                              Wanted wanted, int* cursor, Store&& store) {
+  static_assert(4 * kUnroll <= 32, "a group's tests fit one mask");
+  const int lane = threadIdx.x % 32;
+  const auto one = [&](float x, int j) {
+    if (wanted(x)) store(atomicAdd(cursor, 1), x, j);
+  };
+  const auto group = [&](const float4 (&x)[kUnroll], const int (&j)[kUnroll]) {
+    uint32_t mask = 0;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      mask |= uint32_t{wanted(x[u].x)} << (4 * u);
+      mask |= uint32_t{wanted(x[u].y)} << (4 * u + 1);
+      mask |= uint32_t{wanted(x[u].z)} << (4 * u + 2);
+      mask |= uint32_t{wanted(x[u].w)} << (4 * u + 3);
+    }
+    const int n = __popc(mask);
+    int inclusive = n;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int m = __shfl_up_sync(0xffffffffu, inclusive, d);
+      if (lane >= d) inclusive += m;
+    }
+    int first = 0;
+    if (lane == 31 && inclusive > 0) first = atomicAdd(cursor, inclusive);
+    int slot = __shfl_sync(0xffffffffu, first, 31) + inclusive - n;
+    if (mask != 0) {
+      // A few scores a thread, mostly none: the loop runs over the set bits only, reading the
+      // scores by index (from local memory) rather than testing all of them.
+      float v[4 * kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        v[4 * u] = x[u].x;
+        v[4 * u + 1] = x[u].y;
+        v[4 * u + 2] = x[u].z;
+        v[4 * u + 3] = x[u].w;
+      }
+      do {
+        const unsigned b = __ffs(mask) - 1;
+        mask &= mask - 1;
+        store(slot++, v[b], j[0] + (b / 4) * (4 * C::kThreads) + b % 4);
+      } while (mask != 0);
+    }
+  };
+  for_each_score<C>(row, stride, lo, hi, group, one);
+}
+
+// The bitonic network's compare-exchange of the element a lane holds with the one lane ^ stride
+// holds: in a descending run the lower index of the pair keeps the larger value, in an
+// ascending run the smaller.
+__device__ __forceinline__ uint64_t exchange_across_lanes(uint64_t x, int stride,
+                                                          bool descending) {
   const uint64_t y = __shfl_xor_sync(0xffffffffu, x, stride);
-  const bool keep_larger = ((i & stride) == 0) == ((i & size) == 0);
-  return keep_larger ? max(x, y) : min(x, y);
+  const bool lower = (threadIdx.x & stride) == 0;
+  return lower == descending ? max(x, y) : min(x, y);
 }
 
 // The stages of merge size `size` with strides 32 down to 1 on a warp's 64 consecutive elements
-// from `base`: the lane holds elements base + lane (a) and base + lane + 32 (b).
-__device__ __forceinline__ void merge_in_registers(uint64_t& a, uint64_t& b, int64_t base,
-                                                   int64_t size) {
+// from `base`: the lane holds elements base + lane (a) and base + lane + 32 (b); element i is in
+// a descending run iff i & size is 0.
+template <typename Index>
+__device__ __forceinline__ void merge_in_registers(uint64_t& a, uint64_t& b, Index base,
+                                                   Index size) {
   const int lane = threadIdx.x % 32;
-  const int64_t ia = base + lane, ib = ia + 32;
+  const bool da = ((base + lane) & size) == 0, db = ((base + lane + 32) & size) == 0;
   if (size >= 64) {
-    const bool descending = (ia & size) == 0;
     const uint64_t hi = max(a, b), lo = min(a, b);
-    a = descending ? hi : lo;
-    b = descending ? lo : hi;
+    a = da ? hi : lo;
+    b = da ? lo : hi;
   }
 #pragma unroll
   for (int stride = 16; stride > 0; stride /= 2) {
     if (2 * stride > size) continue;
-    a = exchange_across_lanes(a, ia, size, stride);
-    b = exchange_across_lanes(b, ib, size, stride);
+    a = exchange_across_lanes(a, stride, da);
+    b = exchange_across_lanes(b, stride, db);
   }
 }
 
-// Sorts buf[0..n) descending; n is a power of two, at least 64. Of the network's stages (45 at
-// n = 512) only those with strides of 64 and more go through shared memory, one barrier each;
-// the others run on each warp's 64-element chunks in registers, with shuffles.
-template <typename C>
-__device__ void bitonic_sort_descending(uint64_t* buf, int64_t n) {
-  constexpr int64_t kChunk = kSortChunk;
+// Sorts buf[0..n) descending; n is a power of two, at least kSortChunk. Of the network's stages
+// (45 at n = 512) only those with strides of 64 and more go through memory, one barrier each;
+// the others run on each warp's 64-element chunks in registers, with shuffles. Index is int for
+// a sort in shared memory, int64_t for a global buffer.
+template <typename C, typename Index>
+__device__ void bitonic_sort_descending(uint64_t* buf, Index n) {
+  constexpr Index kChunk = kSortChunk;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const auto merge_chunks = [&](int64_t size_first, int64_t size_last) {
-    for (int64_t base = warp * kChunk; base < n; base += C::kWarps * kChunk) {
+  const auto chunks = [&](auto&& merge) {
+    for (Index base = warp * kChunk; base < n; base += C::kWarps * kChunk) {
       uint64_t a = buf[base + lane], b = buf[base + lane + 32];
-      for (int64_t size = size_first; size <= size_last; size *= 2)
-        merge_in_registers(a, b, base, size);
+      merge(a, b, base);
       buf[base + lane] = a;
       buf[base + lane + 32] = b;
     }
     __syncthreads();
   };
-  merge_chunks(2, kChunk);
-  for (int64_t size = 2 * kChunk; size <= n; size *= 2) {
-    for (int64_t stride = size / 2; stride >= kChunk; stride /= 2) {
-      for (int64_t i = threadIdx.x; i < n / 2; i += C::kThreads) {
-        const int64_t lo = 2 * i - (i & (stride - 1));
-        const int64_t hi = lo + stride;
+  chunks([](uint64_t& a, uint64_t& b, Index base) {
+#pragma unroll
+    for (int l = 1; l <= 6; ++l) merge_in_registers<Index>(a, b, base, Index{1} << l);
+  });
+  static_assert(kSortChunk == 64, "the register stages above are sizes 2 to 64");
+  for (Index size = 2 * kChunk; size <= n; size *= 2) {
+    for (Index stride = size / 2; stride >= kChunk; stride /= 2) {
+      for (Index i = threadIdx.x; i < n / 2; i += C::kThreads) {
+        const Index lo = 2 * i - (i & (stride - 1));
+        const Index hi = lo + stride;
         const bool descending = (lo & size) == 0;
         const uint64_t a = buf[lo], b = buf[hi];
         if (descending ? a < b : a > b) {
@@ -388,7 +432,7 @@ __device__ void bitonic_sort_descending(uint64_t* buf, int64_t n) {
       }
       __syncthreads();
     }
-    merge_chunks(size, size);
+    chunks([size](uint64_t& a, uint64_t& b, Index base) { merge_in_registers(a, b, base, size); });
   }
 }
 
@@ -439,18 +483,26 @@ __device__ void emit_row(const TopkProblem& p, SharedStorage<C>& s, int& round,
         static_cast<int32_t>(filled + tail);
 }
 
-template <typename C>
+// kSharedSort: the selection is sorted in dynamic shared memory (then global_sort is null),
+// otherwise in the CTA's part of global_sort (sort_capacity composites a CTA).
+template <typename C, bool kSharedSort>
 __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
     topk_kernel(const TopkProblem p, uint64_t* global_sort, int64_t sort_capacity) {
   constexpr int kThreads = C::kThreads, kCandidates = C::kCandidates;
-  // Dynamic shared memory: the candidates, then the selection when it is sorted here.
+  using SortIndex = std::conditional_t<kSharedSort, int, int64_t>;
+  // Dynamic shared memory: the candidates (scores and columns), then the selection when it is
+  // sorted here.
   extern __shared__ uint4 dynamic_smem[];
   __shared__ SharedStorage<C> s;
   auto* smem = reinterpret_cast<char*>(dynamic_smem);
-  uint32_t* const cand_key = reinterpret_cast<uint32_t*>(smem);  // [kCandidates]
-  uint32_t* const cand_id = cand_key + kCandidates;
-  uint64_t* buf = global_sort ? global_sort + blockIdx.x * sort_capacity
-                              : reinterpret_cast<uint64_t*>(smem + C::kCandidateBytes);
+  float* const cand_score = reinterpret_cast<float*>(smem);  // [kCandidates]
+  uint32_t* const cand_id = reinterpret_cast<uint32_t*>(cand_score + kCandidates);
+  uint64_t* buf;
+  if constexpr (kSharedSort) {
+    buf = reinterpret_cast<uint64_t*>(smem + C::kCandidateBytes);
+  } else {
+    buf = global_sort + blockIdx.x * sort_capacity;
+  }
   const int tid = threadIdx.x;
   for (int i = tid; i < kMaxBins; i += kThreads) s.hist[i] = 0;
   int round = 0;  // of the block-wide scans (SharedStorage)
@@ -475,35 +527,42 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
     const auto append = [&](uint32_t key, uint32_t id) {
       buf[atomicAdd(&s.selected, 1)] = composite(key, id);
     };
+    const auto candidate = [&](int c, float x, int j) {
+      cand_score[c] = x;
+      cand_id[c] = static_cast<uint32_t>(j);
+    };
     if (tid == 0) s.selected = s.candidates = 0;
 
     RadixState st;
-    st.remaining = static_cast<int>(std::min<int64_t>(p.k, INT_MAX));
+    const int k = static_cast<int>(std::min<int64_t>(p.k, INT_MAX));
+    st.remaining = k;
     const int visible = first_pass<C>(s, st, round, row, cs, lo, hi);
-    if (visible <= p.k) {
+    if (visible <= k) {
       // Every visible block is kept.
-      for_each_key_from<C>(row, cs, lo, hi, kLowestFiniteKey, [&](uint32_t key, int j) {
-        append(key, static_cast<uint32_t>(j));
-      });
+      append_scores<C>(row, cs, lo, hi, at_least(kLowestFiniteKey), &s.selected,
+                       [&](int c, float x, int j) { buf[c] = composite(raw_key(x), j); });
     } else {
       // Narrow the threshold bin over the row until it fits the candidate buffer.
       while (st.count > kCandidates && st.shift > 0) radix_pass<C>(s, st, round, visit_row);
       if (st.count <= kCandidates) {
-        // Keys above the bin's are taken, the bin's are the candidates.
-        const uint32_t top = st.prefix | ((1u << st.shift) - 1);
-        for_each_key_from<C>(row, cs, lo, hi, st.prefix, [&](uint32_t key, int j) {
-          if (key > top) {
-            append(key, static_cast<uint32_t>(j));
-          } else {
-            const int c = atomicAdd(&s.candidates, 1);
-            cand_key[c] = key;
-            cand_id[c] = static_cast<uint32_t>(j);
-          }
-        });
+        if (k - st.remaining + st.count <= kCandidates) {
+          // The blocks above the bin and the bin's are the candidates (the usual case).
+          append_scores<C>(row, cs, lo, hi, at_least(st.prefix), &s.candidates, candidate);
+        } else {
+          // Too many blocks above the bin (a large k): they are taken at once.
+          const uint32_t top = st.prefix | ((1u << st.shift) - 1);
+          for_each_key<C>(row, cs, lo, hi, [&](uint32_t key, int j) {
+            if (key > top) {
+              append(key, static_cast<uint32_t>(j));
+            } else if (key >= st.prefix) {
+              candidate(atomicAdd(&s.candidates, 1), key_value(key), j);
+            }
+          });
+        }
         __syncthreads();
         const int nc = s.candidates;
         const auto visit_candidates = [&](auto&& f) {
-          for (int c = tid; c < nc; c += kThreads) f(cand_key[c]);
+          for (int c = tid; c < nc; c += kThreads) f(raw_key(cand_score[c]));
         };
         while (st.shift > 0) radix_pass<C>(s, st, round, visit_candidates);
         // st.prefix is the key T; st.remaining of its st.count blocks are taken.
@@ -513,12 +572,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
         if (st.remaining < st.count) {
           const auto visit_ties = [&](auto&& f) {
             for (int c = tid; c < nc; c += kThreads)
-              if (cand_key[c] == t) f(~cand_id[c]);
+              if (raw_key(cand_score[c]) == t) f(~cand_id[c]);
           };
           while (ids.shift > 0) radix_pass<C>(s, ids, round, visit_ties);
         }
         for (int c = tid; c < nc; c += kThreads) {
-          const uint32_t key = cand_key[c], id = cand_id[c];
+          const uint32_t key = raw_key(cand_score[c]), id = cand_id[c];
           if (key > t || (key == t && (~id) >= ids.prefix)) append(key, id);
         }
       } else {
@@ -540,12 +599,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
       }
     }
     __syncthreads();
-    const int64_t selected = std::min<int64_t>(visible, p.k);
+    const int selected = std::min(visible, k);
 
     // Sort (padding composites of 0 sort last) and emit.
-    int64_t n = kSortChunk;
+    SortIndex n = kSortChunk;
     while (n < selected) n *= 2;
-    for (int64_t i = selected + tid; i < n; i += kThreads) buf[i] = 0;
+    for (SortIndex i = selected + tid; i < n; i += kThreads) buf[i] = 0;
     __syncthreads();
     bitonic_sort_descending<C>(buf, n);
     emit_row<C>(p, s, round, buf, selected, r, pos);
@@ -601,7 +660,7 @@ void launch_topk(const TopkProblem& p, void* global_sort, int device, cudaStream
     using C = decltype(cfg);
     const size_t smem =
         C::kCandidateBytes + (shared ? static_cast<size_t>(capacity) * sizeof(uint64_t) : 0);
-    const auto kernel = topk_kernel<C>;
+    const auto kernel = shared ? topk_kernel<C, true> : topk_kernel<C, false>;
     SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                 int(C::kCandidateBytes + kTopkMaxSharedSort * 8)));
