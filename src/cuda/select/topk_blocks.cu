@@ -368,11 +368,12 @@ __device__ __forceinline__ void append_scores(const float* row, int64_t stride, 
 // The bitonic network's compare-exchange of the element a lane holds with the one lane ^ stride
 // holds: in a descending run the lower index of the pair keeps the larger value, in an
 // ascending run the smaller.
+// One 64-bit compare and a select (max and min would be two of each).
 __device__ __forceinline__ uint64_t exchange_across_lanes(uint64_t x, int stride,
                                                           bool descending) {
   const uint64_t y = __shfl_xor_sync(0xffffffffu, x, stride);
-  const bool lower = (threadIdx.x & stride) == 0;
-  return lower == descending ? max(x, y) : min(x, y);
+  const bool keep_larger = ((threadIdx.x & stride) == 0) == descending;
+  return (y > x) == keep_larger ? y : x;
 }
 
 // The stages of merge size `size` with strides 32 down to 1 on a warp's 64 consecutive elements
@@ -383,10 +384,10 @@ __device__ __forceinline__ void merge_in_registers(uint64_t& a, uint64_t& b, Ind
                                                    Index size) {
   const int lane = threadIdx.x % 32;
   const bool da = ((base + lane) & size) == 0, db = ((base + lane + 32) & size) == 0;
-  if (size >= 64) {
-    const uint64_t hi = max(a, b), lo = min(a, b);
-    a = da ? hi : lo;
-    b = da ? lo : hi;
+  if (size >= 64 && (b > a) == da) {
+    const uint64_t t = a;
+    a = b;
+    b = t;
   }
 #pragma unroll
   for (int stride = 16; stride > 0; stride /= 2) {
@@ -425,7 +426,7 @@ __device__ void bitonic_sort_descending(uint64_t* buf, Index n) {
         const Index hi = lo + stride;
         const bool descending = (lo & size) == 0;
         const uint64_t a = buf[lo], b = buf[hi];
-        if (descending ? a < b : a > b) {
+        if ((b > a) == descending) {
           buf[lo] = b;
           buf[hi] = a;
         }
