@@ -367,8 +367,7 @@ __device__ __forceinline__ void append_scores(const float* row, int64_t stride, 
 
 // The bitonic network's compare-exchange of the element a lane holds with the one lane ^ stride
 // holds: in a descending run the lower index of the pair keeps the larger value, in an
-// ascending run the smaller.
-// One 64-bit compare and a select (max and min would be two of each).
+// ascending run the smaller. One 64-bit compare and a select (max and min would be two of each).
 __device__ __forceinline__ uint64_t exchange_across_lanes(uint64_t x, int stride,
                                                           bool descending) {
   const uint64_t y = __shfl_xor_sync(0xffffffffu, x, stride);
