@@ -191,6 +191,11 @@ std::vector<TopkCase> topk_cases() {
       {"b3_q5_nb777_k100_strided", {3, 5, 777}, 100, S::kQuantised, true},
       {"rows9_nb2500_k300_strided_distinct", {9, 2500}, 300, S::kDistinct, true},
       {"rows3000_nb64_k8_many_rows", {3000, 64}, 8, S::kQuantised, false},
+      // ManyRows CTAs (rows past two CTAs an SM) on long rows: the blocks above the threshold
+      // bin and the bin's own fit the 4096 candidates (distinct), or do not (narrow, k = 4090:
+      // ~4200 of them, so the blocks above the narrowed bin are taken during the row pass).
+      {"rows600_nb20000_k512_distinct_many_rows", {600, 20000}, 512, S::kDistinct, false},
+      {"rows600_nb20000_k4090_narrow_many_rows", {600, 20000}, 4090, S::kNarrow, false},
       {"rows16_nb32768_k512_random_bits", {16, 32768}, 512, S::kBits, false},
       {"rows8_nb32768_k512_narrow", {8, 32768}, 512, S::kNarrow, false},
       {"rows8_nb9000_k5000_narrow", {8, 9000}, 5000, S::kNarrow, false},
