@@ -8,9 +8,9 @@
 // significant first:
 //   1. one pass over the row histograms the first digit; the bin holding the k-th block is
 //      usually a few percent of the row;
-//   2. one more pass takes every block of a higher bin and copies the blocks of that bin into
-//      shared memory (the candidates), where the remaining digits are resolved without touching
-//      the row again. A bin too large for the candidate buffer is first narrowed by more passes
+//   2. one more pass copies the blocks of that bin and of the higher ones into shared memory
+//      (the candidates; with a large k, the higher ones are taken at once instead), where the
+//      remaining digits are resolved without touching the row again. A bin too large for the candidate buffer is first narrowed by more passes
 //      over the row (scores of one narrow magnitude, or many equal scores);
 //   3. of the blocks keyed T, the ones with the lowest ids are taken (a radix select over the
 //      complemented ids, which are unique), so the set is exactly the reference's.
@@ -18,8 +18,8 @@
 // the order is the reference's (score descending, ties by ascending id).
 //
 // Per score, the first pass costs the key and one shared atomic, with no test or branch; the
-// second two float compares, and the key only for the few scores at or above the bin
-// (docs/perf-notes.md, issue 17, says where the rest of the time goes).
+// second two float compares and a bit of a mask, and a store only for the few scores at or
+// above the bin (docs/perf-notes.md, issue 17, says where the rest of the time goes).
 #include <cuda_runtime.h>
 
 #include <algorithm>
