@@ -10,8 +10,9 @@
 //      usually a few percent of the row;
 //   2. one more pass copies the blocks of that bin and of the higher ones into shared memory
 //      (the candidates; with a large k, the higher ones are taken at once instead), where the
-//      remaining digits are resolved without touching the row again. A bin too large for the candidate buffer is first narrowed by more passes
-//      over the row (scores of one narrow magnitude, or many equal scores);
+//      remaining digits are resolved without touching the row again. A bin too large for the
+//      candidate buffer is first narrowed by more passes over the row (scores of one narrow
+//      magnitude, or many equal scores);
 //   3. of the blocks keyed T, the ones with the lowest ids are taken (a radix select over the
 //      complemented ids, which are unique), so the set is exactly the reference's.
 // The set is sorted by the 64-bit composite (key, ~id) descending: composites are unique, so
