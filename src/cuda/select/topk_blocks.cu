@@ -119,6 +119,17 @@ __device__ __forceinline__ uint64_t composite(uint32_t key, uint32_t id) {
   return (static_cast<uint64_t>(key) << 32) | (0xffffffffu - id);
 }
 
+// Inclusive sum of `v` over the lanes of the warp, up to this lane; every lane calls it.
+__device__ __forceinline__ int warp_inclusive_sum(int v) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int n = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v += n;
+  }
+  return v;
+}
+
 // Exclusive sum of `v` over the threads of the block, and the block total; every thread calls it
 // with the same `round`, which it advances.
 template <typename C>
@@ -126,12 +137,7 @@ __device__ __forceinline__ int block_exclusive_sum(int v, SharedStorage<C>& s, i
                                                    int& total) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   int* const warp_sums = s.warp_sums[round++ & 1];
-  int inclusive = v;
-#pragma unroll
-  for (int d = 1; d < 32; d *= 2) {
-    const int n = __shfl_up_sync(0xffffffffu, inclusive, d);
-    if (lane >= d) inclusive += n;
-  }
+  const int inclusive = warp_inclusive_sum(v);
   if (lane == 31) warp_sums[warp] = inclusive;
   __syncthreads();
   int before = inclusive - v;
@@ -336,12 +342,7 @@ __device__ __forceinline__ void append_scores(const float* row, int64_t stride, 
       mask |= uint32_t{wanted(x[u].w)} << (4 * u + 3);
     }
     const int n = __popc(mask);
-    int inclusive = n;
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-      const int m = __shfl_up_sync(0xffffffffu, inclusive, d);
-      if (lane >= d) inclusive += m;
-    }
+    const int inclusive = warp_inclusive_sum(n);
     int first = 0;
     if (lane == 31 && inclusive > 0) first = atomicAdd(cursor, inclusive);
     int slot = __shfl_sync(0xffffffffu, first, 31) + inclusive - n;
