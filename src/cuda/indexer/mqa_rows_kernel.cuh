@@ -1,25 +1,23 @@
 // The "rows" kernel: many query rows against a key range, each row with a visible key interval.
 // Serves qsa_mqa_prefill and every form of qsa_indexer_mqa_score (padded / varlen queries,
-// logical / paged keys).
+// logical / paged keys) and the fused selections' chunks.
 //
-// Work split: a CTA owns 64 query rows (4 warps x 16) and a range of keys. Each warp keeps
-// its 16 rows x 4 heads x 128 features of Q in registers for the whole CTA (128 registers a
-// thread: the A operand of every MMA), and the CTA streams the keys through a 4-stage
-// cp.async pipeline of 64-key tiles. Per 8-key column block a warp issues 4 heads x 8 K-steps
-// of m16n8k16; the M tile of head h holds the warp's 16 rows for that head, so the sum over
-// heads of ReLU is thread-local in the accumulator layout (no shuffles).
+// Work split: a CTA is one warpgroup and owns 64 query rows and a range of keys. Q sits in
+// shared memory for the whole CTA as [256 M-rows, 128] (64 rows x 4 heads), and the keys stream
+// through a two-stage cp.async ring of 64-key tiles, both in GMMA's 128-byte swizzle. Per key
+// tile the warpgroup issues 4 m64 tiles x 8 K-steps of wgmma m64n64k16 and waits for them; two
+// CTAs an SM, so one CTA's MMAs run while the other's epilogue does.
 //
-// Why mma.sync (CuTe's SM80 atom) and not wgmma: with mma.sync the head sum of ReLU is
-// thread-local; wgmma's M = 64 rows per warpgroup spreads a row's 4 heads over 4 warps
-// (head-major M) or 4 lanes (row-major M), so the sum needs shuffles or shared memory per
-// output element, and the first goal was a kernel that is exact on every form. Measured on
-// the H200 (docs/perf-notes.md) this version is latency-bound, not write-bound: the resident
-// Q fragments (128 registers a thread) cap an SM at 8 warps and the tensor pipe is busy a
-// third of the time (64K prefill at 40% of its floor). The next step is wgmma with Q and K
-// in shared memory (no Q registers, MMAs overlapping the previous tile's epilogue).
+// The head sum of ReLU in wgmma's accumulator layout: thread (warp w, g = lane / 4) holds M-rows
+// 16 w + g and 16 w + g + 8 of each m64 tile. The M-rows are ordered so that these two are heads
+// 2 h' and 2 h' + 1 (h' = g / 4) of one query row, 16 mt + 4 w + g % 4, and lane ^ 16 holds the
+// other two heads of the same row: a thread adds its two heads, and lanes l and l ^ 16 swap
+// halves of their 16 partial sums with one shuffle per two columns, so each ends with 8 finished
+// columns of its row (the mma.sync kernel this replaced held Q in 128 registers a thread, which
+// capped an SM at 8 warps and left it latency-bound; docs/perf-notes.md).
 //
-// FP8 keys: the copies land FP8 tiles (half the bytes and shared memory); the CTA widens each
-// into one 16-bit tile before the warps' MMAs read it, so the compute is the 16-bit kernel's.
+// FP8 keys: the copies land FP8 tiles (half the bytes); the warpgroup widens each into one
+// 16-bit tile before its MMAs read it, so the compute is the 16-bit kernel's.
 //
 // Masking: only tiles that intersect a row interval are loaded and computed; everything else
 // is filled with -inf by plain vector stores, except in a fused selection's chunk (windows
@@ -30,12 +28,17 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <cutlass/arch/barrier.h>
 
 #include <algorithm>
 #include <climits>
 #include <cute/arch/copy_sm80.hpp>
+#include <cute/tensor.hpp>
 #include <type_traits>
 
+#include "cuda/attention/sm90/gather.h"
+#include "cuda/attention/sm90/mma.h"
+#include "cuda/attention/sm90/traits.h"
 #include "cuda/common/check.h"
 #include "cuda/common/device_props.h"
 #include "cuda/common/fp8.cuh"
@@ -44,47 +47,55 @@
 
 namespace sparse_attn::cuda::indexer::rows {
 
-// 4-warp CTAs, two per SM: the same 8 warps an SM holds at ~250 registers as one 8-warp CTA,
-// in twice as many CTAs, which small prefills need (4K tokens: 52 -> 33 us measured); the
-// 64K prefill stayed at 2.4 - 2.5 ms (docs/perf-notes.md).
-inline constexpr int kWarps = 4;
+inline constexpr int kThreads = 128;  // one warpgroup
+inline constexpr int kWarps = kThreads / 32;
 inline constexpr int kCtasPerSm = 2;
-inline constexpr int kThreads = kWarps * 32;
-inline constexpr int kRowsPerWarp = 16;                   // one m16 tile per head
-inline constexpr int kBlockRows = kWarps * kRowsPerWarp;  // 64 query rows per CTA
-inline constexpr int kBlockKeys = 64;                     // keys per pipeline stage
-inline constexpr int kStages = 4;                         // cp.async stages in flight
-inline constexpr int kChunks = kDim * 2 / 16;             // 16-byte chunks per key (16)
-
-static_assert(kBlockRows <= kThreads, "one thread resolves one row of the tile");
-static_assert(kBlockKeys * kChunks % kThreads == 0, "a tile is copied in whole rounds");
+inline constexpr int kMTiles = 4;                      // m64 tiles: 16 query rows x 4 heads each
+inline constexpr int kBlockRows = 16 * kMTiles;        // 64 query rows per CTA
+inline constexpr int kQRows = kHeads * kBlockRows;     // M-rows of Q (256)
+inline constexpr int kBlockKeys = 64;                  // keys per tile (the MMAs' N)
+inline constexpr int kStages = 2;                      // key tiles in the ring
+static_assert(kHeads == 4 && kBlockRows == kWarps * 16, "the head-pair order of the M-rows");
+static_assert(kBlockKeys == 16 * kWarps, "a warp gathers 16 keys of a tile");
 
 struct NoBuffer {};
 
 // KV: the keys' element type (16-bit, or FP8 e4m3).
-template <typename KV>
-struct SharedStorage {
+template <typename T, typename KV>
+struct Config {
+  using Element = sm90::CutlassElement<T>;
   static constexpr bool kFp8 = sizeof(KV) == 1;
-  static constexpr int kStoredChunks = kDim * int(sizeof(KV)) / 16;  // 16-byte chunks per key
-  using Tile = uint4[kBlockKeys][kChunks];
-  // Key tiles as the copies land them. 16-bit: the MMAs read them; the 16-byte chunk index is
-  // XOR-swizzled with bit 2 of the key parity so that the two keys one 8-lane phase reads (keys
-  // 2i, 2i+1, same chunks) land in different banks. FP8: unswizzled, widened into `wide` (same
-  // swizzle) by the whole CTA before the MMAs: once per tile, not once per warp.
-  uint4 stages[kStages][kBlockKeys][kStoredChunks];
-  std::conditional_t<kFp8, Tile, NoBuffer> wide;
-  uint8_t key_valid[kStages][kBlockKeys];  // 0: key past the range or on a missing page
-  int64_t q_off[kBlockRows];               // element offset of the row's q[row, 0, 0]
-  int64_t out_off[kBlockRows];             // element offset of the row's out[row, 0]
-  int64_t lo[kBlockRows];                  // visible keys [lo, hi), clipped to [0, num_keys]
-  int64_t hi[kBlockRows];
-  int32_t req[kBlockRows];  // request of the row; -1: not a valid row (all -inf)
-  int32_t next_req;
-  unsigned long long union_lo;  // the current request's rows' visible columns, CTA-wide
-  unsigned long long union_hi;
-};
+  using TileShape = cute::Shape<cute::Int<kQRows>, cute::Int<kBlockKeys>, cute::Int<kDim>>;
+  using Mma = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, TileShape>()));
+  using AtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                         cute::GMMA::Major::K, Element, cute::Int<kQRows>, cute::Int<kDim>>());
+  using LayoutQ =
+      decltype(cute::tile_to_shape(AtomQ{}, cute::Shape<cute::Int<kQRows>, cute::Int<kDim>>{}));
+  // 16-bit keys: the ring itself; FP8: the one widened tile the MMAs read.
+  static constexpr int kTiles = kFp8 ? 1 : kStages;
+  using LayoutK =
+      typename sm90::KVStageLayouts<Element, kDim, kBlockKeys, kTiles>::LayoutK;
+  using Staging = cute::uint128_t[kStages][kBlockKeys][kDim / 16];  // FP8 tiles as they land
 
-__device__ __forceinline__ int swizzle(int key, int chunk) { return chunk ^ ((key & 1) << 2); }
+  struct SharedStorage {
+    // 1024-byte aligned: GMMA addresses the 128-byte swizzle pattern from the smem address.
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<LayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<LayoutK>> k;
+    std::conditional_t<kFp8, Staging, NoBuffer> staging;
+    uint16_t key_valid[kStages][kWarps];  // bit i of [stage][w]: key 16 w + i has a source
+    int64_t q_off[kBlockRows];            // element offset of the row's q[row, 0, 0]
+    int64_t out_off[kBlockRows];          // element offset of the row's out[row, 0]
+    int64_t lo[kBlockRows];               // visible keys [lo, hi), clipped to [0, num_keys]
+    int64_t hi[kBlockRows];
+    int32_t req[kBlockRows];  // request of the row; -1: not a valid row (all -inf)
+    int32_t next_req;
+    unsigned long long union_lo;  // the current request's rows' visible columns, CTA-wide
+    unsigned long long union_hi;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kCtasPerSm * (kSmemBytes + 1024) <= 228 * 1024, "two CTAs an SM");
+};
 
 // Fills out[row, a..b) (columns, element stride `stride`) with -inf, cooperatively by a warp.
 __device__ inline void warp_fill_row(float* row, int64_t a, int64_t b, int64_t stride, int lane) {
@@ -189,38 +200,19 @@ __device__ inline void resolve_row(const RowsProblem& p, int64_t r, Storage& s, 
   s.out_off[t] = out_off;
 }
 
-// Issues the cp.async copies of key tile [n0, n0 + kBlockKeys) of request `req` into `stage`.
-template <typename KV>
-__device__ inline void load_tile(const RowsProblem& p, SharedStorage<KV>& s, int stage, int64_t n0,
-                                 int64_t col1, int32_t req, int tid) {
-  using S = SharedStorage<KV>;
-  constexpr int kPerChunk = 16 / sizeof(KV);  // elements
-  const auto* k = static_cast<const std::conditional_t<S::kFp8, uint8_t, uint16_t>*>(p.k);
-#pragma unroll
-  for (int i = 0; i < kBlockKeys * S::kStoredChunks / kThreads; ++i) {
-    const int idx = tid + i * kThreads;
-    const int key = idx / S::kStoredChunks, chunk = idx % S::kStoredChunks;
-    const int64_t n = n0 + key;
-    bool valid = n < col1;
-    const auto* src = k;
-    if (valid) {
-      if (!p.block_table) {
-        src = k + req * p.k_batch_stride + n * p.k_row_stride + chunk * kPerChunk;
-      } else {
-        const int64_t page = p.block_table[req * p.block_table_batch_stride +
-                                           (n / p.page_size) * p.block_table_page_stride];
-        valid = page >= 0 && page < p.num_pages;
-        if (valid)
-          src =
-              k + page * p.k_batch_stride + (n % p.page_size) * p.k_row_stride + chunk * kPerChunk;
-      }
-    }
-    // Invalid keys are zero-filled (no global read) and marked, so they become -inf.
-    uint4& dst = s.stages[stage][key][S::kFp8 ? chunk : swizzle(key, chunk)];
-    cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(*reinterpret_cast<const uint4*>(src), dst,
-                                                       valid);
-    if (chunk == 0) s.key_valid[stage][key] = valid;
-  }
+// Element offset of key n of request `req` in the keys, or -1 where it has no source (past the
+// CTA's range, or on a missing page).
+__device__ __forceinline__ int64_t key_offset(const RowsProblem& p, int64_t n, int64_t col1,
+                                              int32_t req) {
+  if (n >= col1) return -1;
+  if (!p.block_table) return req * p.k_batch_stride + n * p.k_row_stride;
+  // 32-bit division where it fits (always, for real caches): the 64-bit one is a long sequence.
+  const bool narrow = n <= INT32_MAX && p.page_size <= INT32_MAX;
+  const int64_t slot_page = narrow ? uint32_t(n) / uint32_t(p.page_size) : n / p.page_size;
+  const int64_t page = p.block_table[req * p.block_table_batch_stride +
+                                     slot_page * p.block_table_page_stride];
+  if (page < 0 || page >= p.num_pages) return -1;
+  return page * p.k_batch_stride + (n - slot_page * p.page_size) * p.k_row_stride;
 }
 
 // Writes the scores (or -inf) of one thread's two adjacent columns kc, kc + 1 of a tile.
@@ -236,28 +228,24 @@ __device__ __forceinline__ void store_pair(float* dst, int64_t stride, bool pair
   if (kc + 1 < lim) dst[stride] = v1;
 }
 
-// FP8: the landed stage widened into the 16-bit tile, by the whole CTA (between barriers).
-template <typename T>
-__device__ inline void widen_tile(SharedStorage<__nv_fp8_e4m3>& s, int stage, int tid) {
-  using S = SharedStorage<__nv_fp8_e4m3>;
-#pragma unroll
-  for (int i = 0; i < kBlockKeys * S::kStoredChunks / kThreads; ++i) {
-    const int idx = tid + i * kThreads;
-    const int key = idx / S::kStoredChunks, chunk = idx % S::kStoredChunks;
-    uint4 lo, hi;
-    fp8x16_to_natural<T>(s.stages[stage][key][chunk], lo, hi);
-    s.wide[key][swizzle(key, 2 * chunk)] = lo;
-    s.wide[key][swizzle(key, 2 * chunk + 1)] = hi;
-  }
+// Bits [lo, hi) of a 64-bit tile mask (0 <= lo <= hi <= 64).
+__device__ __forceinline__ uint64_t span_mask(int lo, int hi) {
+  const uint64_t below_hi = hi >= 64 ? ~0ull : (1ull << hi) - 1;
+  const uint64_t below_lo = lo >= 64 ? ~0ull : (1ull << lo) - 1;
+  return below_hi & ~below_lo;
 }
 
 template <typename T, typename KV>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
-    mqa_rows_kernel(const RowsProblem p, int64_t keys_per_cta) {
-  using S = SharedStorage<KV>;
-  extern __shared__ uint4 smem_raw[];
-  S& s = *reinterpret_cast<S*>(smem_raw);
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+    mqa_rows_kernel(const __grid_constant__ RowsProblem p, int64_t keys_per_cta) {
+  using namespace cute;
+  using cute::Shape;  // not sparse_attn's (sparse_attn/tensor.h)
+  using cute::Tensor;
+  using C = Config<T, KV>;
+  using Element = typename C::Element;
+  extern __shared__ __align__(1024) char smem[];
+  auto& s = *reinterpret_cast<typename C::SharedStorage*>(smem);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // Row tiles in zig-zag order (last, first, second last, second, ...): in a causal prefill
   // neighbouring CTAs then pair a heavy tile with a light, mostly -inf one, so SMs mix MMA
   // and store work and the grid has no long tail of heavy tiles.
@@ -272,31 +260,43 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   if (tid < kBlockRows) resolve_row(p, row0 + tid, s, tid);
   __syncthreads();
 
-  // --- Q fragments of the warp's rows ra = 16 warp + g and rb = ra + 8, all heads
-  const int ra = warp * kRowsPerWarp + g, rb = ra + 8;
-  uint4 qa[kHeads][4], qb[kHeads][4];
+  // --- Q into shared memory, once: M-row 16 G + i (G = 4 mt + w, i < 16) is head
+  // 2 ((i % 8) / 4) + i / 8 of CTA row 16 mt + 4 w + i % 4 (the head-pair order above); rows
+  // that are not valid are zero-filled. Waited with the first key tile.
   {
-    const auto* q = static_cast<const uint16_t*>(p.q);
-    const bool va = s.req[ra] >= 0, vb = s.req[rb] >= 0;
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-#pragma unroll
-    for (int h = 0; h < kHeads; ++h) {
-#pragma unroll
-      for (int pp = 0; pp < 4; ++pp) {
-        const int64_t f = h * p.q_head_stride + 32 * pp + 8 * c;
-        qa[h][pp] = va ? __ldg(reinterpret_cast<const uint4*>(q + s.q_off[ra] + f)) : zero;
-        qb[h][pp] = vb ? __ldg(reinterpret_cast<const uint4*>(q + s.q_off[rb] + f)) : zero;
-      }
+    const auto* q = static_cast<const Element*>(p.q);
+    const int i = lane % 16;
+    for (int G = warp; G < kQRows / 16; G += kWarps) {
+      const int r = 16 * (G / 4) + 4 * (G % 4) + i % 4, h = 2 * ((i % 8) / 4) + i / 8;
+      const int64_t off = s.req[r] >= 0 ? s.q_off[r] + h * p.q_head_stride : -1;
+      sm90::gather_rows16<Element, kQRows, kDim>(s.q.data(), q, off, G, lane);
     }
+    cute::cp_async_fence();
   }
 
   // --- invalid rows: -inf over the CTA's columns (a selection's chunk reads none of them)
   const bool fill = !p.windows;
-  for (int i = 0; fill && i < kRowsPerWarp; ++i) {
-    const int r = warp * kRowsPerWarp + i;
+  for (int i = 0; fill && i < 16; ++i) {
+    const int r = warp * 16 + i;
     if (row0 + r < p.num_rows && s.req[r] < 0)
       warp_fill_row(out + s.out_off[r], col0, col1, p.out_col_stride, lane);
   }
+
+  typename C::Mma mma;
+  Tensor sQ = make_tensor(make_smem_ptr(s.q.data()), typename C::LayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(s.k.data()), typename C::LayoutK{});
+  auto thr = mma.get_thread_slice(tid);
+  Tensor tSrQ = thr.partition_fragment_A(sQ);  // descriptors (MMA, kMTiles, K-steps)
+  Tensor tSrK = thr.partition_fragment_B(sK);  // descriptors (MMA, 1, K-steps, tiles)
+  Tensor tSrS = partition_fragment_C(mma, Shape<Int<kQRows>, Int<kBlockKeys>>{});
+  // The thread's query row in m64 tile mt is 16 mt + my_row. Its accumulators hold columns
+  // 8 j + 2 (lane % 4) + {0, 1}; after the swap with lane ^ 16 it keeps the even groups j
+  // (lanes < 16) or the odd ones: columns first_col + 16 jj + {0, 1}.
+  const int my_row = 4 * warp + (lane / 4) % 4;
+  const bool upper = lane >= 16;
+  const int first_col = 8 * int(upper) + 2 * (lane % 4);
+  const auto* keys = static_cast<const std::conditional_t<C::kFp8, uint8_t, Element>*>(p.k);
+  const bool paged = static_cast<bool>(p.block_table);  // only then can a key be missing
 
   // --- one pass per request present in the tile (usually one)
   int32_t prev = -1;
@@ -312,29 +312,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     const int32_t cur = s.next_req;
     if (cur == INT_MAX) break;
     prev = cur;
-
-    // Visible columns of this request's rows: per thread row, per warp, per CTA.
-    const bool own_a = s.req[ra] == cur, own_b = s.req[rb] == cur;
-    const int64_t lo_a = s.lo[ra], hi_a = s.hi[ra], lo_b = s.lo[rb], hi_b = s.hi[rb];
-    int64_t wlo = LLONG_MAX, whi = 0;
-    if (own_a && lo_a < hi_a) wlo = lo_a, whi = hi_a;
-    if (own_b && lo_b < hi_b) wlo = min(wlo, lo_b), whi = max(whi, hi_b);
-#pragma unroll
-    for (int m = 1; m < 32; m <<= 1) {
-      wlo = min(wlo, __shfl_xor_sync(0xffffffffu, wlo, m));
-      whi = max(whi, __shfl_xor_sync(0xffffffffu, whi, m));
-    }
-    const bool warp_owns = __any_sync(0xffffffffu, own_a || own_b);
-    float* const row_a = out + s.out_off[ra];
-    float* const row_b = out + s.out_off[rb];
-    const int64_t cs = p.out_col_stride;
-    const bool pairs_a = cs == 1 && (reinterpret_cast<uintptr_t>(row_a) & 7) == 0;
-    const bool pairs_b = cs == 1 && (reinterpret_cast<uintptr_t>(row_b) & 7) == 0;
-    const bool paged =
-        static_cast<bool>(p.block_table);  // only then can a key inside the range be missing
-    if (lane == 0 && wlo < whi) {
-      atomicMin(&s.union_lo, static_cast<unsigned long long>(wlo));
-      atomicMax(&s.union_hi, static_cast<unsigned long long>(whi));
+    if (tid < kBlockRows && s.req[tid] == cur && s.lo[tid] < s.hi[tid]) {
+      atomicMin(&s.union_lo, static_cast<unsigned long long>(s.lo[tid]));
+      atomicMax(&s.union_hi, static_cast<unsigned long long>(s.hi[tid]));
     }
     __syncthreads();
     const int64_t ulo =
@@ -345,98 +325,115 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     const int64_t t1 = ulo < uhi ? (uhi - col0 + kBlockKeys - 1) / kBlockKeys : 0;
     const int64_t a_begin = min(col1, col0 + t0 * kBlockKeys);
     const int64_t a_end = min(col1, col0 + t1 * kBlockKeys);
-    for (int i = 0; fill && i < kRowsPerWarp; ++i) {
-      const int r = warp * kRowsPerWarp + i;
+    for (int i = 0; fill && i < 16; ++i) {
+      const int r = warp * 16 + i;
       if (s.req[r] != cur) continue;
       warp_fill_row(out + s.out_off[r], col0, a_begin, p.out_col_stride, lane);
       warp_fill_row(out + s.out_off[r], a_end, col1, p.out_col_stride, lane);
     }
 
-    // --- key pipeline over the active tiles
-#pragma unroll
-    for (int st = 0; st < kStages - 1; ++st) {
-      if (t0 + st < t1) load_tile(p, s, st, col0 + (t0 + st) * kBlockKeys, col1, cur, tid);
-      cute::cp_async_fence();
+    // The thread's rows of this request: intervals, output rows.
+    bool own[kMTiles], pairs[kMTiles];
+    int64_t lo[kMTiles], hi[kMTiles];
+    float* dst[kMTiles];
+    CUTE_UNROLL
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      const int r = 16 * mt + my_row;
+      own[mt] = s.req[r] == cur;
+      lo[mt] = s.lo[r];
+      hi[mt] = s.hi[r];
+      dst[mt] = out + s.out_off[r];
+      pairs[mt] = p.out_col_stride == 1 && (reinterpret_cast<uintptr_t>(dst[mt]) & 7) == 0;
     }
-    for (int64_t t = t0; t < t1; ++t) {
-      cute::cp_async_wait<kStages - 2>();
-      __syncthreads();
-      const int64_t pre = t + kStages - 1;
-      if (pre < t1)
-        load_tile(p, s, int((pre - t0) % kStages), col0 + pre * kBlockKeys, col1, cur, tid);
-      cute::cp_async_fence();
 
-      const int stage = int((t - t0) % kStages);
-      const int64_t n0 = col0 + t * kBlockKeys;
-      if constexpr (S::kFp8) {
-        widen_tile<T>(s, stage, tid);
-        __syncthreads();
+    // Tile t's copies into ring slot `stage`: warp w gathers keys 16 w .. 16 w + 15, lane i
+    // looks key 16 w + i up once.
+    auto load = [&](int64_t t, int stage) {
+      const int64_t off = key_offset(p, col0 + t * kBlockKeys + 16 * warp + lane % 16, col1, cur);
+      const unsigned valid = __ballot_sync(0xffffffffu, off >= 0) & 0xffffu;
+      if (lane == 0) s.key_valid[stage][warp] = static_cast<uint16_t>(valid);
+      if constexpr (C::kFp8) {
+        sm90::gather_rows16_fp8<kBlockKeys, kDim>(s.staging[stage], keys, off, warp, lane);
+      } else {
+        sm90::gather_rows16<Element, kBlockKeys, kDim>(
+            s.k.data() + stage * (kBlockKeys * kDim), keys, off, warp, lane);
       }
-      const uint4(*tile)[kChunks] = [&] {
-        if constexpr (S::kFp8) {
-          return s.wide;
-        } else {
-          return s.stages[stage];
-        }
-      }();
-      if (!warp_owns) continue;
-      // A warp whose rows see nothing of this tile writes -inf without computing.
-      const bool compute = n0 < whi && wlo < n0 + kBlockKeys;
-      // Tile-relative 32-bit bounds keep the per-element masks cheap.
+      cute::cp_async_fence();
+    };
+
+    if (t0 < t1) load(t0, 0);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int stage = int((t - t0) % kStages);
+      // Tile t (and, the first time, Q) landed; every thread's MMAs of tile t - 1 are done
+      // (waited below), so its slot, and the FP8 tile buffer, are free.
+      cute::cp_async_wait<0>();
+      if constexpr (C::kFp8) {
+        __syncthreads();
+        sm90::convert_rows_fp8<Element, kBlockKeys, 16, kDim>(
+            s.k.data(), s.staging[stage], 16 * warp, lane,
+            [](uint32_t w, uint32_t& l, uint32_t& h) { fp8x4_to_natural<T>(w, l, h); });
+      }
+      cutlass::arch::fence_view_async_shared();  // generic-proxy writes, then GMMA reads
+      __syncthreads();
+      sm90::warpgroup_gemm<true, -1>(mma, tSrQ, tSrK(_, _, _, C::kFp8 ? 0 : stage), tSrS);
+      if (t + 1 < t1) load(t + 1, (stage + 1) % kStages);  // while the MMAs run
+      cute::warpgroup_wait<0>();
+      cute::warpgroup_fence_operand(tSrS);
+
+      // score = scale * sum_h ReLU(S_h), -inf outside the row's interval or on a missing page
+      const int64_t n0 = col0 + t * kBlockKeys;
       const auto rel = [&](int64_t x) { return int(std::clamp<int64_t>(x - n0, 0, kBlockKeys)); };
-      const int lim = rel(col1), la = rel(lo_a), ha = rel(hi_a), lb = rel(lo_b), hb = rel(hi_b);
-      float* const tile_a = row_a + n0 * cs;
-      float* const tile_b = row_b + n0 * cs;
-#pragma unroll
-      for (int j = 0; j < kBlockKeys / 8; j += 2) {
-        float acc[2][kHeads][4] = {};
-        if (compute) {
-#pragma unroll
-          for (int pp = 0; pp < 4; ++pp) {
-            uint4 kf[2];
-#pragma unroll
-            for (int jj = 0; jj < 2; ++jj) {
-              const int key = 8 * (j + jj) + g;
-              kf[jj] = tile[key][swizzle(key, 4 * pp + c)];
-            }
-            // S = Q K^T, one m16 tile per head
-#pragma unroll
-            for (int jj = 0; jj < 2; ++jj)
-#pragma unroll
-              for (int h = 0; h < kHeads; ++h)
-                mma_pair<T>(acc[jj][h], qa[h][pp], qb[h][pp], kf[jj]);
+      const int lim = rel(col1);
+      // The whole tile inside the CTA's range with unit column stride: plain float2 stores.
+      const bool whole = lim == kBlockKeys && p.out_col_stride == 1;
+      uint64_t key_valid = ~0ull;
+      if (paged) {
+        key_valid = 0;
+        CUTE_UNROLL
+        for (int w = 0; w < kWarps; ++w) key_valid |= uint64_t(s.key_valid[stage][w]) << (16 * w);
+      }
+      CUTE_UNROLL
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        // The two heads this thread holds (accumulator rows g and g + 8), per column; then
+        // column groups 2 jj (the lower lanes keep it) and 2 jj + 1 (the upper lanes): each lane
+        // sends the partial sums of the group its partner keeps. Every lane shuffles; only the
+        // request's rows store. v[jj] are columns first_col + 16 jj + {0, 1}.
+        float v[kBlockKeys / 16][2];
+        CUTE_UNROLL
+        for (int jj = 0; jj < kBlockKeys / 16; ++jj) {
+          CUTE_UNROLL
+          for (int e = 0; e < 2; ++e) {
+            const float even = relu(tSrS(make_coord(e, 0, 2 * jj), mt, 0)) +
+                               relu(tSrS(make_coord(e, 1, 2 * jj), mt, 0));
+            const float odd = relu(tSrS(make_coord(e, 0, 2 * jj + 1), mt, 0)) +
+                              relu(tSrS(make_coord(e, 1, 2 * jj + 1), mt, 0));
+            const float keep = upper ? odd : even;
+            v[jj][e] = p.scale * (keep + __shfl_xor_sync(0xffffffffu, upper ? even : odd, 16));
           }
         }
-        // score = scale * sum_h ReLU(S_h), -inf outside the row's interval or on a missing page
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {
-          const int kc = 8 * (j + jj) + 2 * c;  // column within the tile
-          float v[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float sum = (relu(acc[jj][0][e]) + relu(acc[jj][1][e])) +
-                              (relu(acc[jj][2][e]) + relu(acc[jj][3][e]));
-            v[e] = p.scale * sum;
-          }
-          const bool k0 = !paged || s.key_valid[stage][kc];
-          const bool k1 = !paged || s.key_valid[stage][kc + 1];
-          const float ninf = -INFINITY;
-          if (own_a) {
-            const bool in0 = k0 && kc >= la && kc < ha, in1 = k1 && kc + 1 >= la && kc + 1 < ha;
-            store_pair(tile_a + kc * cs, cs, pairs_a, kc, lim, in0 ? v[0] : ninf,
-                       in1 ? v[1] : ninf);
-          }
-          if (own_b) {
-            const bool in0 = k0 && kc >= lb && kc < hb, in1 = k1 && kc + 1 >= lb && kc + 1 < hb;
-            store_pair(tile_b + kc * cs, cs, pairs_b, kc, lim, in0 ? v[2] : ninf,
-                       in1 ? v[3] : ninf);
-          }
+        if (!own[mt]) continue;
+        const uint64_t visible =
+            (key_valid & span_mask(rel(lo[mt]), rel(hi[mt]))) >> first_col;
+        const auto score = [&](int jj, int e) {
+          return (visible >> (16 * jj + e)) & 1 ? v[jj][e] : -INFINITY;
+        };
+        float* const row = dst[mt] + (n0 + first_col) * p.out_col_stride;
+        if (whole && pairs[mt]) {
+          CUTE_UNROLL
+          for (int jj = 0; jj < kBlockKeys / 16; ++jj)
+            *reinterpret_cast<float2*>(row + 16 * jj) = make_float2(score(jj, 0), score(jj, 1));
+        } else {
+          CUTE_UNROLL
+          for (int jj = 0; jj < kBlockKeys / 16; ++jj)
+            store_pair(row + 16 * jj * p.out_col_stride, p.out_col_stride, pairs[mt],
+                       16 * jj + first_col, lim, score(jj, 0), score(jj, 1));
         }
       }
     }
     cute::cp_async_wait<0>();
     __syncthreads();
   }
+  cute::cp_async_wait<0>();  // Q, where no pass had a tile to compute
 }
 
 // Splits the keys only as far as needed for two waves of resident CTAs: every split reloads
@@ -464,9 +461,11 @@ void launch_mqa_rows(const RowsProblem& p, cudaStream_t stream) {
   // A selection's chunk runs without keys too: its windows (and positions) are still needed.
   if (p.num_rows <= p.row_begin || (p.num_keys == 0 && !p.windows)) return;
   const auto kernel = mqa_rows_kernel<T, KV>;
-  constexpr int kSmem = sizeof(SharedStorage<KV>);
+  constexpr int kSmem = Config<T, KV>::kSmemBytes;
   SPARSE_ATTN_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(
+      kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   int device = 0;
   SPARSE_ATTN_CUDA_CHECK(cudaGetDevice(&device));
   const int sms = sm_count(device);

@@ -1,5 +1,5 @@
-// The copy a gathering producer warp makes of 16 K or V rows of 256 16-bit features into a K/V
-// stage (KVStageLayouts, sm90/traits.h): cp.async of 16-byte chunks, zero-filled where a row
+// The copy a gathering producer warp makes of 16 K or V rows of kHeadDim (128 or 256) 16-bit
+// features into a K/V stage (KVStageLayouts, sm90/traits.h): cp.async of 16-byte chunks, zero-filled where a row
 // has no source. Rows come from anywhere (pages, requests, a union of blocks), so TMA's boxes
 // do not apply; the chunks land in the 128-byte swizzle GMMA reads by address.
 #pragma once
@@ -15,16 +15,16 @@ namespace sparse_attn::cuda::sm90 {
 // (lanes 16-31's offsets are not read). In the stage, chunk c of row `row` sits at column block
 // c / 8, row `row`, slot (c % 8) ^ (row % 8).
 //
-// Lane l copies chunks 8 j + l % 8 (j = 0 .. 3) of rows 4 g + l / 8 (g = 0 .. 3): the 8 lanes of
-// a row take 128 contiguous bytes, so a warp instruction reads four rows' 128-byte lines (as
-// many lines as one 512-byte row), and a lane fetches each of its four rows' offsets once and
+// Lane l copies chunks 8 j + l % 8 (j < kHeadDim / 64) of rows 4 g + l / 8 (g = 0 .. 3): the 8
+// lanes of a row take 128 contiguous bytes, so a warp instruction reads four rows' 128-byte
+// lines, and a lane fetches each of its four rows' offsets once and
 // then issues its four copies of the row with constant offsets on both sides. (One row per
 // instruction took a 64-bit shuffle, compare, select and add per copy: the producer's issue
 // slots, not the memory, bounded the L2-resident gather; docs/perf-notes.md, session 10.)
-template <class Element, int kBlockN>
+template <class Element, int kBlockN, int kHeadDim = 256>
 __device__ __forceinline__ void gather_rows16(Element* stage, const Element* base, int64_t off,
                                               int warp, int lane) {
-  static_assert(sizeof(Element) == 2, "a 256-feature row is 32 chunks of 16 bytes");
+  static_assert(sizeof(Element) == 2 && kHeadDim % 64 == 0, "rows of whole 128-byte blocks");
   using Copy = cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>;
   const int q = lane / 8, c = lane % 8;
   CUTE_UNROLL
@@ -34,23 +34,25 @@ __device__ __forceinline__ void gather_rows16(Element* stage, const Element* bas
     const Element* src = base + (o >= 0 ? o + c * 8 : 0);
     Element* dst = stage + (16 * warp + i) * 64 + ((c ^ (q + 4 * (g % 2))) * 8);
     CUTE_UNROLL
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kHeadDim / 64; ++j) {
       Copy::copy(*reinterpret_cast<const cute::uint128_t*>(src + j * 64),
                  *reinterpret_cast<cute::uint128_t*>(dst + j * (kBlockN * 64)), o >= 0);
     }
   }
 }
 
-// FP8 rows (256 one-byte features, 16 chunks) take two steps, because GMMA reads 16-bit
-// operands: gather_rows16_fp8 copies them into a staging slot [kBlockN rows][16 chunks]
-// (cp.async, zero-filled like gather_rows16; lane l copies chunks 8 j + l % 8, j = 0, 1, of rows
-// 4 g + l / 8 of its warp's 16), and convert_rows_fp8, once the slot's copies have landed
+// FP8 rows (kHeadDim one-byte features, kHeadDim / 16 chunks) take two steps, because GMMA reads
+// 16-bit operands: gather_rows16_fp8 copies them into a staging slot [kBlockN rows][kHeadDim /
+// 16 chunks] (cp.async, zero-filled like gather_rows16; lane l copies chunks 8 j + l % 8,
+// j < kHeadDim / 128, of rows 4 g + l / 8 of its warp's 16), and convert_rows_fp8, once the
+// slot's copies have landed
 // (the pipeline's barrier), widens rows of it into a 16-bit stage at gather_rows16's
 // addresses.
-template <int kBlockN>
-__device__ __forceinline__ void gather_rows16_fp8(cute::uint128_t (*staging)[16],
+template <int kBlockN, int kHeadDim = 256>
+__device__ __forceinline__ void gather_rows16_fp8(cute::uint128_t (*staging)[kHeadDim / 16],
                                                   const uint8_t* base, int64_t off, int warp,
                                                   int lane) {
+  static_assert(kHeadDim % 128 == 0, "rows of whole 128-byte lines");
   using Copy = cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>;
   const int q = lane / 8, c = lane % 8;
   CUTE_UNROLL
@@ -59,7 +61,7 @@ __device__ __forceinline__ void gather_rows16_fp8(cute::uint128_t (*staging)[16]
     const int64_t o = __shfl_sync(0xffffffffu, off, i);
     const uint8_t* src = base + (o >= 0 ? o + c * 16 : 0);
     CUTE_UNROLL
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < kHeadDim / 128; ++j) {
       Copy::copy(*reinterpret_cast<const cute::uint128_t*>(src + j * 128),
                  staging[16 * warp + i][8 * j + c], o >= 0);
     }
@@ -69,9 +71,9 @@ __device__ __forceinline__ void gather_rows16_fp8(cute::uint128_t (*staging)[16]
 // Widens rows first_row .. first_row + kRows - 1 (a multiple of 4) of a staging slot: lane l
 // takes chunks 8 j + l % 8 of rows first_row + 4 g + l / 8. Element is the stage's 16-bit
 // type; to_natural(w, lo, hi) is fp8x4_to_natural<T> (sparse_attention_common.cuh).
-template <class Element, int kBlockN, int kRows, class ToNatural>
+template <class Element, int kBlockN, int kRows, int kHeadDim = 256, class ToNatural>
 __device__ __forceinline__ void convert_rows_fp8(Element* stage,
-                                                 const cute::uint128_t (*staging)[16],
+                                                 const cute::uint128_t (*staging)[kHeadDim / 16],
                                                  int first_row, int lane, ToNatural to_natural) {
   static_assert(kRows % 4 == 0, "8 lanes a row, 4 rows a pass");
   const int q = lane / 8, c = lane % 8;
@@ -79,7 +81,7 @@ __device__ __forceinline__ void convert_rows_fp8(Element* stage,
   for (int g = 0; g < kRows / 4; ++g) {
     const int row = first_row + 4 * g + q;
     CUTE_UNROLL
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < kHeadDim / 128; ++j) {
       const uint4 w = *reinterpret_cast<const uint4*>(&staging[row][8 * j + c]);
       const uint32_t in[4] = {w.x, w.y, w.z, w.w};
       uint32_t out[8];
