@@ -50,11 +50,11 @@ namespace sparse_attn::cuda::indexer::rows {
 inline constexpr int kThreads = 128;  // one warpgroup
 inline constexpr int kWarps = kThreads / 32;
 inline constexpr int kCtasPerSm = 2;
-inline constexpr int kMTiles = 4;                      // m64 tiles: 16 query rows x 4 heads each
-inline constexpr int kBlockRows = 16 * kMTiles;        // 64 query rows per CTA
-inline constexpr int kQRows = kHeads * kBlockRows;     // M-rows of Q (256)
-inline constexpr int kBlockKeys = 64;                  // keys per tile (the MMAs' N)
-inline constexpr int kStages = 2;                      // key tiles in the ring
+inline constexpr int kMTiles = 4;                   // m64 tiles: 16 query rows x 4 heads each
+inline constexpr int kBlockRows = 16 * kMTiles;     // 64 query rows per CTA
+inline constexpr int kQRows = kHeads * kBlockRows;  // M-rows of Q (256)
+inline constexpr int kBlockKeys = 64;               // keys per tile (the MMAs' N)
+inline constexpr int kStages = 2;                   // key tiles in the ring
 static_assert(kHeads == 4 && kBlockRows == kWarps * 16, "the head-pair order of the M-rows");
 static_assert(kBlockKeys == 16 * kWarps, "a warp gathers 16 keys of a tile");
 
@@ -74,8 +74,7 @@ struct Config {
       decltype(cute::tile_to_shape(AtomQ{}, cute::Shape<cute::Int<kQRows>, cute::Int<kDim>>{}));
   // 16-bit keys: the ring itself; FP8: the one widened tile the MMAs read.
   static constexpr int kTiles = kFp8 ? 1 : kStages;
-  using LayoutK =
-      typename sm90::KVStageLayouts<Element, kDim, kBlockKeys, kTiles>::LayoutK;
+  using LayoutK = typename sm90::KVStageLayouts<Element, kDim, kBlockKeys, kTiles>::LayoutK;
   using Staging = cute::uint128_t[kStages][kBlockKeys][kDim / 16];  // FP8 tiles as they land
 
   struct SharedStorage {
@@ -209,8 +208,8 @@ __device__ __forceinline__ int64_t key_offset(const RowsProblem& p, int64_t n, i
   // 32-bit division where it fits (always, for real caches): the 64-bit one is a long sequence.
   const bool narrow = n <= INT32_MAX && p.page_size <= INT32_MAX;
   const int64_t slot_page = narrow ? uint32_t(n) / uint32_t(p.page_size) : n / p.page_size;
-  const int64_t page = p.block_table[req * p.block_table_batch_stride +
-                                     slot_page * p.block_table_page_stride];
+  const int64_t page =
+      p.block_table[req * p.block_table_batch_stride + slot_page * p.block_table_page_stride];
   if (page < 0 || page >= p.num_pages) return -1;
   return page * p.k_batch_stride + (n - slot_page * p.page_size) * p.k_row_stride;
 }
@@ -355,8 +354,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       if constexpr (C::kFp8) {
         sm90::gather_rows16_fp8<kBlockKeys, kDim>(s.staging[stage], keys, off, warp, lane);
       } else {
-        sm90::gather_rows16<Element, kBlockKeys, kDim>(
-            s.k.data() + stage * (kBlockKeys * kDim), keys, off, warp, lane);
+        sm90::gather_rows16<Element, kBlockKeys, kDim>(s.k.data() + stage * (kBlockKeys * kDim),
+                                                       keys, off, warp, lane);
       }
       cute::cp_async_fence();
     };
@@ -412,8 +411,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
           }
         }
         if (!own[mt]) continue;
-        const uint64_t visible =
-            (key_valid & span_mask(rel(lo[mt]), rel(hi[mt]))) >> first_col;
+        const uint64_t visible = (key_valid & span_mask(rel(lo[mt]), rel(hi[mt]))) >> first_col;
         const auto score = [&](int jj, int e) {
           return (visible >> (16 * jj + e)) & 1 ? v[jj][e] : -INFINITY;
         };

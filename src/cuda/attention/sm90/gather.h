@@ -1,7 +1,8 @@
 // The copy a gathering producer warp makes of 16 K or V rows of kHeadDim (128 or 256) 16-bit
-// features into a K/V stage (KVStageLayouts, sm90/traits.h): cp.async of 16-byte chunks, zero-filled where a row
-// has no source. Rows come from anywhere (pages, requests, a union of blocks), so TMA's boxes
-// do not apply; the chunks land in the 128-byte swizzle GMMA reads by address.
+// features into a K/V stage (KVStageLayouts, sm90/traits.h): cp.async of 16-byte chunks,
+// zero-filled where a row has no source. Rows come from anywhere (pages, requests, a union of
+// blocks), so TMA's boxes do not apply; the chunks land in the 128-byte swizzle GMMA reads by
+// address.
 #pragma once
 
 #include <cstdint>
@@ -17,8 +18,8 @@ namespace sparse_attn::cuda::sm90 {
 //
 // Lane l copies chunks 8 j + l % 8 (j < kHeadDim / 64) of rows 4 g + l / 8 (g = 0 .. 3): the 8
 // lanes of a row take 128 contiguous bytes, so a warp instruction reads four rows' 128-byte
-// lines, and a lane fetches each of its four rows' offsets once and
-// then issues its four copies of the row with constant offsets on both sides. (One row per
+// lines, and a lane fetches each of its four rows' offsets once and then issues its copies of
+// the row (kHeadDim / 64) with constant offsets on both sides. (One row per
 // instruction took a 64-bit shuffle, compare, select and add per copy: the producer's issue
 // slots, not the memory, bounded the L2-resident gather; docs/perf-notes.md, session 10.)
 template <class Element, int kBlockN, int kHeadDim = 256>
@@ -45,9 +46,8 @@ __device__ __forceinline__ void gather_rows16(Element* stage, const Element* bas
 // 16-bit operands: gather_rows16_fp8 copies them into a staging slot [kBlockN rows][kHeadDim /
 // 16 chunks] (cp.async, zero-filled like gather_rows16; lane l copies chunks 8 j + l % 8,
 // j < kHeadDim / 128, of rows 4 g + l / 8 of its warp's 16), and convert_rows_fp8, once the
-// slot's copies have landed
-// (the pipeline's barrier), widens rows of it into a 16-bit stage at gather_rows16's
-// addresses.
+// slot's copies have landed (the pipeline's barrier), widens rows of it into a 16-bit stage at
+// gather_rows16's addresses.
 template <int kBlockN, int kHeadDim = 256>
 __device__ __forceinline__ void gather_rows16_fp8(cute::uint128_t (*staging)[kHeadDim / 16],
                                                   const uint8_t* base, int64_t off, int warp,
