@@ -45,6 +45,7 @@
 #include "cuda/attention/sparse_attention_common.cuh"
 #include "cuda/attention/sparse_attention_launch.h"
 #include "cuda/common/check.h"
+#include "cuda/common/kernel_attributes.h"
 #include "cuda/common/mma.cuh"
 
 namespace sparse_attn::cuda {
@@ -562,8 +563,7 @@ void launch_sparse_attention_rows(const SparseAttentionParams& p, const SparseAt
   static_assert(kSmem <= 227 * 1024, "one CTA must fit the 227 KB an sm90 block may use");
   static_assert(C::kPositions <= 32767 && C::kHashSlots <= 32767, "slot_of is int16");
   const auto kernel = sparse_attention_rows_kernel<T>;
-  SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              static_cast<int>(kSmem)));
+  opt_in_shared_memory<sparse_attention_rows_kernel<T>>(static_cast<int>(kSmem));
   const dim3 grid(static_cast<unsigned>((p.rows + C::kRows - 1) / C::kRows),
                   static_cast<unsigned>(p.num_kv_heads));
   kernel<<<grid, C::kThreads, kSmem, stream>>>(p, x);

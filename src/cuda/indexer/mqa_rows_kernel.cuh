@@ -42,6 +42,7 @@
 #include "cuda/common/check.h"
 #include "cuda/common/device_props.h"
 #include "cuda/common/fp8.cuh"
+#include "cuda/common/kernel_attributes.h"
 #include "cuda/common/mma.cuh"
 #include "cuda/indexer/mqa_problem.h"
 
@@ -50,13 +51,15 @@ namespace sparse_attn::cuda::indexer::rows {
 inline constexpr int kThreads = 128;  // one warpgroup
 inline constexpr int kWarps = kThreads / 32;
 inline constexpr int kCtasPerSm = 2;
-inline constexpr int kMTiles = 4;                   // m64 tiles: 16 query rows x 4 heads each
-inline constexpr int kBlockRows = 16 * kMTiles;     // 64 query rows per CTA
-inline constexpr int kQRows = kHeads * kBlockRows;  // M-rows of Q (256)
-inline constexpr int kBlockKeys = 64;               // keys per tile (the MMAs' N)
-inline constexpr int kStages = 2;                   // key tiles in the ring
-static_assert(kHeads == 4 && kBlockRows == kWarps * 16, "the head-pair order of the M-rows");
-static_assert(kBlockKeys == 16 * kWarps, "a warp gathers 16 keys of a tile");
+inline constexpr int kMTiles = 4;                         // m64 tiles: 16 query rows x 4 heads each
+inline constexpr int kBlockRows = 16 * kMTiles;           // 64 query rows per CTA
+inline constexpr int kQRows = kHeads * kBlockRows;        // M-rows of Q (256)
+inline constexpr int kBlockKeys = 64;                     // keys per tile (the MMAs' N)
+inline constexpr int kStages = 2;                         // key tiles in the ring
+inline constexpr int kRowsPerWarp = kBlockRows / kWarps;  // rows a warp fills with -inf
+inline constexpr int kKeysPerWarp = kBlockKeys / kWarps;  // keys of a tile a warp gathers
+static_assert(kHeads == 4 && kRowsPerWarp == 16, "the head-pair order of the M-rows");
+static_assert(kKeysPerWarp == 16, "a warp gathers one 16-row piece of a tile");
 
 struct NoBuffer {};
 
@@ -82,10 +85,11 @@ struct Config {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<LayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<LayoutK>> k;
     std::conditional_t<kFp8, Staging, NoBuffer> staging;
-    uint16_t key_valid[kStages][kWarps];  // bit i of [stage][w]: key 16 w + i has a source
-    int64_t q_off[kBlockRows];            // element offset of the row's q[row, 0, 0]
-    int64_t out_off[kBlockRows];          // element offset of the row's out[row, 0]
-    int64_t lo[kBlockRows];               // visible keys [lo, hi), clipped to [0, num_keys]
+    // Bit i of [stage][w]: key kKeysPerWarp w + i of the tile has a source.
+    uint16_t key_valid[kStages][kWarps];
+    int64_t q_off[kBlockRows];    // element offset of the row's q[row, 0, 0]
+    int64_t out_off[kBlockRows];  // element offset of the row's out[row, 0]
+    int64_t lo[kBlockRows];       // visible keys [lo, hi), clipped to [0, num_keys]
     int64_t hi[kBlockRows];
     int32_t req[kBlockRows];  // request of the row; -1: not a valid row (all -inf)
     int32_t next_req;
@@ -275,8 +279,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 
   // --- invalid rows: -inf over the CTA's columns (a selection's chunk reads none of them)
   const bool fill = !p.windows;
-  for (int i = 0; fill && i < 16; ++i) {
-    const int r = warp * 16 + i;
+  for (int i = 0; fill && i < kRowsPerWarp; ++i) {
+    const int r = warp * kRowsPerWarp + i;
     if (row0 + r < p.num_rows && s.req[r] < 0)
       warp_fill_row(out + s.out_off[r], col0, col1, p.out_col_stride, lane);
   }
@@ -324,8 +328,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     const int64_t t1 = ulo < uhi ? (uhi - col0 + kBlockKeys - 1) / kBlockKeys : 0;
     const int64_t a_begin = min(col1, col0 + t0 * kBlockKeys);
     const int64_t a_end = min(col1, col0 + t1 * kBlockKeys);
-    for (int i = 0; fill && i < 16; ++i) {
-      const int r = warp * 16 + i;
+    for (int i = 0; fill && i < kRowsPerWarp; ++i) {
+      const int r = warp * kRowsPerWarp + i;
       if (s.req[r] != cur) continue;
       warp_fill_row(out + s.out_off[r], col0, a_begin, p.out_col_stride, lane);
       warp_fill_row(out + s.out_off[r], a_end, col1, p.out_col_stride, lane);
@@ -348,7 +352,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     // Tile t's copies into ring slot `stage`: warp w gathers keys 16 w .. 16 w + 15, lane i
     // looks key 16 w + i up once.
     auto load = [&](int64_t t, int stage) {
-      const int64_t off = key_offset(p, col0 + t * kBlockKeys + 16 * warp + lane % 16, col1, cur);
+      const int64_t off =
+          key_offset(p, col0 + t * kBlockKeys + kKeysPerWarp * warp + lane % 16, col1, cur);
       const unsigned valid = __ballot_sync(0xffffffffu, off >= 0) & 0xffffu;
       if (lane == 0) s.key_valid[stage][warp] = static_cast<uint16_t>(valid);
       if constexpr (C::kFp8) {
@@ -368,8 +373,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       cute::cp_async_wait<0>();
       if constexpr (C::kFp8) {
         __syncthreads();
-        sm90::convert_rows_fp8<Element, kBlockKeys, 16, kDim>(
-            s.k.data(), s.staging[stage], 16 * warp, lane,
+        sm90::convert_rows_fp8<Element, kBlockKeys, kKeysPerWarp, kDim>(
+            s.k.data(), s.staging[stage], kKeysPerWarp * warp, lane,
             [](uint32_t w, uint32_t& l, uint32_t& h) { fp8x4_to_natural<T>(w, l, h); });
       }
       cutlass::arch::fence_view_async_shared();  // generic-proxy writes, then GMMA reads
@@ -389,7 +394,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       if (paged) {
         key_valid = 0;
         CUTE_UNROLL
-        for (int w = 0; w < kWarps; ++w) key_valid |= uint64_t(s.key_valid[stage][w]) << (16 * w);
+        for (int w = 0; w < kWarps; ++w)
+          key_valid |= uint64_t(s.key_valid[stage][w]) << (kKeysPerWarp * w);
       }
       CUTE_UNROLL
       for (int mt = 0; mt < kMTiles; ++mt) {
@@ -460,10 +466,7 @@ void launch_mqa_rows(const RowsProblem& p, cudaStream_t stream) {
   if (p.num_rows <= p.row_begin || (p.num_keys == 0 && !p.windows)) return;
   const auto kernel = mqa_rows_kernel<T, KV>;
   constexpr int kSmem = Config<T, KV>::kSmemBytes;
-  SPARSE_ATTN_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(
-      kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  opt_in_shared_memory<mqa_rows_kernel<T, KV>>(kSmem, /*prefer_max_shared=*/true);
   int device = 0;
   SPARSE_ATTN_CUDA_CHECK(cudaGetDevice(&device));
   const int sms = sm_count(device);

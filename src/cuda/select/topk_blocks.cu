@@ -33,6 +33,7 @@
 #include "cuda/common/check.h"
 #include "cuda/common/device_guard.h"
 #include "cuda/common/device_props.h"
+#include "cuda/common/kernel_attributes.h"
 #include "cuda/select/topk_problem.h"
 
 namespace sparse_attn {
@@ -662,10 +663,13 @@ void launch_topk(const TopkProblem& p, void* global_sort, int device, cudaStream
     using C = decltype(cfg);
     const size_t smem =
         C::kCandidateBytes + (shared ? static_cast<size_t>(capacity) * sizeof(uint64_t) : 0);
+    const int max_smem = int(C::kCandidateBytes + kTopkMaxSharedSort * 8);
+    if (shared) {
+      opt_in_shared_memory<topk_kernel<C, true>>(max_smem);
+    } else {
+      opt_in_shared_memory<topk_kernel<C, false>>(max_smem);
+    }
     const auto kernel = shared ? topk_kernel<C, true> : topk_kernel<C, false>;
-    SPARSE_ATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel,
-                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                int(C::kCandidateBytes + kTopkMaxSharedSort * 8)));
     kernel<<<unsigned(topk_grid<C>(p, device)), C::kThreads, smem, stream>>>(
         p, shared ? nullptr : static_cast<uint64_t*>(global_sort), capacity);
     SPARSE_ATTN_CUDA_CHECK_LAUNCH();
