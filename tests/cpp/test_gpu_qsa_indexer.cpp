@@ -418,7 +418,7 @@ TEST_P(GpuDecode, MasksContextMissingAndOutOfRangePages) {
 
 INSTANTIATE_TEST_SUITE_P(Forms, GpuDecode,
                          ::testing::Combine(::testing::ValuesIn(kElements),
-                                            ::testing::Values(8, 64, 200, 212),
+                                            ::testing::Values(1, 3, 8, 64, 200, 212),
                                             ::testing::Values(1, 2, 3, 4)),
                          [](const auto& info) {
                            return elements_name(std::get<0>(info.param)) + "_page" +
@@ -448,19 +448,23 @@ TEST(GpuIndexerDecode, ThreeDimensionalQueryAndStridedLongPages) {
   }
 }
 
-TEST(GpuIndexerDecode, KeyCacheWithFeatureStrideTwoIsGathered) {
+TEST(GpuIndexerDecode, KeyCacheAndQueryWithFeatureStrideTwoAreGathered) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = make_rng();
-  const int64_t pages = 10, page_size = 16;
+  const int64_t pages = 10, page_size = 16, B = 3, R = 2;
   for (bool fp8 : {false, true}) {
     const Elements e{DType::kF16, fp8};
-    DecodeCase c = random_decode(e, 3, 2, page_size, pages, 8, 130, rng);
-    // Every other feature of a wider cache: no 16-byte vector loads possible.
+    DecodeCase c = random_decode(e, B, R, page_size, pages, 8, 300, rng);
+    // Every other feature of a wider cache and query: no 16-byte vector loads possible.
     Tensor wide = e.keys({pages, page_size, 1, 2 * D}, rng);
     const Shape strides{page_size * 2 * D, 2 * D, 2 * D, 2};
     c.cache = Tensor::to_host(wide.view().as_strided({pages, page_size, 1, D}, strides));
-    Tensor dwide = to_device(wide), dq = to_device(c.q);
+    Tensor wide_q = random_tensor({B, R, H, 2 * D}, DType::kF16, rng);
+    const Shape q_strides{R * H * 2 * D, H * 2 * D, 2 * D, 2};
+    c.q = Tensor::to_host(wide_q.view().as_strided({B, R, H, D}, q_strides));
+    Tensor dwide = to_device(wide), dwide_q = to_device(wide_q);
     const TensorView dk = dwide.view().as_strided({pages, page_size, 1, D}, strides);
+    const TensorView dq = dwide_q.view().as_strided({B, R, H, D}, q_strides);
     expect_matches(run_decode(c, dq, dk, Backend::kNative),
                    decode_expected(c, 1.0 / std::sqrt(128.0)),
                    run_decode(c, dq, dk, Backend::kReference));

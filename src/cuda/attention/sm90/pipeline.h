@@ -1,5 +1,6 @@
 // The K/V pipeline between the producer and the consumer warpgroups: per stage a "full"
-// mbarrier and an "empty" mbarrier (one arrival per consumer warpgroup). A TMA producer makes
+// mbarrier and an "empty" mbarrier (one arrival per consumer warpgroup, or per consumer warp
+// with kConsumerThreads = 32). A TMA producer makes
 // one arrival on "full" with the stage's transaction bytes (producer_acquire); a cp.async
 // producer of kProducerArrivals threads waits for the stage (producer_wait) and each thread's
 // copies arrive on "full" when they land (arrive_on_copies). Every arrival is CTA-local: CUTLASS's
@@ -14,7 +15,7 @@
 
 namespace sparse_attn::cuda::sm90 {
 
-template <int kStages, int kConsumerWarpgroups, int kProducerArrivals = 1>
+template <int kStages, int kConsumers, int kProducerArrivals = 1, int kConsumerThreads = 128>
 struct TmaPipeline {
   using State = cutlass::PipelineState<kStages>;
   using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
@@ -32,7 +33,7 @@ struct TmaPipeline {
   __device__ static void init(SharedStorage& s) {
     for (int i = 0; i < kStages; ++i) {
       FullBarrier::init(&s.full[i], kProducerArrivals);
-      EmptyBarrier::init(&s.empty[i], kConsumerWarpgroups);
+      EmptyBarrier::init(&s.empty[i], kConsumers);
     }
   }
 
@@ -57,8 +58,8 @@ struct TmaPipeline {
   __device__ void arrive(const State& st) const { FullBarrier::arrive(&s.full[st.index()]); }
   __device__ uint64_t* full_barrier(const State& st) const { return &s.full[st.index()]; }
 
-  // Consumers (whole warpgroups): wait for the stage's bytes; release it once the warpgroup has
-  // read it (one thread per warpgroup arrives, after the warpgroup's GEMMs on the stage
+  // Consumers (whole warpgroups, or warps): wait for the stage's bytes; release it once the
+  // consumer has read it (its first thread arrives, after the consumer's GEMMs on the stage
   // completed). The lanes leave the spin wait one by one: the warp reconverges before the
   // aligned instructions that follow (wgmma, bar.sync; synccheck reports a divergent warp at a
   // bar.sync otherwise).
@@ -67,7 +68,7 @@ struct TmaPipeline {
     __syncwarp();
   }
   __device__ void consumer_release(const State& st) const {
-    if (threadIdx.x % 128 == 0) EmptyBarrier::arrive(&s.empty[st.index()]);
+    if (threadIdx.x % kConsumerThreads == 0) EmptyBarrier::arrive(&s.empty[st.index()]);
   }
 };
 
