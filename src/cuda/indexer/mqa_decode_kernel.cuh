@@ -7,9 +7,10 @@
 // item's page-table entries in one round trip, then moves each run of keys that shares a page
 // into the stage with one bulk copy (cp.async.bulk), and the request's query rows with it. Three
 // producers let three lookup chains a CTA overlap (one was too few: docs/perf-notes.md, session
-// 19); two CTAs an SM keep up to 192 KB an SM in flight while four consumer warps score the
-// stages that have landed. A CTA's items are a fixed stride apart, so
-// producers and consumers walk the same list without talking.
+// 19); two CTAs an SM keep up to 192 KB an SM in flight while eight consumer warps score the
+// stages that have landed (a warp scores its tiles in series, so more warps overlap more of
+// them). A CTA's items are a fixed stride apart, so producers and consumers walk the same list
+// without talking.
 //
 // The MMA puts the keys on M (16 keys per m16 tile, each thread reading 16 bytes of a key row
 // from shared memory straight into its A fragment, see mma.cuh) and (query row, head) pairs on
@@ -43,7 +44,7 @@
 
 namespace sparse_attn::cuda::indexer::decode {
 
-inline constexpr int kConsumerWarps = 4;
+inline constexpr int kConsumerWarps = 8;
 inline constexpr int kStages = 3;
 inline constexpr int kProducerWarps = kStages;  // producer warp w fills stage w
 inline constexpr int kThreads = (kConsumerWarps + kProducerWarps) * 32;  // producers last
@@ -58,6 +59,7 @@ struct Config {
   static constexpr int kStageKeys = kStageBytes / kRowBytes;  // 128 (16-bit) or 256 (FP8)
   static constexpr int kWarpKeys = kStageKeys / kConsumerWarps;
   static constexpr int kTiles = kWarpKeys / 16;  // m16 key tiles a warp, per stage
+  static_assert(kWarpKeys % 16 == 0, "a warp scores whole m16 tiles");
   static constexpr int kFeaturesPerLoad = 16 / int(sizeof(KV));
   static constexpr int kLoads = kDim / 4 / kFeaturesPerLoad;  // 16-byte reads a thread, per key
   static constexpr int kPagesPerLane = kStageKeys / 32;       // a stage spans <= kStageKeys pages
