@@ -27,11 +27,11 @@
 #pragma once
 
 #include <cuda_runtime.h>
-#include <cute/arch/copy_sm90_tma.hpp>
 #include <cutlass/fast_math.h>
 
 #include <algorithm>
 #include <climits>
+#include <cute/arch/copy_sm90_tma.hpp>
 #include <type_traits>
 
 #include "cuda/attention/sm90/pipeline.h"
@@ -70,11 +70,11 @@ struct Config {
   }
 
   struct Stage {
-    alignas(128) uint8_t keys[kStageBytes];             // keys [kStageKeys, kDim], as stored
-    alignas(16) T q[kMaxDecodeRows][kHeads][kDim];      // the item's query rows
-    int64_t row_limit[kMaxDecodeRows];                  // columns row r sees (0 past R)
-    int64_t load_limit;                                 // columns any row sees
-    uint8_t page_ok[kStageKeys];                        // page i of the stage (from c0 / P) exists
+    alignas(128) uint8_t keys[kStageBytes];         // keys [kStageKeys, kDim], as stored
+    alignas(16) T q[kMaxDecodeRows][kHeads][kDim];  // the item's query rows
+    int64_t row_limit[kMaxDecodeRows];              // columns row r sees (0 past R)
+    int64_t load_limit;                             // columns any row sees
+    uint8_t page_ok[kStageKeys];                    // page i of the stage (from c0 / P) exists
   };
   struct SharedStorage {
     Stage stages[kStages];
@@ -135,11 +135,9 @@ __device__ void produce(const DecodeProblem& p, const Layout& l, typename C::Sha
   if (p.windows && c0 == 0 && lane < p.rows) {
     // A padding row (no visible key, or a negative position) selects nothing.
     const bool valid = len > 0 && pos >= 0;
-    p.windows[b * p.rows + lane] = {0, valid ? int32_t(min(len, cap)) : 0,
-                                    valid && p.query_positions
-                                        ? int32_t(std::min<int64_t>(pos, INT32_MAX))
-                                        : -1,
-                                    0};
+    p.windows[b * p.rows + lane] = {
+        0, valid ? int32_t(min(len, cap)) : 0,
+        valid && p.query_positions ? int32_t(std::min<int64_t>(pos, INT32_MAX)) : -1, 0};
   }
   uint64_t* const full = pipe.full_barrier(st);
   if (lane == 0) sg.load_limit = load_limit;
@@ -154,8 +152,8 @@ __device__ void produce(const DecodeProblem& p, const Layout& l, typename C::Sha
     const int64_t lo = max(c0, (first_page + j) * p.page_size);
     const int64_t hi = min(loaded, (first_page + j + 1) * p.page_size);
     if (!ok || lo >= hi || !l.vec_k) continue;
-    const auto* src = k + page[i] * p.k_page_stride + (lo - (first_page + j) * p.page_size) *
-                                                          p.k_slot_stride;
+    const auto* src =
+        k + page[i] * p.k_page_stride + (lo - (first_page + j) * p.page_size) * p.k_slot_stride;
     uint8_t* dst = sg.keys + (lo - c0) * C::kRowBytes;
     if (l.run_k) {
       const auto n = static_cast<int32_t>((hi - lo) * C::kRowBytes);

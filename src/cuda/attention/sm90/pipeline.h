@@ -1,12 +1,12 @@
-// The K/V pipeline between the producer and the consumer warpgroups: per stage a "full"
-// mbarrier and an "empty" mbarrier (one arrival per consumer warpgroup, or per consumer warp
-// with kConsumerThreads = 32). A TMA producer makes
-// one arrival on "full" with the stage's transaction bytes (producer_acquire); a cp.async
-// producer of kProducerArrivals threads waits for the stage (producer_wait) and each thread's
-// copies arrive on "full" when they land (arrive_on_copies). Every arrival is CTA-local: CUTLASS's
-// PipelineTmaAsync releases through cluster addressing (mapa to CTA rank 0), which reaches another
-// CTA's barriers when the kernel is not launched as a cluster (measured: the releases never arrived
-// and the producer waited forever). Built on CUTLASS's barrier primitives and PipelineState.
+// The K/V pipeline between the producer and the consumer warpgroups: per stage a "full" mbarrier
+// and an "empty" mbarrier (one arrival per consumer warpgroup, or per consumer warp with
+// kConsumerThreads = 32). A TMA producer makes one arrival on "full" with the stage's transaction
+// bytes (producer_acquire); a cp.async producer of kProducerArrivals threads waits for the stage
+// (producer_wait) and each thread's copies arrive on "full" when they land (arrive_on_copies).
+// Every arrival is CTA-local: CUTLASS's PipelineTmaAsync releases through cluster addressing (mapa
+// to CTA rank 0), which reaches another CTA's barriers when the kernel is not launched as a cluster
+// (measured: the releases never arrived and the producer waited forever). Built on CUTLASS's
+// barrier primitives and PipelineState.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
