@@ -103,9 +103,11 @@ __device__ void produce(const DecodeProblem& p, const Layout& l, typename C::Sha
   const int lane = threadIdx.x % 32;
   const int64_t c1 = min(c0 + C::kStageKeys, p.max_model_len);
   const int64_t cap = min(p.max_model_len, p.max_pages * static_cast<int64_t>(p.page_size));
-  const int64_t first_page = c0 / p.page_size;
-  const int64_t mapped = min(c1, cap);  // columns the table can hold
-  const int64_t pages_spanned = mapped > c0 ? (mapped - 1) / p.page_size - first_page + 1 : 0;
+  const int64_t mapped = min(c1, cap);          // columns the table can hold
+  int first_page = 0, last_page = 0, slot = 0;  // columns are below 2^31
+  l.page_size.fast_divmod(first_page, slot, static_cast<int>(c0));
+  if (mapped > c0) l.page_size.fast_divmod(last_page, slot, static_cast<int>(mapped - 1));
+  const int64_t pages_spanned = mapped > c0 ? last_page - first_page + 1 : 0;
   // One round trip: the rows' context lengths (and positions), the item's page-table entries.
   int64_t len = 0, pos = 0;
   if (lane < p.rows) {
@@ -335,6 +337,21 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 
 namespace sparse_attn::cuda::indexer {
 
+namespace decode {
+
+template <typename T, typename KV, int kRowTiles>
+void launch(const DecodeProblem& p, const Layout& l, cudaStream_t stream) {
+  constexpr int kSmem = Config<T, KV>::kSmemBytes;
+  opt_in_shared_memory<mqa_decode_kernel<T, KV, kRowTiles>>(kSmem, /*prefer_max_shared=*/true);
+  int device = 0;
+  SPARSE_ATTN_CUDA_CHECK(cudaGetDevice(&device));
+  const int64_t ctas = std::min<int64_t>(l.items, int64_t{sm_count(device)} * kCtasPerSm);
+  mqa_decode_kernel<T, KV, kRowTiles><<<unsigned(ctas), kThreads, kSmem, stream>>>(p, l);
+  SPARSE_ATTN_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace decode
+
 template <typename T, typename KV>
 void launch_mqa_decode(const DecodeProblem& p, cudaStream_t stream) {
   using namespace decode;
@@ -353,18 +370,11 @@ void launch_mqa_decode(const DecodeProblem& p, cudaStream_t stream) {
   l.run_k = l.vec_k && p.k_slot_stride == kDim;
   l.vec_q = p.q_dim_stride == 1 && reinterpret_cast<uintptr_t>(p.q) % 16 == 0 &&
             p.q_batch_stride % 8 == 0 && p.q_row_stride % 8 == 0 && p.q_head_stride % 8 == 0;
-  const auto kernel =
-      p.rows <= 2 ? mqa_decode_kernel<T, KV, 1> : mqa_decode_kernel<T, KV, kMaxDecodeRows / 2>;
   if (p.rows <= 2) {
-    opt_in_shared_memory<mqa_decode_kernel<T, KV, 1>>(C::kSmemBytes, true);
+    launch<T, KV, 1>(p, l, stream);
   } else {
-    opt_in_shared_memory<mqa_decode_kernel<T, KV, kMaxDecodeRows / 2>>(C::kSmemBytes, true);
+    launch<T, KV, kMaxDecodeRows / 2>(p, l, stream);
   }
-  int device = 0;
-  SPARSE_ATTN_CUDA_CHECK(cudaGetDevice(&device));
-  const int64_t ctas = std::min<int64_t>(l.items, int64_t{sm_count(device)} * kCtasPerSm);
-  kernel<<<unsigned(ctas), kThreads, C::kSmemBytes, stream>>>(p, l);
-  SPARSE_ATTN_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace sparse_attn::cuda::indexer

@@ -663,16 +663,19 @@ void launch_topk(const TopkProblem& p, void* global_sort, int device, cudaStream
     using C = decltype(cfg);
     const size_t smem =
         C::kCandidateBytes + (shared ? static_cast<size_t>(capacity) * sizeof(uint64_t) : 0);
-    const int max_smem = int(C::kCandidateBytes + kTopkMaxSharedSort * 8);
+    const auto run = [&](auto shared_sort) {
+      constexpr bool kShared = decltype(shared_sort)::value;
+      opt_in_shared_memory<topk_kernel<C, kShared>>(
+          int(C::kCandidateBytes + kTopkMaxSharedSort * 8));
+      topk_kernel<C, kShared><<<unsigned(topk_grid<C>(p, device)), C::kThreads, smem, stream>>>(
+          p, kShared ? nullptr : static_cast<uint64_t*>(global_sort), capacity);
+      SPARSE_ATTN_CUDA_CHECK_LAUNCH();
+    };
     if (shared) {
-      opt_in_shared_memory<topk_kernel<C, true>>(max_smem);
+      run(std::true_type{});
     } else {
-      opt_in_shared_memory<topk_kernel<C, false>>(max_smem);
+      run(std::false_type{});
     }
-    const auto kernel = shared ? topk_kernel<C, true> : topk_kernel<C, false>;
-    kernel<<<unsigned(topk_grid<C>(p, device)), C::kThreads, smem, stream>>>(
-        p, shared ? nullptr : static_cast<uint64_t*>(global_sort), capacity);
-    SPARSE_ATTN_CUDA_CHECK_LAUNCH();
   });
 }
 
