@@ -3,20 +3,24 @@
 // (src/reference/qsa_select_ref.cpp).
 //
 // Each score maps to a 32-bit key whose unsigned order is the float order (-0 and +0 share one
-// key, as they compare equal); non-finite scores are never counted or taken. A radix select
-// finds the key T of the k-th best visible block, digits of 12, 12 and 8 bits, most
-// significant first:
-//   1. one pass over the row histograms the first digit; the bin holding the k-th block is
-//      usually a few percent of the row;
-//   2. one more pass copies the blocks of that bin and of the higher ones into shared memory
-//      (the candidates; with a large k, the higher ones are taken at once instead), where the
-//      remaining digits are resolved without touching the row again. A bin too large for the
-//      candidate buffer is first narrowed by more passes over the row (scores of one narrow
-//      magnitude, or many equal scores);
-//   3. of the blocks keyed T, the ones with the lowest ids are taken (a radix select over the
-//      complemented ids, which are unique), so the set is exactly the reference's.
-// The set is sorted by the 64-bit composite (key, ~id) descending: composites are unique, so
-// the order is the reference's (score descending, ties by ascending id).
+// key, as they compare equal); non-finite scores are never counted or taken. A block's
+// composite (key, ~id) is unique, and its descending order is the reference's (score
+// descending, ties by ascending id). Per row:
+//   1. one pass over the row histograms the first 12 bits of the keys; the bin holding the k-th
+//      block is usually a few percent of the row;
+//   2. one more pass copies the blocks of that bin and of the higher ones (the candidates, every
+//      visible block when there are at most k) into shared memory;
+//   3. the usual case, up to half the candidate buffer: the candidates are ordered by counting.
+//      Their keys span a few first-digit bins, cut into 4096 equal ranges; a histogram of the
+//      ranges, each range's start (the count of the ranges above it), each candidate copied to
+//      the next slot of its range. A candidate's final index is its range's start plus the
+//      number of larger composites in its range (ranges hold a few candidates), and the ones
+//      below k are stored there: no sort.
+//   4. otherwise (a crowded range: many equal or nearly equal scores, or many candidates) a
+//      radix select finds the key T of the k-th block (digits of 12, 12 and 8 bits; a bin too
+//      large for the candidate buffer is first narrowed by more passes over the row), the
+//      blocks above T and the lowest-id ties at T are taken, and the selection is sorted by a
+//      bitonic network.
 //
 // Per score, the first pass costs the key and one shared atomic, with no test or branch; the
 // second two float compares and a bit of a mask, and a store only for the few scores at or
@@ -49,8 +53,8 @@ struct Config {
   static constexpr int kThreads = Threads;
   static constexpr int kWarps = Threads / 32;
   static constexpr int kCtasPerSm = CtasPerSm;
-  static constexpr int kCandidates = Candidates;  // (key, id) pairs in dynamic shared memory
-  static constexpr size_t kCandidateBytes = size_t{Candidates} * 2 * sizeof(uint32_t);
+  static constexpr int kCandidates = Candidates;  // composites in dynamic shared memory
+  static constexpr size_t kCandidateBytes = size_t{Candidates} * sizeof(uint64_t);
 };
 using ManyRows = Config<256, 4, 4096>;
 using FewRows = Config<512, 2, 8192>;
@@ -87,7 +91,22 @@ struct SharedStorage {
   PassResult result[2];
   int selected;    // append cursor of the selection
   int candidates;  // append cursor of the candidates
+  unsigned work;            // the placement's in-bin compares (sum of its bins' sizes^2)
+  int digits[2];            // the first pass's lowest and highest non-empty finite bins
 };
+
+// The candidates are placed by counting (the kernel's comment) while their in-bin compares stay
+// under this many a thread; rows with a crowded bin sort instead.
+constexpr unsigned kRankComparesPerThread = 256;
+// A thread's share of s.work saturates here (above every budget), so the sums fit 32 bits.
+constexpr unsigned kWorkCap = 1u << 20;
+
+// Zeroes s.hist; every thread calls it, and a barrier must pass before the bins are counted.
+template <typename C>
+__device__ void clear_bins(SharedStorage<C>& s) {
+  for (int i = threadIdx.x; i < kMaxBins / 4; i += C::kThreads)
+    reinterpret_cast<int4*>(s.hist)[i] = make_int4(0, 0, 0, 0);
+}
 
 // Unsigned order of the key == float order, for every float: f + 0 turns -0 into +0, so the two
 // share one key (IEEE round-to-nearest; the build does not flush denormals), then negative
@@ -164,28 +183,19 @@ struct RadixState {
   }
 };
 
-// The second half of a radix pass, once s.hist holds the counts of the next digit (`bits`
-// wide) and a barrier has passed: narrows the state to the digit whose bin holds the
-// remaining-th largest. Returns how many values were counted (with `first_digit_of_keys`, the
-// first pass over a row's keys, the bins of non-finite keys count as empty). Every thread calls
-// it, with the same `round`. Two barriers: in the scan, after the choice.
+// Reads this thread's kBinsPerThread consecutive bins of s.hist, from the highest down:
+// counts[i] is bin kMaxBins - 1 - first - i (first = tid * kBinsPerThread). Each thread reads
+// its bins as 16-byte words (scalar loads kBinsPerThread words apart conflict that many ways)
+// and, with `zero`, zeroes them: no other thread reads them.
 template <typename C>
-__device__ int choose_digit(SharedStorage<C>& s, RadixState& st, int& round, int bits,
-                            bool first_digit_of_keys) {
-  constexpr int kThreads = C::kThreads, kBinsPerThread = kMaxBins / kThreads;
-  static_assert(kMaxBins % kThreads == 0 && kBinsPerThread % 4 == 0,
+__device__ __forceinline__ int4* read_bins(SharedStorage<C>& s, int bins,
+                                          int (&counts)[kMaxBins / C::kThreads], bool zero) {
+  constexpr int kBinsPerThread = kMaxBins / C::kThreads;
+  static_assert(kMaxBins % C::kThreads == 0 && kBinsPerThread % 4 == 0,
                 "each thread scans whole 16-byte words of bins");
-  const int tid = threadIdx.x;
-  const int bins = 1 << bits;
-  const int shift = st.shift - bits;
-  // Bins from the highest digit down, kBinsPerThread consecutive ones per thread: the chosen
-  // digit is where the running count first reaches `remaining`. Each thread reads its bins as
-  // 16-byte words (scalar loads kBinsPerThread words apart conflict that many ways) and zeroes
-  // them for the next pass: no other thread reads them.
-  const int first = tid * kBinsPerThread;
-  int counts[kBinsPerThread] = {};  // from the top: counts[i] is bin bins - 1 - first - i
+  const int first = threadIdx.x * kBinsPerThread;
+  int4* const h = reinterpret_cast<int4*>(s.hist + bins - kBinsPerThread - first);
   if (first < bins) {
-    int4* h = reinterpret_cast<int4*>(s.hist + bins - kBinsPerThread - first);
 #pragma unroll
     for (int v = 0; v < kBinsPerThread / 4; ++v) {
       const int4 w = h[v];
@@ -193,9 +203,29 @@ __device__ int choose_digit(SharedStorage<C>& s, RadixState& st, int& round, int
       counts[kBinsPerThread - 2 - 4 * v] = w.y;
       counts[kBinsPerThread - 3 - 4 * v] = w.z;
       counts[kBinsPerThread - 4 - 4 * v] = w.w;
-      h[v] = make_int4(0, 0, 0, 0);
+      if (zero) h[v] = make_int4(0, 0, 0, 0);
     }
   }
+  return h;
+}
+
+// The second half of a radix pass, once s.hist holds the counts of the next digit (`bits`
+// wide) and a barrier has passed: narrows the state to the digit whose bin holds the
+// remaining-th largest, and zeroes the bins for the next pass. Returns how many values were
+// counted. Every thread calls it, with the same `round`. Two barriers: in the scan, after the
+// choice. With `first_digit_of_keys` (the first pass over a row's keys) the bins of non-finite
+// keys count as empty, and s.digits gets the lowest and highest non-empty bins (visible after
+// the next barrier).
+template <typename C>
+__device__ int choose_digit(SharedStorage<C>& s, RadixState& st, int& round, int bits,
+                            bool first_digit_of_keys) {
+  constexpr int kBinsPerThread = kMaxBins / C::kThreads;
+  const int bins = 1 << bits;
+  const int shift = st.shift - bits;
+  // The chosen digit is where the running count from the top first reaches `remaining`.
+  const int first = threadIdx.x * kBinsPerThread;
+  int counts[kBinsPerThread] = {};
+  read_bins<C>(s, bins, counts, true);
   if (first_digit_of_keys) {
 #pragma unroll
     for (int i = 0; i < kBinsPerThread; ++i)
@@ -207,6 +237,15 @@ __device__ int choose_digit(SharedStorage<C>& s, RadixState& st, int& round, int
   PassResult* const result = &s.result[round & 1];
   int total = 0;
   int above = block_exclusive_sum<C>(sum, s, round, total);
+  if (first_digit_of_keys && sum > 0 && (above == 0 || above + sum == total)) {
+    // The thread holding the highest (lowest) non-empty bin.
+#pragma unroll
+    for (int i = kBinsPerThread - 1; i >= 0; --i)
+      if (above == 0 && counts[i] > 0) s.digits[1] = bins - 1 - (first + i);
+#pragma unroll
+    for (int i = 0; i < kBinsPerThread; ++i)
+      if (above + sum == total && counts[i] > 0) s.digits[0] = bins - 1 - (first + i);
+  }
   if (total < st.remaining) return total;  // uniform: fewer values than wanted, nothing chosen
   if (above < st.remaining && above + sum >= st.remaining) {  // one thread: the crossing is here
 #pragma unroll
@@ -224,6 +263,40 @@ __device__ int choose_digit(SharedStorage<C>& s, RadixState& st, int& round, int
   st.remaining = chosen.remaining;
   st.count = chosen.digit_count;
   return total;
+}
+
+// Once s.hist holds counts (and a barrier has passed): replaces every bin's count by the
+// number of values in the bins above it (where the bin's values start in descending order),
+// adds the bins' squared sizes to s.work (one atomic a warp: shared 64-bit or contended atomics
+// serialise), and ends with a barrier. Every thread calls it, with the same `round`.
+template <typename C>
+__device__ void bin_starts(SharedStorage<C>& s, int& round) {
+  constexpr int kBinsPerThread = kMaxBins / C::kThreads;
+  int counts[kBinsPerThread] = {};
+  int4* const h = read_bins<C>(s, kMaxBins, counts, false);
+  int sum = 0;
+  unsigned work = 0;
+#pragma unroll
+  for (int i = 0; i < kBinsPerThread; ++i) {
+    sum += counts[i];
+    const unsigned c = min(static_cast<unsigned>(counts[i]), 1024u);
+    work = min(work + c * c, kWorkCap);
+  }
+  int total = 0;
+  int run = block_exclusive_sum<C>(sum, s, round, total);
+  int start[kBinsPerThread];
+#pragma unroll
+  for (int i = 0; i < kBinsPerThread; ++i) {
+    start[i] = run;
+    run += counts[i];
+  }
+#pragma unroll
+  for (int v = 0; v < kBinsPerThread / 4; ++v)
+    h[v] = make_int4(start[kBinsPerThread - 1 - 4 * v], start[kBinsPerThread - 2 - 4 * v],
+                     start[kBinsPerThread - 3 - 4 * v], start[kBinsPerThread - 4 - 4 * v]);
+  work = __reduce_add_sync(0xffffffffu, work);
+  if (threadIdx.x % 32 == 0 && work != 0) atomicAdd(&s.work, work);
+  __syncthreads();
 }
 
 // One radix pass: histograms the next digit of the values visit(f) yields (f(value) per value,
@@ -493,13 +566,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
     topk_kernel(const TopkProblem p, uint64_t* global_sort, int64_t sort_capacity) {
   constexpr int kThreads = C::kThreads, kCandidates = C::kCandidates;
   using SortIndex = std::conditional_t<kSharedSort, int, int64_t>;
-  // Dynamic shared memory: the candidates (scores and columns), then the selection when it is
-  // sorted here.
+  // Dynamic shared memory: the candidates (composites), then the selection when it is sorted
+  // here.
   extern __shared__ uint4 dynamic_smem[];
   __shared__ SharedStorage<C> s;
   auto* smem = reinterpret_cast<char*>(dynamic_smem);
-  float* const cand_score = reinterpret_cast<float*>(smem);  // [kCandidates]
-  uint32_t* const cand_id = reinterpret_cast<uint32_t*>(cand_score + kCandidates);
+  uint64_t* const cand = reinterpret_cast<uint64_t*>(smem);  // [kCandidates]
   uint64_t* buf;
   if constexpr (kSharedSort) {
     buf = reinterpret_cast<uint64_t*>(smem + C::kCandidateBytes);
@@ -527,89 +599,153 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
     const auto visit_row = [&](auto&& f) {
       for_each_key<C>(row, cs, lo, hi, [&](uint32_t key, int) { f(key); });
     };
-    const auto append = [&](uint32_t key, uint32_t id) {
-      buf[atomicAdd(&s.selected, 1)] = composite(key, id);
-    };
+    const auto append = [&](uint64_t c) { buf[atomicAdd(&s.selected, 1)] = c; };
     const auto candidate = [&](int c, float x, int j) {
-      cand_score[c] = x;
-      cand_id[c] = static_cast<uint32_t>(j);
+      cand[c] = composite(raw_key(x), static_cast<uint32_t>(j));
     };
-    if (tid == 0) s.selected = s.candidates = 0;
+    if (tid == 0) {
+      s.selected = s.candidates = 0;
+      s.work = 0;
+    }
 
     RadixState st;
     const int k = static_cast<int>(std::min<int64_t>(p.k, INT_MAX));
     st.remaining = k;
+    // s.hist now holds the first digit's bin starts (choose_digit).
     const int visible = first_pass<C>(s, st, round, row, cs, lo, hi);
-    if (visible <= k) {
-      // Every visible block is kept.
-      append_scores<C>(row, cs, lo, hi, at_least(kLowestFiniteKey), &s.selected,
-                       [&](int c, float x, int j) { buf[c] = composite(raw_key(x), j); });
-    } else {
-      // Narrow the threshold bin over the row until it fits the candidate buffer.
-      while (st.count > kCandidates && st.shift > 0) radix_pass<C>(s, st, round, visit_row);
-      if (st.count <= kCandidates) {
-        if (k - st.remaining + st.count <= kCandidates) {
-          // The blocks above the bin and the bin's are the candidates (the usual case).
-          append_scores<C>(row, cs, lo, hi, at_least(st.prefix), &s.candidates, candidate);
-        } else {
-          // Too many blocks above the bin (a large k): they are taken at once.
-          const uint32_t top = st.prefix | ((1u << st.shift) - 1);
-          for_each_key<C>(row, cs, lo, hi, [&](uint32_t key, int j) {
-            if (key > top) {
-              append(key, static_cast<uint32_t>(j));
-            } else if (key >= st.prefix) {
-              candidate(atomicAdd(&s.candidates, 1), key_value(key), j);
-            }
-          });
-        }
-        __syncthreads();
-        const int nc = s.candidates;
-        const auto visit_candidates = [&](auto&& f) {
-          for (int c = tid; c < nc; c += kThreads) f(raw_key(cand_score[c]));
+    const bool all = visible <= k;  // every visible block is kept
+    // The candidates: every visible block, or those of the threshold bin and above.
+    const int64_t counted = all ? visible : int64_t{k} - st.remaining + st.count;
+    const int selected = std::min(visible, k);
+
+    // The radix select of the k-th composite among the candidates cand[0, nc), and the
+    // selection appended to buf (unsorted).
+    const auto resolve_candidates = [&](int nc) {
+      const auto visit_candidates = [&](auto&& f) {
+        for (int c = tid; c < nc; c += kThreads) f(static_cast<uint32_t>(cand[c] >> 32));
+      };
+      while (st.shift > 0) radix_pass<C>(s, st, round, visit_candidates);
+      // st.prefix is the key T; st.remaining of its st.count blocks are taken.
+      const uint32_t t = st.prefix;
+      RadixState ids;  // over ~id of the blocks keyed T: the lowest ids first
+      ids.remaining = st.remaining;
+      if (st.remaining < st.count) {
+        const auto visit_ties = [&](auto&& f) {
+          for (int c = tid; c < nc; c += kThreads)
+            if (static_cast<uint32_t>(cand[c] >> 32) == t) f(static_cast<uint32_t>(cand[c]));
         };
-        while (st.shift > 0) radix_pass<C>(s, st, round, visit_candidates);
-        // st.prefix is the key T; st.remaining of its st.count blocks are taken.
-        const uint32_t t = st.prefix;
-        RadixState ids;  // over ~id of the blocks keyed T: the lowest ids first
-        ids.remaining = st.remaining;
-        if (st.remaining < st.count) {
-          const auto visit_ties = [&](auto&& f) {
-            for (int c = tid; c < nc; c += kThreads)
-              if (raw_key(cand_score[c]) == t) f(~cand_id[c]);
-          };
-          while (ids.shift > 0) radix_pass<C>(s, ids, round, visit_ties);
+        while (ids.shift > 0) radix_pass<C>(s, ids, round, visit_ties);
+      }
+      for (int c = tid; c < nc; c += kThreads) {
+        const uint32_t key = static_cast<uint32_t>(cand[c] >> 32);
+        if (key > t || (key == t && static_cast<uint32_t>(cand[c]) >= ids.prefix)) append(cand[c]);
+      }
+    };
+
+    bool sorted = false;
+    if (2 * counted <= kCandidates) {
+      // The candidates, then their order by counting: a histogram over 4096 equal ranges of
+      // their keys, each range's start from the top, each candidate stored at the next slot of
+      // its range in the buffer's upper half; a candidate's index is then its range's start
+      // plus the larger composites of its range.
+      const int nc = static_cast<int>(counted);
+      append_scores<C>(row, cs, lo, hi, at_least(all ? kLowestFiniteKey : st.prefix),
+                       &s.candidates, candidate);
+      __syncthreads();
+      sorted = true;
+      if (nc > 0) {
+        const uint32_t base = all ? uint32_t(s.digits[0]) << kFirstDigitShift : st.prefix;
+        const uint32_t span = ((uint32_t(s.digits[1]) + 1) << kFirstDigitShift) - base;
+        const int shift = max(0, 32 - __clz(static_cast<int>(span - 1)) - 12);
+        const auto range = [&](uint64_t x) {
+          return static_cast<int>((static_cast<uint32_t>(x >> 32) - base) >> shift);
+        };
+        for (int c = tid; c < nc; c += kThreads) atomicAdd(&s.hist[range(cand[c])], 1);
+        __syncthreads();
+        bin_starts<C>(s, round);
+        uint64_t* const placed = cand + kCandidates / 2;
+        for (int c = tid; c < nc; c += kThreads)
+          placed[atomicAdd(&s.hist[range(cand[c])], 1)] = cand[c];
+        __syncthreads();
+        if (s.work <= kRankComparesPerThread * kThreads) {
+          // Range d now spans [hist[d + 1], hist[d]) (the top range from 0).
+          for (int c = tid; c < nc; c += kThreads) {
+            const uint64_t x = placed[c];
+            const int d = range(x);
+            const int end = s.hist[d];
+            int index = d + 1 < kMaxBins ? s.hist[d + 1] : 0;
+            for (int e = index; e < end; ++e) index += placed[e] > x;
+            if (index < k) buf[index] = x;
+          }
+        } else {
+          // A crowded range (many equal or nearly equal scores): select and sort instead.
+          sorted = false;
+          clear_bins(s);
+          __syncthreads();
+          if (all) {
+            for (int c = tid; c < nc; c += kThreads) buf[c] = cand[c];
+          } else {
+            resolve_candidates(nc);
+          }
         }
-        for (int c = tid; c < nc; c += kThreads) {
-          const uint32_t key = raw_key(cand_score[c]), id = cand_id[c];
-          if (key > t || (key == t && (~id) >= ids.prefix)) append(key, id);
-        }
+      }
+    } else {
+      if (all) {
+        append_scores<C>(row, cs, lo, hi, at_least(kLowestFiniteKey), &s.selected,
+                         [&](int c, float x, int j) { buf[c] = composite(raw_key(x), j); });
       } else {
-        // More than kCandidates blocks share the key T: the ties are taken in id order.
-        const uint32_t t = st.prefix;
-        const int needed = st.remaining;
-        int ties_before = 0;  // uniform
-        for (int base = lo; base < hi; base += kThreads) {
-          const int j = base + tid;
-          const uint32_t key = j < hi ? order_key(row[j * cs]) : 0;
-          if (key > t) append(key, static_cast<uint32_t>(j));
-          if (ties_before < needed) {
-            int total = 0;
-            const int before = block_exclusive_sum<C>(key == t, s, round, total);
-            if (key == t && ties_before + before < needed) append(key, static_cast<uint32_t>(j));
-            ties_before += total;
+        // Narrow the threshold bin over the row until it fits the candidate buffer.
+        while (st.count > kCandidates && st.shift > 0) radix_pass<C>(s, st, round, visit_row);
+        if (st.count <= kCandidates) {
+          if (k - st.remaining + st.count <= kCandidates) {
+            // The blocks above the bin and the bin's are the candidates.
+            append_scores<C>(row, cs, lo, hi, at_least(st.prefix), &s.candidates, candidate);
+          } else {
+            // Too many blocks above the bin (a large k): they are taken at once.
+            const uint32_t top = st.prefix | ((1u << st.shift) - 1);
+            for_each_key<C>(row, cs, lo, hi, [&](uint32_t key, int j) {
+              const uint64_t c = composite(key, static_cast<uint32_t>(j));
+              if (key > top) {
+                append(c);
+              } else if (key >= st.prefix) {
+                cand[atomicAdd(&s.candidates, 1)] = c;
+              }
+            });
+          }
+          __syncthreads();
+          resolve_candidates(s.candidates);
+        } else {
+          // More than kCandidates blocks share the key T: the ties are taken in id order.
+          const uint32_t t = st.prefix;
+          const int needed = st.remaining;
+          int ties_before = 0;  // uniform
+          for (int base = lo; base < hi; base += kThreads) {
+            const int j = base + tid;
+            const uint32_t key = j < hi ? order_key(row[j * cs]) : 0;
+            if (key > t) append(composite(key, static_cast<uint32_t>(j)));
+            if (ties_before < needed) {
+              int total = 0;
+              const int before = block_exclusive_sum<C>(key == t, s, round, total);
+              if (key == t && ties_before + before < needed)
+                append(composite(key, static_cast<uint32_t>(j)));
+              ties_before += total;
+            }
           }
         }
       }
     }
     __syncthreads();
-    const int selected = std::min(visible, k);
 
-    // Sort (padding composites of 0 sort last) and emit.
-    SortIndex n = kSortChunk;
-    while (n < selected) n *= 2;
-    for (SortIndex i = selected + tid; i < n; i += kThreads) buf[i] = 0;
-    __syncthreads();
-    bitonic_sort_descending<C>(buf, n);
+    if (sorted) {
+      clear_bins(s);  // the placement's starts; the next barrier is the row's last
+    } else {
+      // Sort (padding composites of 0 sort last).
+      SortIndex n = kSortChunk;
+      while (n < selected) n *= 2;
+      for (SortIndex i = selected + tid; i < n; i += kThreads) buf[i] = 0;
+      __syncthreads();
+      bitonic_sort_descending<C>(buf, n);
+    }
     emit_row<C>(p, s, round, buf, selected, r, pos);
     __syncthreads();
   }
