@@ -307,6 +307,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   using Pipeline = sm90::TmaPipeline<kStages, kConsumerWarps, 32, 32>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   auto& s = *reinterpret_cast<typename C::SharedStorage*>(smem_raw);
+  // The fused selection launches its top-k as a programmatic dependent of this grid: once
+  // every CTA here has started (the grid is one wave) the top-k's CTAs may be scheduled, and
+  // they wait for this grid's scores in cudaGridDependencySynchronize. Otherwise a no-op.
+  cudaTriggerProgrammaticLaunchCompletion();
   if (threadIdx.x == 0) Pipeline::init(s.barriers);
   cutlass::arch::fence_barrier_init();
   __syncthreads();

@@ -219,7 +219,7 @@ void native_decode_select(const DecodeSelectParams& p) {
     ix::launch_decode(d, p.score.dtype, p.score.k_dtype, stream);
     sel::launch_topk(sel::chunk_topk(p.select, total_rows, sc, plan, p.score.max_model_len,
                                      b0 * rows_per_req, b1 * rows_per_req),
-                     nullptr, p.select.device_index, stream);
+                     nullptr, p.select.device_index, stream, /*programmatic=*/true);
   }
 }
 

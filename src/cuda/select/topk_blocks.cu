@@ -582,6 +582,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
   for (int i = tid; i < kMaxBins; i += kThreads) s.hist[i] = 0;
   int round = 0;  // of the block-wide scans (SharedStorage)
   __syncthreads();
+  // A programmatic launch (launch_topk) reads the previous grid's scores only after it has
+  // completed; otherwise a no-op.
+  cudaGridDependencySynchronize();
 
   for (int64_t r = p.row_begin + blockIdx.x; r < p.row_end; r += gridDim.x) {
     const int64_t l = r - p.row_begin;
@@ -791,7 +794,8 @@ size_t topk_global_sort_bytes(const TopkProblem& p, int device) {
   return bytes;
 }
 
-void launch_topk(const TopkProblem& p, void* global_sort, int device, cudaStream_t stream) {
+void launch_topk(const TopkProblem& p, void* global_sort, int device, cudaStream_t stream,
+                 bool programmatic) {
   if (p.row_end <= p.row_begin) return;
   const int64_t capacity = sort_capacity(p);
   const bool shared = capacity <= kTopkMaxSharedSort;
@@ -803,9 +807,19 @@ void launch_topk(const TopkProblem& p, void* global_sort, int device, cudaStream
       constexpr bool kShared = decltype(shared_sort)::value;
       opt_in_shared_memory<topk_kernel<C, kShared>>(
           int(C::kCandidateBytes + kTopkMaxSharedSort * 8));
-      topk_kernel<C, kShared><<<unsigned(topk_grid<C>(p, device)), C::kThreads, smem, stream>>>(
-          p, kShared ? nullptr : static_cast<uint64_t*>(global_sort), capacity);
-      SPARSE_ATTN_CUDA_CHECK_LAUNCH();
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(static_cast<unsigned>(topk_grid<C>(p, device)));
+      cfg.blockDim = dim3(C::kThreads);
+      cfg.dynamicSmemBytes = smem;
+      cfg.stream = stream;
+      cudaLaunchAttribute attr = {};
+      attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr.val.programmaticStreamSerializationAllowed = 1;
+      cfg.attrs = &attr;
+      cfg.numAttrs = programmatic ? 1 : 0;
+      SPARSE_ATTN_CUDA_CHECK(cudaLaunchKernelEx(
+          &cfg, topk_kernel<C, kShared>, p,
+          kShared ? nullptr : static_cast<uint64_t*>(global_sort), capacity));
     };
     if (shared) {
       run(std::true_type{});

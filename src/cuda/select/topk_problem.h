@@ -50,6 +50,11 @@ size_t topk_global_sort_bytes(const TopkProblem& problem, int device);
 
 // Enqueues the selection on `stream`; `global_sort` holds topk_global_sort_bytes bytes (or is
 // null when they are 0). No allocation, no host synchronisation, no read of device memory.
-void launch_topk(const TopkProblem& problem, void* global_sort, int device, cudaStream_t stream);
+// `programmatic`: launched as a programmatic dependent of the stream's previous kernel (the
+// decode score kernel, which triggers at its start), so the top-k's CTAs are scheduled while
+// it runs and wait for its results in cudaGridDependencySynchronize: no launch gap between
+// the two.
+void launch_topk(const TopkProblem& problem, void* global_sort, int device, cudaStream_t stream,
+                 bool programmatic = false);
 
 }  // namespace sparse_attn::cuda::select
