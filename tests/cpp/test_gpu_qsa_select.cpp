@@ -188,6 +188,10 @@ std::vector<TopkCase> topk_cases() {
       {"rows24_nb32768_k512_causal", {24, 32768}, 512, S::kCausal, false},
       {"rows4_nb32768_k512_constant", {4, 32768}, 512, S::kConstant, false},
       {"rows4_nb3000_k2999_constant", {4, 3000}, 2999, S::kConstant, false},
+      // Every visible block kept (visible <= k): ordered by counting (distinct), or, with one
+      // crowded range of equal scores, sorted instead (constant).
+      {"rows4_nb3000_k4000_distinct_all_kept", {4, 3000}, 4000, S::kDistinct, false},
+      {"rows4_nb1000_k1000_constant_all_kept", {4, 1000}, 1000, S::kConstant, false},
       {"b3_q5_nb777_k100_strided", {3, 5, 777}, 100, S::kQuantised, true},
       {"rows9_nb2500_k300_strided_distinct", {9, 2500}, 300, S::kDistinct, true},
       {"rows3000_nb64_k8_many_rows", {3000, 64}, 8, S::kQuantised, false},

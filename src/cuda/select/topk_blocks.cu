@@ -91,12 +91,12 @@ struct SharedStorage {
   PassResult result[2];
   int selected;    // append cursor of the selection
   int candidates;  // append cursor of the candidates
-  unsigned work;            // the placement's in-bin compares (sum of its bins' sizes^2)
-  int digits[2];            // the first pass's lowest and highest non-empty finite bins
+  unsigned work;   // the placement's in-bin compares (sum of its bins' sizes^2)
+  int digits[2];   // the first pass's lowest and highest non-empty finite bins
 };
 
-// The candidates are placed by counting (the kernel's comment) while their in-bin compares stay
-// under this many a thread; rows with a crowded bin sort instead.
+// The candidates are ordered by counting (the kernel's comment, step 3) while their in-range
+// compares stay under this many a thread; rows with a crowded range take step 4 instead.
 constexpr unsigned kRankComparesPerThread = 256;
 // A thread's share of s.work saturates here (above every budget), so the sums fit 32 bits.
 constexpr unsigned kWorkCap = 1u << 20;
@@ -189,7 +189,7 @@ struct RadixState {
 // and, with `zero`, zeroes them: no other thread reads them.
 template <typename C>
 __device__ __forceinline__ int4* read_bins(SharedStorage<C>& s, int bins,
-                                          int (&counts)[kMaxBins / C::kThreads], bool zero) {
+                                           int (&counts)[kMaxBins / C::kThreads], bool zero) {
   constexpr int kBinsPerThread = kMaxBins / C::kThreads;
   static_assert(kMaxBins % C::kThreads == 0 && kBinsPerThread % 4 == 0,
                 "each thread scans whole 16-byte words of bins");
@@ -353,7 +353,7 @@ __device__ __forceinline__ void for_each_score(const float* row, int64_t stride,
 // f(score, column) for every score of for_each_score's groups.
 template <typename F>
 __device__ __forceinline__ auto each_score(F&& f) {
-  return [&f](const float4 (&x)[kUnroll], const int (&j)[kUnroll]) {
+  return [&f](const float4(&x)[kUnroll], const int(&j)[kUnroll]) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       f(x[u].x, j[u]);
@@ -406,7 +406,7 @@ __device__ __forceinline__ void append_scores(const float* row, int64_t stride, 
   const auto one = [&](float x, int j) {
     if (wanted(x)) store(atomicAdd(cursor, 1), x, j);
   };
-  const auto group = [&](const float4 (&x)[kUnroll], const int (&j)[kUnroll]) {
+  const auto group = [&](const float4(&x)[kUnroll], const int(&j)[kUnroll]) {
     uint32_t mask = 0;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -444,8 +444,7 @@ __device__ __forceinline__ void append_scores(const float* row, int64_t stride, 
 // The bitonic network's compare-exchange of the element a lane holds with the one lane ^ stride
 // holds: in a descending run the lower index of the pair keeps the larger value, in an
 // ascending run the smaller. One 64-bit compare and a select (max and min would be two of each).
-__device__ __forceinline__ uint64_t exchange_across_lanes(uint64_t x, int stride,
-                                                          bool descending) {
+__device__ __forceinline__ uint64_t exchange_across_lanes(uint64_t x, int stride, bool descending) {
   const uint64_t y = __shfl_xor_sync(0xffffffffu, x, stride);
   const bool keep_larger = ((threadIdx.x & stride) == 0) == descending;
   return (y > x) == keep_larger ? y : x;
@@ -516,8 +515,8 @@ __device__ void bitonic_sort_descending(uint64_t* buf, Index n) {
 // expansion to token ids at position `pos` and their count (qsa_expand_blocks' rule: block b is
 // kept iff 4b + 3 <= pos, in order, then the tail of the current block, then -1).
 template <typename C>
-__device__ void emit_row(const TopkProblem& p, SharedStorage<C>& s, int& round,
-                         const uint64_t* buf, int64_t selected, int64_t r, int32_t pos) {
+__device__ void emit_row(const TopkProblem& p, SharedStorage<C>& s, int& round, const uint64_t* buf,
+                         int64_t selected, int64_t r, int32_t pos) {
   constexpr int kThreads = C::kThreads;
   const int tid = threadIdx.x;
   const auto id_at = [&](int64_t j) {
@@ -588,8 +587,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
 
   for (int64_t r = p.row_begin + blockIdx.x; r < p.row_end; r += gridDim.x) {
     const int64_t l = r - p.row_begin;
-    const float* row =
-        p.scores + (l / p.score_rows) * p.scores_batch_stride + (l % p.score_rows) * p.scores_row_stride;
+    const float* row = p.scores + (l / p.score_rows) * p.scores_batch_stride +
+                       (l % p.score_rows) * p.scores_row_stride;
     int lo = 0, hi = static_cast<int>(p.num_blocks);
     int32_t pos = -1;
     if (p.windows) {
@@ -614,7 +613,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
     RadixState st;
     const int k = static_cast<int>(std::min<int64_t>(p.k, INT_MAX));
     st.remaining = k;
-    // s.hist now holds the first digit's bin starts (choose_digit).
+    // The first pass leaves s.hist zero and s.digits the range of the first digits present.
     const int visible = first_pass<C>(s, st, round, row, cs, lo, hi);
     const bool all = visible <= k;  // every visible block is kept
     // The candidates: every visible block, or those of the threshold bin and above.
@@ -652,8 +651,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
       // its range in the buffer's upper half; a candidate's index is then its range's start
       // plus the larger composites of its range.
       const int nc = static_cast<int>(counted);
-      append_scores<C>(row, cs, lo, hi, at_least(all ? kLowestFiniteKey : st.prefix),
-                       &s.candidates, candidate);
+      append_scores<C>(row, cs, lo, hi, at_least(all ? kLowestFiniteKey : st.prefix), &s.candidates,
+                       candidate);
       __syncthreads();
       sorted = true;
       if (nc > 0) {
@@ -768,8 +767,7 @@ int64_t topk_grid(const TopkProblem& p, int device) {
       std::min<int64_t>(p.row_end - p.row_begin, int64_t{sm_count(device)} * C::kCtasPerSm);
   const int64_t capacity = sort_capacity(p);
   if (capacity <= kTopkMaxSharedSort) return grid;
-  return std::clamp<int64_t>(kMaxGlobalSortBytes / (capacity * int64_t{sizeof(uint64_t)}), 1,
-                             grid);
+  return std::clamp<int64_t>(kMaxGlobalSortBytes / (capacity * int64_t{sizeof(uint64_t)}), 1, grid);
 }
 
 // The one choice of CTA shape: ManyRows once the rows fill more than one wave of FewRows.
@@ -817,9 +815,9 @@ void launch_topk(const TopkProblem& p, void* global_sort, int device, cudaStream
       attr.val.programmaticStreamSerializationAllowed = 1;
       cfg.attrs = &attr;
       cfg.numAttrs = programmatic ? 1 : 0;
-      SPARSE_ATTN_CUDA_CHECK(cudaLaunchKernelEx(
-          &cfg, topk_kernel<C, kShared>, p,
-          kShared ? nullptr : static_cast<uint64_t*>(global_sort), capacity));
+      SPARSE_ATTN_CUDA_CHECK(
+          cudaLaunchKernelEx(&cfg, topk_kernel<C, kShared>, p,
+                             kShared ? nullptr : static_cast<uint64_t*>(global_sort), capacity));
     };
     if (shared) {
       run(std::true_type{});
