@@ -186,7 +186,8 @@ struct RadixState {
 // Reads this thread's kBinsPerThread consecutive bins of s.hist, from the highest down:
 // counts[i] is bin kMaxBins - 1 - first - i (first = tid * kBinsPerThread). Each thread reads
 // its bins as 16-byte words (scalar loads kBinsPerThread words apart conflict that many ways)
-// and, with `zero`, zeroes them: no other thread reads them.
+// and, with `zero`, zeroes them: no other thread reads them. Returns where they are (null for
+// a thread past the bins).
 template <typename C>
 __device__ __forceinline__ int4* read_bins(SharedStorage<C>& s, int bins,
                                            int (&counts)[kMaxBins / C::kThreads], bool zero) {
@@ -194,8 +195,9 @@ __device__ __forceinline__ int4* read_bins(SharedStorage<C>& s, int bins,
   static_assert(kMaxBins % C::kThreads == 0 && kBinsPerThread % 4 == 0,
                 "each thread scans whole 16-byte words of bins");
   const int first = threadIdx.x * kBinsPerThread;
-  int4* const h = reinterpret_cast<int4*>(s.hist + bins - kBinsPerThread - first);
-  if (first < bins) {
+  int4* const h =
+      first < bins ? reinterpret_cast<int4*>(s.hist + bins - kBinsPerThread - first) : nullptr;
+  if (h) {
 #pragma unroll
     for (int v = 0; v < kBinsPerThread / 4; ++v) {
       const int4 w = h[v];
