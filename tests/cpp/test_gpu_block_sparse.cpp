@@ -68,6 +68,55 @@ TEST_P(GpuBlockSparse, MatchesReference) {
 INSTANTIATE_TEST_SUITE_P(Forms, GpuBlockSparse, ::testing::ValuesIn(testing::block_sparse_cases()),
                          case_name);
 
+// More work items (128 query rows x head x sequence) than the H200 has SMs, so that each
+// persistent CTA (d64, d128) walks several items and runs ahead into the next one: items of
+// different lengths, items without rows (empty sequences, max_seqlen_q past a sequence), items
+// whose rows see nothing, dense / sparse / streaming heads, paged. GPU only: the host reference
+// of these takes seconds.
+std::vector<BsCase> many_item_cases() {
+  std::vector<BsCase> v;
+  {
+    BsCase c;
+    c.name = "bf16_d128_many_items_varlen_mixed_heads";
+    c.hq = 16;
+    c.hkv = 4;
+    c.lq = {1300, 0, 600, 130};
+    c.lk = {1300, 40, 200, 1800};
+    c.head_types = {1, 1, 0, 1, -1, 1, 1, 0, 1, 1, 1, -1, 1, 0, 1, 1};
+    c.streaming.assign(2 * c.hq, 0);
+    c.streaming[8] = 1, c.streaming[9] = 2, c.streaming[22] = 0, c.streaming[23] = 3;
+    c.keep = 0.3;
+    v.push_back(c);
+  }
+  {
+    BsCase c;
+    c.name = "fp16_d64_many_items_paged_page800";
+    c.dtype = DType::kF16;
+    c.d = 64;
+    c.hq = 24;
+    c.hkv = 2;
+    c.page_size = 800;
+    c.lq = {1000, 257};
+    c.lk = {1700, 257};
+    c.keep = 0.5;
+    v.push_back(c);
+  }
+  {
+    BsCase c;
+    c.name = "bf16_d128_many_items_not_causal_no_lse";
+    c.hq = 32;
+    c.hkv = 8;
+    c.causal = false;
+    c.lq = {520};
+    c.lk = {700};
+    c.lse = false;
+    v.push_back(c);
+  }
+  return v;
+}
+INSTANTIATE_TEST_SUITE_P(ManyItems, GpuBlockSparse, ::testing::ValuesIn(many_item_cases()),
+                         case_name);
+
 // The native tensors' metadata (offsets, lengths, page table) as int64, outputs poisoned again.
 void widen_metadata(Problem& pb) {
   const auto wide = [](const Tensor& host) { return to_device(testing::widened(host.view())); };
@@ -104,14 +153,15 @@ TEST_P(GpuBlockSparse, Int64MetadataGivesTheInt32Bits) {
   }
 }
 
-// Same inputs, same bits.
+// Same inputs, same bits, whichever persistent CTA claims an item (192 items).
 TEST(GpuBlockSparseDeterminism, RerunsAreBitwiseEqual) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = testing::make_rng();
   BsCase c;
   c.lq = {700};
   c.lk = {1500};
-  c.hq = 4;
+  c.hq = 32;
+  c.hkv = 8;
   Problem pb = make_device_problem(c, rng);
   run(pb, true);
   const Tensor first = Tensor::to_host(pb.nout.view()), first_lse = Tensor::to_host(pb.nlse.view());
@@ -143,13 +193,16 @@ struct CapturedRun {
   }
 };
 
-// A captured graph reads the mask and lengths current at replay.
+// A captured graph reads the mask and lengths current at replay. 192 work items: persistent
+// CTAs claim most of them from the counter, which each replay zeroes again.
 TEST(GpuBlockSparseGraph, ReplayReadsCurrentMask) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = testing::make_rng();
   BsCase c;
   c.lq = {300, 100};
   c.lk = {900, 400};
+  c.hq = 32;
+  c.hkv = 8;
   c.page_size = 64;
   Problem pb = make_device_problem(c, rng);
   CapturedRun captured(pb);

@@ -40,6 +40,7 @@ struct QsaUnionProblem {
   using Params = QsaUnionParams;
   using Element = typename Traits::Element;
   static constexpr bool kGatherProducer = true;
+  static constexpr bool kPersistent = false;
   static constexpr int kBlockN = Traits::kBlockN;
   static_assert(kBlockN == C::kBlockN && Traits::kHeadDim == C::kHeadDim);
   static_assert(Traits::kProducerArrivals == 128, "the producer warpgroup gathers");

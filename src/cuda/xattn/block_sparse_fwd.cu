@@ -24,7 +24,8 @@
 namespace sparse_attn::cuda {
 
 template <class Element, int kHeadDim>
-void launch_block_sparse_fwd(const BlockSparseFwdParams& p, int64_t tiles, cudaStream_t stream);
+void launch_block_sparse_fwd(const BlockSparseFwdParams& p, int64_t tiles, int sms,
+                             cudaStream_t stream);
 
 namespace {
 
@@ -36,15 +37,24 @@ CUtensorMap tensor_map(const void* base, DType dtype, const int64_t (&size)[4],
   return tiled_tensor_map(base, dtype, 4, size, stride, box, "block_sparse_attention");
 }
 
-// Keys per K/V tile of the instantiation for a head dim (validated: 64, 128 or 256).
-int block_n(int64_t head_dim) {
+// The instantiation's tile configuration for a head dim (validated: 64, 128 or 256): keys per
+// K/V tile, and whether it launches persistent CTAs.
+struct TileChoice {
+  int block_n;
+  bool persistent;
+};
+template <int kHeadDim>
+constexpr TileChoice tile_choice() {
+  return {BlockSparseTile<kHeadDim>::kBlockN, BlockSparseTile<kHeadDim>::kPersistent};
+}
+TileChoice tile_choice(int64_t head_dim) {
   switch (head_dim) {
     case 64:
-      return BlockSparseTile<64>::kBlockN;
+      return tile_choice<64>();
     case 128:
-      return BlockSparseTile<128>::kBlockN;
+      return tile_choice<128>();
     default:
-      return BlockSparseTile<256>::kBlockN;
+      return tile_choice<256>();
   }
 }
 
@@ -157,7 +167,7 @@ void native_block_sparse_attention(const BlockSparseAttnParams& a) {
       a.q, a.dtype,
       {a.head_dim, varlen_q ? a.total_q : a.max_seqlen_q, a.num_q_heads, varlen_q ? 1 : a.batch},
       {a.q_stride[1], a.q_stride[2], a.q_stride[0]}, cols, 128);
-  const int n = cuda::block_n(a.head_dim);
+  const cuda::TileChoice tile = cuda::tile_choice(a.head_dim);
   int64_t kv_rows = 0, kv_outer = 1;
   switch (a.kv_layout) {
     case XAttnKVLayout::kPaged:
@@ -177,9 +187,9 @@ void native_block_sparse_attention(const BlockSparseAttnParams& a) {
     return cuda::tensor_map(base, a.dtype, {a.head_dim, kv_rows, a.num_kv_heads, kv_outer},
                             {s[1], s[2], s[0]}, cols, rows);
   };
-  p.tma_k = kv_map(a.k, a.k_stride, n);
-  p.tma_v = kv_map(a.v, a.v_stride, n);
-  if (p.kv == BlockSparseKV::kPaged && a.page_size % n != 0) {
+  p.tma_k = kv_map(a.k, a.k_stride, tile.block_n);
+  p.tma_v = kv_map(a.v, a.v_stride, tile.block_n);
+  if (p.kv == BlockSparseKV::kPaged && a.page_size % tile.block_n != 0) {
     p.tma_k_pieces = kv_map(a.k, a.k_stride, 8);
     p.tma_v_pieces = kv_map(a.v, a.v_stride, 8);
   }
@@ -194,17 +204,22 @@ void native_block_sparse_attention(const BlockSparseAttnParams& a) {
     p.o_partial = static_cast<float*>(partials.get());
     p.lse_partial = p.o_partial + slots * a.head_dim;
   }
+  // The persistent launches' item counter (block_sparse_launch.cuh zeroes it on the stream).
+  p.work_items = static_cast<int32_t>(tiles * splits);
+  const cuda::StreamScratch counter(tile.persistent ? sizeof(int32_t) : 0, a.device_index, stream);
+  p.work_counter = static_cast<int32_t*>(counter.get());
+  const int sms = cuda::sm_count(a.device_index);  // at most one persistent CTA per SM
   const bool bf16 = a.dtype == DType::kBF16;
   switch (a.head_dim) {
     case 64:
-      return bf16 ? cuda::launch_block_sparse_fwd<cutlass::bfloat16_t, 64>(p, tiles, stream)
-                  : cuda::launch_block_sparse_fwd<cutlass::half_t, 64>(p, tiles, stream);
+      return bf16 ? cuda::launch_block_sparse_fwd<cutlass::bfloat16_t, 64>(p, tiles, sms, stream)
+                  : cuda::launch_block_sparse_fwd<cutlass::half_t, 64>(p, tiles, sms, stream);
     case 128:
-      return bf16 ? cuda::launch_block_sparse_fwd<cutlass::bfloat16_t, 128>(p, tiles, stream)
-                  : cuda::launch_block_sparse_fwd<cutlass::half_t, 128>(p, tiles, stream);
+      return bf16 ? cuda::launch_block_sparse_fwd<cutlass::bfloat16_t, 128>(p, tiles, sms, stream)
+                  : cuda::launch_block_sparse_fwd<cutlass::half_t, 128>(p, tiles, sms, stream);
     case 256:
-      return bf16 ? cuda::launch_block_sparse_fwd<cutlass::bfloat16_t, 256>(p, tiles, stream)
-                  : cuda::launch_block_sparse_fwd<cutlass::half_t, 256>(p, tiles, stream);
+      return bf16 ? cuda::launch_block_sparse_fwd<cutlass::bfloat16_t, 256>(p, tiles, sms, stream)
+                  : cuda::launch_block_sparse_fwd<cutlass::half_t, 256>(p, tiles, sms, stream);
     default:
       throw NotSupportedError(
           "block_sparse_attention: backend 'native' supports head dims 64, "

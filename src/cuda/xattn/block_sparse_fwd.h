@@ -14,25 +14,35 @@ enum class BlockSparseKV : int32_t {
   kPaged,  // pages of page_size rows: key t of sequence b in page block_table[b, t / page_size]
 };
 
-// Tile configuration per head dim (keys per tile, pipeline stages), for 128-row CTAs of two
-// consumer warpgroups. A tile never straddles a 128-key mask block, so kBlockN divides 128.
-// d64 / d128: 128-key tiles (S and P of a 64 x 128 tile and O fit the consumers' 240
-// registers); d256: 64-key tiles, since O alone takes 128 registers a thread. Stages (K/V tiles
-// in flight): three at d64 and d128 (d128: 32 KB Q + 3 x 64 KB K/V), two at d256 (64 KB Q +
-// 2 x 64 KB; three K stages and two V fit too and measured no better: docs/perf-notes.md).
+// Tile configuration per head dim (keys per tile, pipeline stages, launch, register split), for
+// 128-row CTAs of two consumer warpgroups. A tile never straddles a 128-key mask block, so
+// kBlockN divides 128. d64 / d128: 128-key tiles (S and P of a 64 x 128 tile and O fit the
+// consumers' registers); d256: 64-key tiles, since O alone takes 128 registers a thread. Stages
+// (K/V tiles in flight): three at d64 and d128 (d128: 32 KB Q + 3 x 64 KB K/V), two at d256
+// (64 KB Q + 2 x 64 KB; three K stages and two V fit too and measured no better:
+// docs/perf-notes.md). d64 / d128 launch persistent CTAs (sm90/scheduler.h), whose producer
+// warp needs 40 registers for its item loop (it spills ~470 bytes at 24); d256 launches one CTA
+// per work item: its consumers' main loop spills ~200 bytes in the persistent kernel at either
+// 40 / 232 or 32 / 240.
 template <int kHeadDim>
 struct BlockSparseTile;
 template <>
 struct BlockSparseTile<64> {
   static constexpr int kBlockN = 128, kStages = 3;
+  static constexpr bool kPersistent = true;
+  static constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
 };
 template <>
 struct BlockSparseTile<128> {
   static constexpr int kBlockN = 128, kStages = 3;
+  static constexpr bool kPersistent = true;
+  static constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
 };
 template <>
 struct BlockSparseTile<256> {
   static constexpr int kBlockN = 64, kStages = 2;
+  static constexpr bool kPersistent = false;
+  static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
 };
 
 constexpr int kMaxSplits = 64;  // SplitKV: the merge reads two LSEs a lane
@@ -98,6 +108,11 @@ struct BlockSparseFwdParams {
 
   float scale_log2 = 0.f;  // softmax_scale * log2(e)
   bool causal = true;
+
+  // Work items (CTAs of a launch of one CTA per item) = work tiles * splits. A persistent launch
+  // (sm90/scheduler.h) claims them from work_counter, [1] int32, zero at launch; null otherwise.
+  int32_t work_items = 0;
+  int32_t* work_counter = nullptr;
 };
 
 }  // namespace sparse_attn::cuda

@@ -20,6 +20,7 @@ struct BlockSparseProblem {
   using Params = BlockSparseFwdParams;
   static constexpr int kSharedBytes = 0;
   static constexpr bool kGatherProducer = false;
+  static constexpr bool kPersistent = BlockSparseTile<Traits::kHeadDim>::kPersistent;
   static constexpr int kBlock = 128;  // the mask's block size
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kCols = Traits::kSwizzleCols;
@@ -37,9 +38,12 @@ struct BlockSparseProblem {
   int kind = 1, sink = 0, local = 0, diagonal = 0;
   const uint8_t* mask_row = nullptr;
 
-  // CTA = work tile * splits + split. Work tiles come in sections of p.section units, one
+  // Work item = work tile * splits + split. Work tiles come in sections of p.section units, one
   // after the other; within a section the heaviest query blocks (the last ones, under a causal
-  // mask) are dispatched first, and within one block index every unit of the section.
+  // mask) are handed out first, and within one block index every unit of the section.
+  __device__ static int work_items(const Params& params) { return params.work_items; }
+  __device__ static int32_t* work_counter(const Params& params) { return params.work_counter; }
+
   __device__ BlockSparseProblem(const Params& params, int cta, char* = nullptr) : p(params) {
     split = cta % p.splits;
     const int tile = cta / p.splits;
@@ -252,11 +256,14 @@ struct BlockSparseProblem {
 
   // ----- outputs --------------------------------------------------------------------------
   __device__ bool row_in_range(int row) const { return kBlock * m + row < lq; }
-  __device__ void store_o(int row, int col, uint4 v) const {
+  // Elements [col, col + sizeof(V) / 2) of a row: uint32_t from the kernel's registers, uint4
+  // from the SplitKV merge.
+  template <class V>
+  __device__ void store_o(int row, int col, V v) const {
     const int64_t r = q_row0 + kBlock * m + row;
     auto* out = static_cast<typename Traits::Element*>(p.out) + q_outer * p.out_stride[0] +
                 r * p.out_stride[1] + h * p.out_stride[2] + col;
-    *reinterpret_cast<uint4*>(out) = v;
+    *reinterpret_cast<V*>(out) = v;
   }
   __device__ void store_lse(int row, float v) const {
     if (p.lse == nullptr) return;

@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "cuda/attention/sm90/pipeline.h"
+#include "cuda/attention/sm90/scheduler.h"
 
 namespace sparse_attn::cuda::sm90 {
 
@@ -96,6 +97,7 @@ struct FwdTraits {
 
   using Pipeline = TmaPipeline<kStages, kConsumerWarpgroups, kProducerArrivals>;
   using PipelineState = typename Pipeline::State;
+  using WorkRing = sm90::WorkRing<kConsumerThreads>;
 
   struct SharedStorage {
     // 1024-byte alignment: the 128-byte swizzle repeats every 8 rows of 128 bytes, and TMA
@@ -107,6 +109,10 @@ struct FwdTraits {
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
     cutlass::arch::ClusterTransactionBarrier barrier_q;
+    // Persistent launches: Q's smem is free for the next item once both consumer warpgroups
+    // arrived (their last S GEMM of the item completed); the item ids in flight.
+    cutlass::arch::ClusterBarrier barrier_q_free;
+    typename WorkRing::SharedStorage work;
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the SM90 opt-in shared memory");
@@ -117,6 +123,7 @@ enum class FwdBarrier : uint32_t {
   kSchedulerWG1 = 0,  // + warpgroup index: the consumers take turns issuing GEMMs
   kZeroV = 2,         // both consumers zeroed the V rows past the keys' end
   kEpilogueWG1 = 3,   // + warpgroup index: a consumer's O tile is in smem
+  kItemStart = 5,     // persistent launches: both consumers are past their previous item
 };
 
 }  // namespace sparse_attn::cuda::sm90

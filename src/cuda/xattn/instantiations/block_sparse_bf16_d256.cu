@@ -2,5 +2,5 @@
 
 namespace sparse_attn::cuda {
 template void launch_block_sparse_fwd<cutlass::bfloat16_t, 256>(const BlockSparseFwdParams&,
-                                                                int64_t, cudaStream_t);
+                                                                int64_t, int, cudaStream_t);
 }  // namespace sparse_attn::cuda
