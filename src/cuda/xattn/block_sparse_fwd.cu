@@ -96,10 +96,13 @@ void native_block_sparse_attention(const BlockSparseAttnParams& a) {
   const int64_t tiles = a.batch * a.num_q_heads * m_blocks;
   if (tiles == 0) return;
   const int64_t splits = cuda::num_splits(a, tiles);
-  if (tiles * splits > std::numeric_limits<int32_t>::max()) {
+  // Work items are int32, and a persistent CTA's last claim reaches items + SMs - 1.
+  const int sms = cuda::sm_count(a.device_index);
+  const int64_t max_items = std::numeric_limits<int32_t>::max() - sms;
+  if (tiles * splits > max_items) {
     throw NotSupportedError(
-        "block_sparse_attention: backend 'native' launches one CTA per 128 query rows, head, "
-        "sequence and key split, at most 2^31 - 1 of them; got " +
+        "block_sparse_attention: backend 'native' takes at most " + std::to_string(max_items) +
+        " work items (128 query rows of one head and sequence, times the key splits); got " +
         std::to_string(tiles * splits));
   }
 
@@ -208,7 +211,6 @@ void native_block_sparse_attention(const BlockSparseAttnParams& a) {
   p.work_items = static_cast<int32_t>(tiles * splits);
   const cuda::StreamScratch counter(tile.persistent ? sizeof(int32_t) : 0, a.device_index, stream);
   p.work_counter = static_cast<int32_t*>(counter.get());
-  const int sms = cuda::sm_count(a.device_index);  // at most one persistent CTA per SM
   const bool bf16 = a.dtype == DType::kBF16;
   switch (a.head_dim) {
     case 64:
