@@ -11,7 +11,8 @@
 //     heuristic split count, with a caller-owned workspace (_ws: no pool allocation in the
 //     call or the graph), and with explicit split counts (_s<N>, graph-timed), for the
 //     heuristic. The _fp8 rows repeat the batches with FP8 e4m3 K/V (half the bytes); _hint
-//     rows pass the blocks as block_indices too (with one split: the gather kernel).
+//     rows pass the blocks as block_indices too (the gather kernel, its SplitKV in clusters;
+//     _hint_s<N> rows with explicit split counts).
 //   prefill: one request of 16K, 64K, 128K tokens, every row attending to its 2051-token
 //     structured selection: the 64 most recent complete blocks plus the 448 most important
 //     older ones under a fixed per-block importance, so neighbouring rows share most blocks
@@ -432,17 +433,19 @@ int main(int argc, char** argv) {
   const bool sweep = sweep_env == nullptr || std::string(sweep_env) != "0";
   for (int64_t b : {1, 8, 32, 128}) {
     if (!want(fmt::format("decode_b{}", b))) continue;
-    std::vector<DecodeRun> runs = {{0, true, false}, {0, false, true}, {0, false, false, true}};
+    std::vector<DecodeRun> runs = {{0, true, false}, {0, false, true}, {0, true, false, true}};
     if (sweep) {
       for (int splits : {1, 2, 4, 8, 16, 33}) runs.push_back({splits, false, false});
+      for (int splits : {1, 2, 4, 8, 16}) runs.push_back({splits, false, false, true});
     }
     bench_decode(timer, c, b, DType::kBF16, runs, add);
   }
   for (int64_t b : {1, 8, 32, 128}) {
     if (!want(fmt::format("decode_b{}_fp8", b))) continue;
-    std::vector<DecodeRun> runs = {{0, true, false}, {0, false, false, true}};
+    std::vector<DecodeRun> runs = {{0, true, false}, {0, true, false, true}};
     if (sweep) {
       for (int splits : {1, 2, 4, 8, 16, 33}) runs.push_back({splits, false, false});
+      for (int splits : {1, 2, 4, 8, 16}) runs.push_back({splits, false, false, true});
     }
     bench_decode(timer, c, b, DType::kF8E4M3, runs, add);
   }

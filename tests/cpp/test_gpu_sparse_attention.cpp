@@ -847,7 +847,27 @@ struct HintCase {
   std::optional<int64_t> num_splits;
   std::vector<int64_t> q_rows, k_lens;
   bool int64_metadata = false;  // block_indices and every other metadata tensor as int64
+  int64_t padding_rows = 0;     // rows of request id -1 among the real ones (token_to_req)
+  DType dtype = DType::kBF16;
 };
+
+// A compact-blocks hint of nb columns for every row of pb (distinct visible blocks in random
+// order, -1 after them), with pb.idx replaced by its expansion.
+std::vector<int32_t> compact_hint(Problem& pb, int64_t nb, std::mt19937_64& rng) {
+  const int64_t width = pb.c.width;
+  std::vector<int32_t> blocks(pb.rows * nb, -1), ids(pb.rows * width, -1);
+  for (int64_t r = 0; r < pb.rows; ++r) {
+    const int64_t p = pb.row_pos[r], visible = std::max<int64_t>(0, (p + 1) / 4);
+    std::vector<int32_t> all(visible);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    all.resize(std::min<int64_t>(nb, visible));
+    std::copy(all.begin(), all.end(), blocks.begin() + r * nb);
+    expand_hint_row(&blocks[r * nb], nb, p, &ids[r * width]);
+  }
+  pb.idx = testing::int32_tensor({pb.rows, width}, ids);
+  return blocks;
+}
 
 class GpuSparseAttentionBlockHint : public ::testing::TestWithParam<HintCase> {};
 
@@ -863,18 +883,11 @@ TEST_P(GpuSparseAttentionBlockHint, HintAndProducerContractGiveTheTokenResult) {
   c.width = 4 * kNb + 3;
   c.gate = Gate::kPerHead;
   c.int64_metadata = GetParam().int64_metadata;
+  c.token_to_req = GetParam().padding_rows > 0;
+  c.padding_rows = GetParam().padding_rows;
+  c.dtype = GetParam().dtype;
   Problem pb = make_problem(c, rng);
-  std::vector<int32_t> blocks(pb.rows * kNb, -1), ids(pb.rows * c.width, -1);
-  for (int64_t r = 0; r < pb.rows; ++r) {
-    const int64_t p = pb.row_pos[r], visible = (p + 1) / 4;
-    std::vector<int32_t> all(visible);
-    std::iota(all.begin(), all.end(), 0);
-    std::shuffle(all.begin(), all.end(), rng);
-    all.resize(std::min<int64_t>(kNb, visible));
-    std::copy(all.begin(), all.end(), blocks.begin() + r * kNb);
-    expand_hint_row(&blocks[r * kNb], kNb, p, &ids[r * c.width]);
-  }
-  pb.idx = testing::int32_tensor({pb.rows, c.width}, ids);
+  const std::vector<int32_t> blocks = compact_hint(pb, kNb, rng);
   DeviceProblem dp = to_device_problem(pb, rng);
   const Tensor hb = testing::int32_tensor({pb.rows, kNb}, blocks);
   Tensor db = to_device(c.int64_metadata ? testing::widened(hb.view()) : hb);
@@ -898,14 +911,28 @@ INSTANTIATE_TEST_SUITE_P(Pages, GpuSparseAttentionBlockHint, ::testing::ValuesIn
                                {16, 1, {40, 13}, {3000, 900}, true},
                                // Decode rows with one split: the gather kernel alone.
                                {64, 1, {1, 1, 1, 1, 1, 1}, {3000, 2051, 4, 777, 9000, 130}},
-                               {1600, 1, {1, 1, 1, 1, 1}, {5000, 1601, 3, 3300, 96}, true}};
+                               {1600, 1, {1, 1, 1, 1, 1}, {5000, 1601, 3, 3300, 96}, true},
+                               // Decode rows with SplitKV on the gather kernel (a cluster a row
+                               // and KV head): 100 blocks in 15 splits of 7, rows too short for
+                               // some splits, padding rows (request id -1); the heuristic's
+                               // count; fp16; and 17 splits, past the cluster limit (the per-row
+                               // kernel).
+                               {64, 16, {1, 1, 1, 1}, {9000, 3000, 130, 4}, false, 2},
+                               {64, std::nullopt, {1, 1, 1}, {5000, 2051, 777}},
+                               {1600, 5, {1, 1}, {5000, 3}, true, 1},
+                               {16, 2, {1, 1, 1}, {700, 5001, 60}, false, 0, DType::kF16},
+                               {64, 8, {2, 1}, {3000, 1500}},
+                               {64, 17, {1, 1}, {9000, 3000}},
+                               {64, 1, {1, 1, 1}, {3000, 2000, 500}, false, 2}};
                          }()),
                          [](const ::testing::TestParamInfo<HintCase>& info) {
                            return "page" + std::to_string(info.param.page_size) + "_splits" +
                                   (info.param.num_splits ? std::to_string(*info.param.num_splits)
                                                          : "auto") +
                                   "_rows" + std::to_string(info.param.q_rows.size()) +
-                                  (info.param.int64_metadata ? "_int64" : "");
+                                  (info.param.int64_metadata ? "_int64" : "") +
+                                  (info.param.padding_rows ? "_padding" : "") +
+                                  (info.param.dtype == DType::kF16 ? "_fp16" : "");
                          });
 
 // The block hint as an engine passes it: block_indices is the raw top-k of each row (unsorted,
@@ -997,6 +1024,15 @@ INSTANTIATE_TEST_SUITE_P(
             "page784_rows30_1_1_nb200_splits2", 784, 2, {30, 1, 1}, {5000, 1569, 786}, 200},
         EngineHintCase{"page1616_rows70_nb64_short_rows", 1616, 1, {70}, {70}, 64},
         EngineHintCase{"page6_hint_ignored_rows33_8", 6, std::nullopt, {33, 8}, {1203, 500}, 128},
+        // Decode on the gather kernel's SplitKV clusters: the canonical 512 columns in 16
+        // splits, the heuristic's count, FP8 in 3 splits and with the heuristic.
+        EngineHintCase{"decode_page64_nb512_splits16", 64, 16, {1, 1, 1}, {6950, 3001, 40}, 512},
+        EngineHintCase{
+            "decode_page1600_nb512_heuristic", 1600, std::nullopt, {1, 1}, {33000, 2203}, 512},
+        EngineHintCase{
+            "fp8_decode_page800_nb200_splits3", 800, 3, {1, 1, 1}, {5000, 1569, 786}, 200, true},
+        EngineHintCase{
+            "fp8_decode_page64_nb512_heuristic", 64, std::nullopt, {1, 1}, {9001, 4103}, 512, true},
         EngineHintCase{"fp8_page1600_rows96_pos6900_nb512", 1600, 1, {96}, {6950}, 512, true},
         EngineHintCase{"decode_page64_b7_splits1_gather",
                        64,
@@ -1425,6 +1461,20 @@ INSTANTIATE_TEST_SUITE_P(Forms, GpuSparseAttentionWorkspace, ::testing::ValuesIn
 
 // One call of dp's problem captured on a stream of its own (testing::CapturedGraph); dp's
 // options keep that stream.
+// The next decode step of a captured problem: new selections and positions (the metadata a
+// replay must read afresh), the same Q, K, V, gate and page table (the captured buffers).
+Problem next_step(const Case& c, const Problem& pb, std::mt19937_64& rng) {
+  Problem next = make_problem(c, rng);
+  next.q = pb.q;
+  next.k = pb.k;
+  next.v = pb.v;
+  next.gate = pb.gate;
+  next.block_table = pb.block_table;
+  next.num_pages = pb.num_pages;
+  next.max_pages = pb.max_pages;
+  return next;
+}
+
 testing::CapturedGraph capture(DeviceProblem& dp) {
   return testing::CapturedGraph([&](cudaStream_t stream) {
     dp.opts.stream = stream;
@@ -1447,13 +1497,7 @@ TEST(GpuSparseAttentionWorkspaceGraph, CapturedWithCallerWorkspace) {
   const testing::CapturedGraph captured = capture(dp);
   ASSERT_TRUE(captured.ok());
 
-  Problem next = make_problem(c, rng);
-  next.q = pb.q;
-  next.k = pb.k;
-  next.v = pb.v;
-  next.block_table = pb.block_table;
-  next.num_pages = pb.num_pages;
-  next.max_pages = pb.max_pages;
+  Problem next = next_step(c, pb, rng);
   copy_into(dp.idx, next.idx.view());
   copy_into(*dp.opts.query_positions, next.positions.view());
   poison_device(dp.out);
@@ -1477,19 +1521,51 @@ TEST(GpuSparseAttentionGraph, ReplayReadsCurrentMetadata) {
 
   for (int step = 0; step < 2; ++step) {
     // New selections and positions, written into the captured buffers.
-    Problem next = make_problem(c, rng);
-    next.q = pb.q;
-    next.k = pb.k;
-    next.v = pb.v;
-    next.gate = pb.gate;
-    next.block_table = pb.block_table;
-    next.num_pages = pb.num_pages;
-    next.max_pages = pb.max_pages;
+    Problem next = next_step(c, pb, rng);
     copy_into(dp.idx, next.idx.view());
     copy_into(*dp.opts.query_positions, next.positions.view());
     poison_device(dp.out);
     ASSERT_EQ(captured.replay(), cudaSuccess);
     expect_matches(next, dp, oracle(next));
+  }
+}
+
+// Decode on the gather kernel's SplitKV clusters, captured once: replays read the current
+// hint, token ids and positions, and match eager calls bit for bit (the cluster's merge runs in
+// a fixed order).
+TEST(GpuSparseAttentionClusterGraph, ReplayReadsCurrentHintAndMatchesEagerBits) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = testing::make_rng();
+  constexpr int64_t kNb = 512;
+  Case c = decode("cluster_graph", 3);
+  c.width = 4 * kNb + 3;
+  c.gate = Gate::kElementwise;
+  c.positions = true;
+  c.num_splits = 16;
+  Problem pb = make_problem(c, rng);
+  const std::vector<int32_t> blocks = compact_hint(pb, kNb, rng);
+  DeviceProblem dp = to_device_problem(pb, rng);
+  Tensor db = to_device(testing::int32_tensor({pb.rows, kNb}, blocks));
+  dp.opts.block_indices = db.view();
+  const testing::CapturedGraph captured = capture(dp);
+  ASSERT_TRUE(captured.ok());
+  for (int step = 0; step < 2; ++step) {
+    Problem next = next_step(c, pb, rng);
+    const std::vector<int32_t> next_blocks = compact_hint(next, kNb, rng);
+    copy_into(dp.idx, next.idx.view());
+    copy_into(db.view(), testing::int32_tensor({pb.rows, kNb}, next_blocks).view());
+    copy_into(*dp.opts.query_positions, next.positions.view());
+    poison_device(dp.out);
+    ASSERT_EQ(captured.replay(), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    expect_matches(next, dp, oracle(next));
+    const Tensor replayed = Tensor::to_host(dp.out), replayed_lse = Tensor::to_host(dp.lse);
+    poison_device(dp.out);
+    dp.opts.stream = nullptr;
+    qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);
+    const Tensor eager = Tensor::to_host(dp.out), eager_lse = Tensor::to_host(dp.lse);
+    ASSERT_EQ(std::memcmp(replayed.data(), eager.data(), eager.numel() * 2), 0);
+    ASSERT_EQ(std::memcmp(replayed_lse.data(), eager_lse.data(), eager_lse.numel() * 4), 0);
   }
 }
 

@@ -1,6 +1,7 @@
-// The LSE merge of partial attention results over disjoint key sets, for one (row, head), by a
-// whole CTA: the one implementation behind the SplitKV merge (sparse_attention_kernel.cuh) and
-// merge_attention_states (merge_native.cu). The math is docs/merge.md's:
+// The LSE merge of partial attention results over disjoint key sets, for one (row, head): by a
+// whole CTA (merge_lse_partials: the SplitKV merge kernel of sparse_attention_kernel.cuh and
+// merge_attention_states in merge_native.cu) or by one thread over a few partials
+// (merge_lse_thread: the gather kernel's cluster merge). The math is docs/merge.md's:
 //   m = max_i lse_i, w_i = 2^(lse_i - m), out = sum_i w_i o_i / sum_i w_i, lse = m + log2 sum_i w_i
 // in the log2 domain, summed in partial order (bitwise the same on every run).
 #pragma once
@@ -84,6 +85,54 @@ __device__ inline float merge_lse_partials(int n, int d0, int dim, const Lse2& l
   }
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) out[j] /= l;
+  return m + log2f(l);
+}
+
+// The same merge by one thread over at most kMaxParts partials (n of them) of kPer features
+// each: the partials of a SplitKV cluster read from its CTAs' shared memory
+// (qsa_gather_kernel.cuh). Every partial's LSE load is issued before any is used, then the features
+// of kUnroll partials at a time, so a thread keeps that many in flight. Same rules and order as
+// merge_lse_partials.
+template <int kMaxParts, int kPer, int kUnroll, class Lse2, class Part>
+__device__ inline float merge_lse_thread(int n, const Lse2& lse2, const Part& part,
+                                         float (&out)[kPer]) {
+  static_assert(kMaxParts % kUnroll == 0);
+  float w[kMaxParts];
+#pragma unroll
+  for (int s = 0; s < kMaxParts; ++s) w[s] = s < n ? lse2(s) : -INFINITY;
+  float m = -INFINITY;
+#pragma unroll
+  for (int s = 0; s < kMaxParts; ++s) m = w[s] != w[s] || m != m ? NAN : fmaxf(m, w[s]);
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) out[j] = 0.f;
+  if (m != m || m == INFINITY) {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) out[j] = NAN;
+    return NAN;
+  }
+  if (m == -INFINITY) return -INFINITY;
+#pragma unroll
+  for (int s = 0; s < kMaxParts; ++s) w[s] = exp2f(w[s] - m);  // 0 past n (LSE -inf)
+  float l = 0.f;
+#pragma unroll
+  for (int s0 = 0; s0 < kMaxParts; s0 += kUnroll) {
+    if (s0 >= n) break;
+    float pv[kUnroll][kPer];
+#pragma unroll
+    for (int i = 0; i < kUnroll; ++i) {
+      if (w[s0 + i] > 0.f) part(s0 + i, pv[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < kUnroll; ++i) {
+      l += w[s0 + i];
+      if (w[s0 + i] > 0.f) {
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) out[j] += w[s0 + i] * pv[i][j];
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) out[j] /= l;
   return m + log2f(l);
 }
 

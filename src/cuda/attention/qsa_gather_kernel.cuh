@@ -22,6 +22,13 @@
 // tile n holds slots 64 n .. 64 n + 63, zero-filled past the row's end, whose scores are
 // masked.
 //
+// SplitKV (x.num_splits = S > 1, for decode batches too small to fill the GPU with one CTA per
+// row and KV head): the S CTAs of a (row, KV head) form a thread-block cluster; CTA s takes
+// blocks s * x.split_cols .. (s + 1) * x.split_cols - 1 (the last one also the tail entry),
+// leaves its normalised FP32 partial and its LSE in its own shared memory, and after a cluster
+// barrier each CTA merges a share of the (head, feature) outputs from all S CTAs' shared memory
+// (merge_lse_thread): one launch, no workspace, no partials through global memory.
+//
 // FP8 K/V (KV = __nv_fp8_e4m3): the producer copies each FP8 K or V tile into a ring of four
 // 16 KB staging slots, the pipeline's stages, and both warpgroups widen each tile, half the
 // rows each, into one 16-bit tile buffer just before the GEMM that reads it (sm90/gather.h;
@@ -30,6 +37,7 @@
 // two-CTAs-per-SM budget. k_scale comes folded into scale_log2, v_scale multiplies the output.
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda_fp8.h>
 #include <cutlass/arch/barrier.h>
 
@@ -40,6 +48,7 @@
 #include <type_traits>
 
 #include "api/qsa_attention_params.h"
+#include "cuda/attention/merge.cuh"
 #include "cuda/attention/sm90/gather.h"
 #include "cuda/attention/sm90/mma.h"
 #include "cuda/attention/sm90/pipeline.h"
@@ -60,6 +69,8 @@ struct QsaGatherConfig {
   static constexpr int kCtasPerSm = 2;  // one CTA's prologue and epilogue in another's shadow
   static constexpr int kEntriesPerThread = (kQsaGatherMaxEntries + kThreads - 1) / kThreads;
   static constexpr int kOutPitch = kHeadDim + 8;  // epilogue rows: 16-byte aligned, skewed banks
+  static constexpr int kMaxSplits = 16;  // CTAs of a SplitKV cluster (the non-portable maximum)
+  static constexpr int kPartPitch = kHeadDim + 4;  // FP32 partial rows: 16-byte aligned, skewed
 };
 
 template <class Element, bool kFp8>
@@ -105,9 +116,11 @@ struct QsaGatherTraits {
     // FP8 tiles as copied, [slot][row][16-byte chunk] (none for 16-bit K/V).
     alignas(128)
         cute::uint128_t staging[kStagingSlots > 0 ? kStagingSlots : 1][kFp8 ? C::kBlockN : 1][16];
-    int32_t keys[kQsaGatherMaxEntries];    // valid entries: physical key of the first token
-    uint8_t counts[kQsaGatherMaxEntries];  // and the entry's valid tokens (1 .. 4)
-    float red[2][4][C::kHeads];            // ColumnSoftmax's exchange
+    int32_t keys[kQsaGatherMaxEntries];            // valid entries: physical key of the first token
+    uint8_t counts[kQsaGatherMaxEntries];          // and the entry's valid tokens (1 .. 4)
+    float red[2][4][C::kHeads];                    // ColumnSoftmax's exchange
+    float split_lse2[C::kHeads];                   // SplitKV: this split's LSE per head, log2 units
+    float cluster_lse2[C::kMaxSplits][C::kHeads];  // and every split's, copied for the merge
     int32_t warp_counts[C::kThreads / 32];
     typename Pipeline::SharedStorage pipeline;
     cutlass::arch::ClusterTransactionBarrier barrier_q;
@@ -117,6 +130,8 @@ struct QsaGatherTraits {
                 "two CTAs (and the 1 KB the system keeps for each) fit an SM's shared memory");
   static_assert(C::kHeads * C::kOutPitch * sizeof(Element) <= C::kBlockN * C::kHeadDim * 2,
                 "the epilogue's O tile fits one idle stage");
+  static_assert(C::kHeads * C::kPartPitch * sizeof(float) <= C::kBlockN * C::kHeadDim * 2,
+                "a split's FP32 partial fits one idle stage");
 };
 
 // Named barriers (after CUTLASS's reserved ones): the consumer warpgroup's, then (FP8) the
@@ -159,43 +174,70 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
 
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   const int hkv = static_cast<int>(p.num_kv_heads), group = static_cast<int>(p.group);
-  const int kvh = static_cast<int>(blockIdx.x % hkv);
-  const int64_t r = blockIdx.x / hkv;
+  const int splits = x.num_splits;
+  // CTA (pair * splits + split): with SplitKV the splits of a pair are one cluster, in rank order.
+  const int split = static_cast<int>(blockIdx.x % splits);
+  const int64_t pair = blockIdx.x / splits;
+  const int kvh = static_cast<int>(pair % hkv);
+  const int64_t r = pair / hkv;
   // Rows the union kernel wrote are not read nor written here.
   if (x.union_handled != nullptr && x.union_handled[r / x.union_rows] != 0) return;
-  const RowInfo ri = resolve_row(p, x, r);  // collective
+  // A decode-shaped call (one row per request) knows the row's request before the lookup: its
+  // page-table row goes to L2 now, beside the ids' loads, so the page reads that follow them
+  // hit L2. Only a hint (a layout whose requests do not hold a row each prefetches another's).
+  if (p.kv_layout == KVLayout::kPaged && p.block_table_page_stride == 1 && p.rows == p.batch &&
+      (p.row_mapping == RowMapping::kCuSeqlens || p.row_mapping == RowMapping::kPadded)) {
+    const int64_t per_line = 128 / p.block_table.element_size();
+    for (int64_t i = tid * per_line; i < p.max_pages; i += C::kThreads * per_line) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(
+          p.block_table.address(r * p.block_table_batch_stride + i)));
+    }
+  }
   if (tid == 0) {
     ss.barrier_q.init(128);
     Pipeline::init(ss.pipeline);
     cutlass::arch::fence_barrier_init();
   }
 
-  // ----- the row's valid entries, in order (every thread; the loads of all of a thread's
-  // entries go out together: ids, then the page-table entries behind them) -----------------
+  // ----- this split's entries: blocks [e_begin, e_end), the last split also the tail entry -----
   constexpr int kPerEntry = 4;  // tokens of a block entry
   const int n_entries = static_cast<int>(p.num_blocks + 1);
+  const int e_begin = split * static_cast<int>(x.split_cols);
+  const int e_end = split == splits - 1 ? n_entries
+                                        : min(static_cast<int>(p.num_blocks),
+                                              e_begin + static_cast<int>(x.split_cols));
+  // Rounds of kThreads entries the split has (uniform over the CTA).
+  const int rounds = (e_end - e_begin + C::kThreads - 1) / C::kThreads;
+  // The ids depend on nothing the row's metadata says: their loads go out before the request
+  // lookup, so the two latencies overlap.
   int32_t id[C::kEntriesPerThread], page[C::kEntriesPerThread];
   int64_t first[C::kEntriesPerThread];
   int count[C::kEntriesPerThread];
   CUTE_UNROLL
   for (int i = 0; i < C::kEntriesPerThread; ++i) {
-    const int e = i * C::kThreads + tid;
+    const int e = e_begin + i * C::kThreads + tid;
     id[i] = -1;
-    if (ri.active && e < p.num_blocks) {
+    if (i < rounds && e < e_end && e < p.num_blocks) {
       id[i] = p.block_indices
                   .narrowed()[r * p.block_indices_row_stride + e * p.block_indices_col_stride];
     }
   }
+  const RowInfo ri = resolve_row(p, x, r);  // collective
+  __syncthreads();                          // the barriers' initialisation is visible
+
+  // ----- the split's valid entries, in order (every thread; the page-table loads of all of a
+  // thread's entries go out together) ----------------------------------------------------------
   CUTE_UNROLL
   for (int i = 0; i < C::kEntriesPerThread; ++i) {
-    const int e = i * C::kThreads + tid;
+    const int e = e_begin + i * C::kThreads + tid;
     first[i] = entry_tokens(p, x, ri, e, id[i], &count[i]);
-    if (!ri.active || e >= n_entries) count[i] = 0;
+    if (!ri.active || i >= rounds || e >= e_end) count[i] = 0;
     page[i] = count[i] > 0 ? entry_page(p, ri, first[i]) : -1;
   }
   int n_valid = 0;
   CUTE_UNROLL
   for (int i = 0; i < C::kEntriesPerThread; ++i) {
+    if (i >= rounds) break;
     int c = 0;
     while (c < count[i] && token_valid(p, ri, first[i] + c, page[i])) ++c;
     const uint32_t ballot = __ballot_sync(0xffffffffu, c > 0);
@@ -216,7 +258,7 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   }
   const int n_slots = kPerEntry * n_valid;
   const int n_tiles = (n_slots + C::kBlockN - 1) / C::kBlockN;
-  // Slot u holds a token: inside the row's slots, and not one its entry lost from its end.
+  // Slot u holds a token: inside the split's slots, and not one its entry lost from its end.
   auto slot_valid = [&](int u) { return u < n_slots && u % kPerEntry < ss.counts[u / kPerEntry]; };
   Pipeline pipe{ss.pipeline, 0};
   // FP8: staging slot st widened into the tile buffer by all 256 threads, 8 rows a warp from
@@ -232,8 +274,8 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
     cta_sync<GatherBarrier::kBufferFull>();
   };
 
-  if (warp < 4) {
-    // ----- producer: Q once, then K_n and V_n of every tile into the ring --------------------
+  // ----- producer: Q once, then K_n and V_n of every tile into the ring ----------------------
+  auto produce = [&] {
     if (n_tiles == 0) return;  // nothing valid: the consumer writes zeros without waiting
     using Copy = cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>;
     Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::LayoutQ{});
@@ -296,128 +338,199 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
         copy_tile(vp, row_offset(n, true));
       }
     }
-    return;
-  }
-
-  // ----- consumer -----------------------------------------------------------------------------
-  const int ct = tid - 128;
-  typename Tr::MmaS mma_s;
-  typename Tr::MmaO mma_o;
-  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::LayoutQ{});
-  Tensor sK = make_tensor(make_smem_ptr(ss.kv.data()), typename Tr::LayoutK{});
-  Tensor sVt = make_tensor(make_smem_ptr(ss.kv.data()), typename Tr::LayoutVt{});
-  Tensor sP = make_tensor(make_smem_ptr(ss.p.data()), typename Tr::LayoutP{});
-  auto thr_s = mma_s.get_thread_slice(ct);
-  auto thr_o = mma_o.get_thread_slice(ct);
-  Tensor tSrK = thr_s.partition_fragment_A(sK);    // (MMA, 1, MMA_K, stage)
-  Tensor tSrQ = thr_s.partition_fragment_B(sQ);    // (MMA, 1, MMA_K)
-  Tensor tOrVt = thr_o.partition_fragment_A(sVt);  // (MMA, MMA_M, MMA_K, stage)
-  Tensor tOrP = thr_o.partition_fragment_B(sP);    // (MMA, 1, MMA_K, buffer)
-  Tensor tSrS = partition_fragment_C(mma_s, select<0, 1>(typename Tr::TileS{}));
-  Tensor tOrO = partition_fragment_C(mma_o, select<0, 1>(typename Tr::TileO{}));
-  // (key in tile, head) of each score and (feature, head) of each output this thread holds;
-  // a column j of either fragment is the same head (one m64n16 atom layout).
-  Tensor tScS = thr_s.partition_C(make_identity_tensor(select<0, 1>(typename Tr::TileS{})));
-  Tensor tOcO = thr_o.partition_C(make_identity_tensor(select<0, 1>(typename Tr::TileO{})));
-  Tensor s_rc = make_tensor(tSrS.data(), sm90::accumulator_rows_cols(tSrS.layout()));
-  Tensor cs_rc = make_tensor(tScS.data(), sm90::accumulator_rows_cols(tScS.layout()));
-  Tensor o_rc = make_tensor(tOrO.data(), sm90::accumulator_rows_cols(tOrO.layout()));
-  Tensor co_rc = make_tensor(tOcO.data(), sm90::accumulator_rows_cols(tOcO.layout()));
-  constexpr int kCols = decltype(size<1>(s_rc))::value;
-
-  sm90::ColumnSoftmax<C::kHeads> softmax(p.scale_log2, &ss.red[0][0][0],
-                                         static_cast<uint32_t>(GatherBarrier::kColumns));
-  clear(tOrO);
-  if (n_tiles > 0) ss.barrier_q.wait(0);
-  typename Pipeline::State read;
-  // The 16-bit tile a GEMM reads: a stage of the ring, or (FP8) the tile buffer, widened from
-  // the staging slot (rows 32 .. 63 here, the producer's warps rows 0 .. 31).
-  auto tile_stage = [&]() -> int {
-    if constexpr (kFp8) {
-      widen(read, 32 + 8 * (ct / 32));
-      return 0;
-    } else {
-      cutlass::arch::fence_view_async_shared();  // cp.async lands through the generic proxy
-      return read.index();
-    }
   };
-  for (int n = 0; n < n_tiles; ++n) {
-    // ----- S^T = K_n Q^T ----------------------------------------------------------------------
-    pipe.consumer_wait(read);
-    sm90::warpgroup_gemm<true, 0>(mma_s, tSrK(_, _, _, tile_stage()), tSrQ, tSrS);
-    pipe.consumer_release(read);
-    ++read;
-    // Slots without a token are masked.
-    CUTE_UNROLL
-    for (int i = 0; i < size<0>(s_rc); ++i) {
-      if (!slot_valid(n * C::kBlockN + get<0>(cs_rc(i, 0)))) {
-        CUTE_UNROLL
-        for (int j = 0; j < kCols; ++j) s_rc(i, j) = -INFINITY;
+
+  // ----- consumer ----------------------------------------------------------------------------
+  auto consume = [&] {
+    const int ct = tid - 128;
+    typename Tr::MmaS mma_s;
+    typename Tr::MmaO mma_o;
+    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::LayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(ss.kv.data()), typename Tr::LayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(ss.kv.data()), typename Tr::LayoutVt{});
+    Tensor sP = make_tensor(make_smem_ptr(ss.p.data()), typename Tr::LayoutP{});
+    auto thr_s = mma_s.get_thread_slice(ct);
+    auto thr_o = mma_o.get_thread_slice(ct);
+    Tensor tSrK = thr_s.partition_fragment_A(sK);    // (MMA, 1, MMA_K, stage)
+    Tensor tSrQ = thr_s.partition_fragment_B(sQ);    // (MMA, 1, MMA_K)
+    Tensor tOrVt = thr_o.partition_fragment_A(sVt);  // (MMA, MMA_M, MMA_K, stage)
+    Tensor tOrP = thr_o.partition_fragment_B(sP);    // (MMA, 1, MMA_K, buffer)
+    Tensor tSrS = partition_fragment_C(mma_s, select<0, 1>(typename Tr::TileS{}));
+    Tensor tOrO = partition_fragment_C(mma_o, select<0, 1>(typename Tr::TileO{}));
+    // (key in tile, head) of each score and (feature, head) of each output this thread holds;
+    // a column j of either fragment is the same head (one m64n16 atom layout).
+    Tensor tScS = thr_s.partition_C(make_identity_tensor(select<0, 1>(typename Tr::TileS{})));
+    Tensor tOcO = thr_o.partition_C(make_identity_tensor(select<0, 1>(typename Tr::TileO{})));
+    Tensor s_rc = make_tensor(tSrS.data(), sm90::accumulator_rows_cols(tSrS.layout()));
+    Tensor cs_rc = make_tensor(tScS.data(), sm90::accumulator_rows_cols(tScS.layout()));
+    Tensor o_rc = make_tensor(tOrO.data(), sm90::accumulator_rows_cols(tOrO.layout()));
+    Tensor co_rc = make_tensor(tOcO.data(), sm90::accumulator_rows_cols(tOcO.layout()));
+    constexpr int kCols = decltype(size<1>(s_rc))::value;
+
+    sm90::ColumnSoftmax<C::kHeads> softmax(p.scale_log2, &ss.red[0][0][0],
+                                           static_cast<uint32_t>(GatherBarrier::kColumns));
+    clear(tOrO);
+    if (n_tiles > 0) ss.barrier_q.wait(0);
+    typename Pipeline::State read;
+    // The 16-bit tile a GEMM reads: a stage of the ring, or (FP8) the tile buffer, widened from
+    // the staging slot (rows 32 .. 63 here, the producer's warps rows 0 .. 31).
+    auto tile_stage = [&]() -> int {
+      if constexpr (kFp8) {
+        widen(read, 32 + 8 * (ct / 32));
+        return 0;
+      } else {
+        cutlass::arch::fence_view_async_shared();  // cp.async lands through the generic proxy
+        return read.index();
       }
+    };
+    for (int n = 0; n < n_tiles; ++n) {
+      // ----- S^T = K_n Q^T --------------------------------------------------------------------
+      pipe.consumer_wait(read);
+      sm90::warpgroup_gemm<true, 0>(mma_s, tSrK(_, _, _, tile_stage()), tSrQ, tSrS);
+      pipe.consumer_release(read);
+      ++read;
+      // Slots without a token are masked.
+      CUTE_UNROLL
+      for (int i = 0; i < size<0>(s_rc); ++i) {
+        if (!slot_valid(n * C::kBlockN + get<0>(cs_rc(i, 0)))) {
+          CUTE_UNROLL
+          for (int j = 0; j < kCols; ++j) s_rc(i, j) = -INFINITY;
+        }
+      }
+      float rescale[kCols];
+      softmax.update(s_rc, cs_rc, rescale);
+      bool moved = false;
+      CUTE_UNROLL
+      for (int j = 0; j < kCols; ++j) moved = moved || rescale[j] != 1.f;
+      if (moved) {
+        CUTE_UNROLL
+        for (int i = 0; i < size<0>(o_rc); ++i) {
+          CUTE_UNROLL
+          for (int j = 0; j < kCols; ++j) o_rc(i, j) *= rescale[j];
+        }
+      }
+      // ----- P^T to shared memory, then O^T += V_n^T P^T ------------------------------------
+      CUTE_UNROLL
+      for (int i = 0; i < size<0>(s_rc); ++i) {
+        CUTE_UNROLL
+        for (int j = 0; j < kCols; ++j) {
+          sP(get<1>(cs_rc(i, j)), get<0>(cs_rc(i, j)), n % 2) = Element(s_rc(i, j));
+        }
+      }
+      cutlass::arch::fence_view_async_shared();  // generic stores, then GMMA reads
+      cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kP));
+      pipe.consumer_wait(read);
+      sm90::warpgroup_gemm<false, 0>(mma_o, tOrVt(_, _, _, tile_stage()), tOrP(_, _, _, n % 2),
+                                     tOrO);
+      pipe.consumer_release(read);
+      ++read;
     }
-    float rescale[kCols];
-    softmax.update(s_rc, cs_rc, rescale);
-    bool moved = false;
-    CUTE_UNROLL
-    for (int j = 0; j < kCols; ++j) moved = moved || rescale[j] != 1.f;
-    if (moved) {
+
+    // ----- epilogue: normalise; O [heads, features] through an idle stage ---------------------
+    float inv_sum[kCols], lse[kCols];
+    softmax.finalize(cs_rc, inv_sum, lse);
+    // The first stage holds the O tile: every warp's GEMMs on it (the last V tile's, for FP8)
+    // are done first.
+    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kGemmsDone));
+    if (splits > 1) {
+      // The split's partial, FP32 and normalised, and its LSE (log2 units) stay here for the
+      // cluster's merge (every thread holds every head's LSE; four write them).
+      float* part = reinterpret_cast<float*>(ss.kv.data());
       CUTE_UNROLL
       for (int i = 0; i < size<0>(o_rc); ++i) {
         CUTE_UNROLL
-        for (int j = 0; j < kCols; ++j) o_rc(i, j) *= rescale[j];
+        for (int j = 0; j < kCols; ++j) {
+          part[get<1>(co_rc(i, j)) * C::kPartPitch + get<0>(co_rc(i, j))] = o_rc(i, j) * inv_sum[j];
+        }
       }
+      if (ct < 4) {
+        CUTE_UNROLL
+        for (int j = 0; j < kCols; ++j) {
+          ss.split_lse2[get<1>(cs_rc(0, j))] = lse[j] * 1.4426950408889634f;
+        }
+      }
+      return;
     }
-    // ----- P^T to shared memory, then O^T += V_n^T P^T --------------------------------------
+    Element* so = ss.kv.data();
     CUTE_UNROLL
-    for (int i = 0; i < size<0>(s_rc); ++i) {
+    for (int i = 0; i < size<0>(o_rc); ++i) {
       CUTE_UNROLL
       for (int j = 0; j < kCols; ++j) {
-        sP(get<1>(cs_rc(i, j)), get<0>(cs_rc(i, j)), n % 2) = Element(s_rc(i, j));
+        so[get<1>(co_rc(i, j)) * C::kOutPitch + get<0>(co_rc(i, j))] =
+            Element(o_rc(i, j) * (inv_sum[j] * p.v_scale));
       }
     }
-    cutlass::arch::fence_view_async_shared();  // generic stores, then GMMA reads
-    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kP));
-    pipe.consumer_wait(read);
-    sm90::warpgroup_gemm<false, 0>(mma_o, tOrVt(_, _, _, tile_stage()), tOrP(_, _, _, n % 2), tOrO);
-    pipe.consumer_release(read);
-    ++read;
-  }
+    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kOut));
+    constexpr int kChunks = C::kHeadDim / 8;  // 16-byte pieces of a row
+    for (int c = ct; c < group * kChunks; c += 128) {
+      const int h = c / kChunks, col = (c % kChunks) * 8;
+      const int64_t hq = static_cast<int64_t>(kvh) * group + h;
+      uint4 v = *reinterpret_cast<const uint4*>(so + h * C::kOutPitch + col);
+      gate_outputs8<T>(p, r, hq, col, v);
+      *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + r * p.out_row_stride +
+                                hq * p.out_head_stride + col) = v;
+    }
+    if (p.lse != nullptr && ct < 4) {  // every thread holds every head's LSE; four write them
+      CUTE_UNROLL
+      for (int j = 0; j < kCols; ++j) {
+        const int h = get<1>(cs_rc(0, j));
+        if (h < group) {
+          p.lse[r * p.lse_row_stride +
+                (static_cast<int64_t>(kvh) * group + h) * p.lse_head_stride] = lse[j];
+        }
+      }
+    }
+  };
 
-  // ----- epilogue: normalise, O [heads, features] through an idle stage to global -----------
-  float inv_sum[kCols], lse[kCols];
-  softmax.finalize(cs_rc, inv_sum, lse);
-  // The first stage holds the O tile: every warp's GEMMs on it (the last V tile's, for FP8)
-  // are done first.
-  cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kGemmsDone));
-  Element* so = ss.kv.data();
-  CUTE_UNROLL
-  for (int i = 0; i < size<0>(o_rc); ++i) {
-    CUTE_UNROLL
-    for (int j = 0; j < kCols; ++j) {
-      so[get<1>(co_rc(i, j)) * C::kOutPitch + get<0>(co_rc(i, j))] =
-          Element(o_rc(i, j) * (inv_sum[j] * p.v_scale));
-    }
+  if (warp < 4) {
+    produce();
+  } else {
+    consume();
   }
-  cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kOut));
-  constexpr int kChunks = C::kHeadDim / 8;  // 16-byte pieces of a row
-  for (int c = ct; c < group * kChunks; c += 128) {
+  if (splits == 1) return;
+
+  // ----- SplitKV: the cluster's merge ---------------------------------------------------------
+  // Every CTA's partial is written (release / acquire across the cluster); then thread t of CTA
+  // s merges 8-feature chunks s * kThreads + t, s * kThreads + t + splits * kThreads, ... of the
+  // (head, feature) outputs from every CTA's shared memory, and the CTAs stay until all reads of
+  // their shared memory are done.
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  // Every split's LSEs, one remote load a thread, so the merge below reads them locally.
+  if (tid < splits * C::kHeads) {
+    const int s = tid / C::kHeads, h = tid % C::kHeads;
+    ss.cluster_lse2[s][h] = cluster.map_shared_rank(ss.split_lse2, s)[h];
+  }
+  __syncthreads();
+  constexpr int kChunks = C::kHeadDim / 8;
+  const float* part = reinterpret_cast<const float*>(ss.kv.data());
+  for (int c = split * C::kThreads + tid; c < group * kChunks; c += splits * C::kThreads) {
     const int h = c / kChunks, col = (c % kChunks) * 8;
+    float o[8];
+    const float lse2 = merge_lse_thread<C::kMaxSplits, 8, 4>(
+        splits, [&](int s) { return ss.cluster_lse2[s][h]; },
+        [&](int s, float(&v)[8]) {
+          const float4* src = reinterpret_cast<const float4*>(cluster.map_shared_rank(part, s) +
+                                                              h * C::kPartPitch + col);
+          const float4 a = src[0], b = src[1];
+          v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+          v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+        },
+        o);
     const int64_t hq = static_cast<int64_t>(kvh) * group + h;
-    uint4 v = *reinterpret_cast<const uint4*>(so + h * C::kOutPitch + col);
-    gate_outputs8<T>(p, r, hq, col, v);
-    *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + r * p.out_row_stride +
-                              hq * p.out_head_stride + col) = v;
-  }
-  if (p.lse != nullptr && ct < 4) {  // every thread holds every head's LSE; four write them
+    uint4 out;
+    auto* e = reinterpret_cast<T*>(&out);
     CUTE_UNROLL
-    for (int j = 0; j < kCols; ++j) {
-      const int h = get<1>(cs_rc(0, j));
-      if (h < group) {
-        p.lse[r * p.lse_row_stride + (static_cast<int64_t>(kvh) * group + h) * p.lse_head_stride] =
-            lse[j];
-      }
+    for (int i = 0; i < 8; ++i) e[i] = ElementTraits<T>::from_float(o[i] * p.v_scale);
+    gate_outputs8<T>(p, r, hq, col, out);
+    *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + r * p.out_row_stride +
+                              hq * p.out_head_stride + col) = out;
+    if (col == 0 && p.lse != nullptr) {
+      p.lse[r * p.lse_row_stride + hq * p.lse_head_stride] = lse2 * 0.69314718055994531f;
     }
   }
+  cluster.sync();
 }
 
 template <typename T, typename KV>
@@ -428,9 +541,26 @@ void launch_qsa_gather(const SparseAttentionParams& p, const SparseAttentionLaun
   constexpr auto kernel = qsa_gather_kernel<T, KV>;
   // Two CTAs of ~112 KB per SM need the largest shared-memory carveout.
   opt_in_shared_memory<kernel>(kSmem, true);
-  const int64_t ctas = p.rows * p.num_kv_heads;
-  kernel<<<static_cast<unsigned>(ctas), QsaGatherConfig::kThreads, kSmem, stream>>>(p, x);
-  SPARSE_ATTN_CUDA_CHECK_LAUNCH();
+  const int64_t ctas = p.rows * p.num_kv_heads * x.num_splits;
+  if (x.num_splits == 1) {
+    kernel<<<static_cast<unsigned>(ctas), QsaGatherConfig::kThreads, kSmem, stream>>>(p, x);
+    SPARSE_ATTN_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  allow_non_portable_clusters<kernel>();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(ctas));
+  cfg.blockDim = dim3(QsaGatherConfig::kThreads);
+  cfg.dynamicSmemBytes = kSmem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = static_cast<unsigned>(x.num_splits);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  SPARSE_ATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, x));
 }
 
 }  // namespace sparse_attn::cuda

@@ -46,4 +46,22 @@ int choose_num_splits(int64_t rows, int64_t kv_heads, int64_t width, int num_sms
   return static_cast<int>(best_splits);
 }
 
+// The gather kernel's splits of a (row, KV head) pair merge inside their cluster, so a split
+// costs no launch and no workspace, but each adds a CTA's fixed latency chain (metadata, page
+// table, first gather) and a member to the cluster's barrier. Measured on the H200 (session 22,
+// 2051 tokens, bf16, graph-replayed split sweeps): the best counts were 8 / 4 / 2 / 1 at
+// B = 1 / 8 / 32 / 128 (Hkv = 2: 2 / 16 / 64 / 256 pairs), i.e. splits ~ sqrt(256 / pairs),
+// the balance of fewer tiles a CTA against more CTAs (at B = 8, 16 splits took 44.7 us against
+// 25.8 with 4: past ~14 clusters of 16 the grid takes two waves); rounded down to a power of two,
+// capped at 8 and at one split per 16 blocks (a 64-token tile). Worked examples (512 blocks):
+// B = 1 -> sqrt(128) = 11.3 -> 8; B = 8 -> 4; B = 16 -> sqrt(8) = 2.8 -> 2; B = 32 -> 2;
+// B = 64 -> 1.4 -> 1; B >= 128 -> 1.
+int choose_gather_splits(int64_t pairs, int64_t blocks, int max_splits) {
+  constexpr int64_t kMinBlocks = 16, kBalance = 256, kCap = 8;
+  int64_t splits = 1;
+  while (2 * splits * 2 * splits * std::max<int64_t>(1, pairs) <= kBalance) splits *= 2;
+  const int64_t by_blocks = std::max<int64_t>(1, blocks / kMinBlocks);
+  return static_cast<int>(std::clamp<int64_t>(std::min({splits, by_blocks, kCap}), 1, max_splits));
+}
+
 }  // namespace sparse_attn::cuda

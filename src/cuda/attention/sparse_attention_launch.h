@@ -16,7 +16,9 @@ struct SparseAttentionLaunch {
   // The index entries are block_indices' blocks plus the tail entry (the structured path),
   // else token_indices' ids.
   bool block_hint = false;
-  int64_t split_cols = 0;  // index entries per split, worth a whole number of 64-token tiles
+  // Index entries per split: worth a whole number of 64-token tiles on the per-row kernel; on
+  // the gather kernel, blocks (its last split also takes the tail entry).
+  int64_t split_cols = 0;
   // [num_splits, rows, Hq, D] normalised partial outputs and [num_splits, rows, Hq] partial
   // LSEs (log2 units, -inf for an empty split); null when num_splits == 1.
   float* o_partial = nullptr;
@@ -40,15 +42,22 @@ void launch_qsa_union(const QsaUnionParams& params, cudaStream_t stream);
 // block hint columns and the tail entry.
 inline constexpr int kQsaGatherMaxEntries = 513;
 
-// Runs the gather kernel: one CTA per (row, KV head), each row reading its own selection; rows
-// whose tile x.union_handled marks are left alone. Needs x.num_splits == 1, the block hint with
+// Runs the gather kernel: one CTA per (row, KV head, split), each row reading its own selection;
+// rows whose tile x.union_handled marks are left alone. With x.num_splits > 1 (at most
+// qsa_gather_max_splits(); no union kernel before it) the splits of a (row, KV head) run as one
+// thread-block cluster and merge in it, without workspace. Needs the block hint with
 // at most kQsaGatherMaxEntries entries a row (blocks and the tail), group <= 16, K/V keys that fit
-// int32, rows * Hkv that fit int32, and the union kernel's 16-byte Q and out rows
+// int32, rows * Hkv * splits that fit int32, and the union kernel's 16-byte Q and out rows
 // (sparse_attention_native.cpp decides). KV is T or __nv_fp8_e4m3 (FP8 K/V, with k_scale folded
 // into p.scale_log2).
 template <typename T, typename KV>
 void launch_qsa_gather(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
                        cudaStream_t stream);
+
+// The largest split count (cluster size) the gather kernel runs on device `device_index`: 16
+// where the device schedules clusters of 16 of its CTAs, else the portable 8. Asked once per
+// device.
+int qsa_gather_max_splits(int device_index);
 
 // Runs the forward kernel and, when x.num_splits > 1, the merge kernel on `stream`. KV is T
 // or __nv_fp8_e4m3 (FP8 K/V, with k_scale folded into p.scale_log2).

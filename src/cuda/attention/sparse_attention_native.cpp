@@ -50,12 +50,12 @@ bool use_row_tiles(const SparseAttentionParams& p, int num_splits) {
   return keys_fit_int32(p);
 }
 
-// Whether the gather kernel can take the call's rows: one split, the block hint (never in
-// physical mode) with at most the seed's 512 hint columns, K/V keys that fit int32, (row, KV head)
-// CTAs numbered in int32, 16-byte rows and strides for its copies of Q and out (K and V have them
-// already: check_native's vector-load rule), and a group of 12 to 16 heads (the groups its tests
-// cover; it computes 16 heads a KV head). Host-side facts only.
-bool use_gather(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
+// Whether the gather kernel can take the call's rows (at any split count): the block hint (never
+// in physical mode) with at most the seed's 512 hint columns, K/V keys that fit int32, (row, KV
+// head) pairs numbered in int32, 16-byte rows and strides for its copies of Q and out (K and V
+// have them already: check_native's vector-load rule), and a group of 12 to 16 heads (the groups
+// its tests cover; it computes 16 heads a KV head). Host-side facts only.
+bool gather_fits(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
   const auto aligned = [](const void* ptr, std::initializer_list<int64_t> strides) {
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
     for (int64_t s : strides) {
@@ -64,9 +64,9 @@ bool use_gather(const SparseAttentionParams& p, const SparseAttentionLaunch& x) 
     return true;
   };
   constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
-  return x.num_splits == 1 && x.block_hint && p.num_blocks <= kQsaGatherMaxEntries - 1 &&
-         keys_fit_int32(p) && p.group >= 12 && p.group <= 16 &&
-         p.rows * p.num_kv_heads <= kMaxInt && p.q_dim_stride == 1 && p.out_dim_stride == 1 &&
+  return x.block_hint && p.num_blocks <= kQsaGatherMaxEntries - 1 && keys_fit_int32(p) &&
+         p.group >= 12 && p.group <= 16 && p.rows * p.num_kv_heads <= kMaxInt &&
+         p.q_dim_stride == 1 && p.out_dim_stride == 1 &&
          aligned(p.q, {p.q_row_stride, p.q_head_stride}) &&
          aligned(p.out, {p.out_row_stride, p.out_head_stride});
 }
@@ -77,7 +77,7 @@ bool use_gather(const SparseAttentionParams& p, const SparseAttentionLaunch& x) 
 // gather kernel's: 4 or 5 rows of 12 to 16 heads fill each warpgroup's 64 M rows).
 bool use_union(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
   static_assert(QsaUnionConfig::kMaxEntries <= kQsaGatherMaxEntries);
-  return p.kv_dtype == p.dtype && use_gather(p, x) &&
+  return p.kv_dtype == p.dtype && x.num_splits == 1 && gather_fits(p, x) &&
          p.num_blocks <= QsaUnionConfig::kMaxEntries - 1;
 }
 
@@ -130,12 +130,32 @@ Schedule schedule(const SparseAttentionParams& p) {
     s.union_row_tiles = static_cast<int>((p.rows + s.union_rows - 1) / s.union_rows);
     s.union_chunk = std::min(s.union_row_tiles, QsaUnionConfig::kChunkTiles);
   }
-  // Rows the union kernel does not take, with the hint and one split: decode batches that fill
-  // the GPU without SplitKV (two CTAs an SM, each with a producer warpgroup, keep more bytes in
-  // flight than the per-row kernel's one CTA), and FP8 prefill.
-  s.gather_rows = s.union_rows == 0 && use_gather(p, x);
-  s.partial_slots =
-      x.num_splits > 1 ? static_cast<size_t>(x.num_splits) * p.rows * p.num_q_heads : 0;
+  // Rows the union kernel does not take, with the hint: decode batches and FP8 prefill. The
+  // gather kernel keeps more bytes in flight than the per-row one (two CTAs an SM, each with a
+  // producer warpgroup), and its SplitKV merges inside a cluster (no workspace, no merge
+  // launch); split counts past its cluster limit stay on the per-row kernel, and so do FP8
+  // batches of four or more splits by the heuristic (B <= 8 at Hkv = 2), where the gather
+  // kernel's widening made them slower than the per-row kernel (session 22: B = 1 22.1 against
+  // 20.7 us, B = 8 33.7 against 30.3).
+  if (s.union_rows == 0 && gather_fits(p, x)) {
+    const int64_t pairs = p.rows * p.num_kv_heads;
+    const int64_t gather_splits =
+        p.num_splits > 0
+            ? p.num_splits
+            : choose_gather_splits(pairs, p.num_blocks, qsa_gather_max_splits(p.device_index));
+    const bool small_fp8 = p.kv_dtype != p.dtype && p.num_splits <= 0 && gather_splits >= 4;
+    if (!small_fp8 && gather_splits <= qsa_gather_max_splits(p.device_index) &&
+        pairs * gather_splits <= std::numeric_limits<int32_t>::max()) {
+      s.gather_rows = true;
+      s.row_tiles = false;
+      const int64_t blocks = std::max<int64_t>(1, p.num_blocks);
+      x.split_cols = (blocks + gather_splits - 1) / gather_splits;
+      x.num_splits = static_cast<int>((blocks + x.split_cols - 1) / x.split_cols);
+    }
+  }
+  s.partial_slots = x.num_splits > 1 && !s.gather_rows
+                        ? static_cast<size_t>(x.num_splits) * p.rows * p.num_q_heads
+                        : 0;
   const auto align = [](size_t n) {
     return (n + WorkspaceLayout::kAlign - 1) / WorkspaceLayout::kAlign * WorkspaceLayout::kAlign;
   };

@@ -28,4 +28,17 @@ void opt_in_shared_memory(int bytes, bool prefer_max_shared = false) {
   });
 }
 
+// Lets Kernel launch in thread-block clusters of more than the portable 8 CTAs on the current
+// device (whether a size fits is cudaOccupancyMaxActiveClusters's answer).
+template <auto Kernel>
+void allow_non_portable_clusters() {
+  static std::once_flag set[64];
+  int device = 0;
+  SPARSE_ATTN_CUDA_CHECK(cudaGetDevice(&device));
+  std::call_once(set[device % 64], [&] {
+    SPARSE_ATTN_CUDA_CHECK(
+        cudaFuncSetAttribute(Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  });
+}
+
 }  // namespace sparse_attn::cuda
