@@ -182,17 +182,7 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   const int64_t r = pair / hkv;
   // Rows the union kernel wrote are not read nor written here.
   if (x.union_handled != nullptr && x.union_handled[r / x.union_rows] != 0) return;
-  // A decode-shaped call (one row per request) knows the row's request before the lookup: its
-  // page-table row goes to L2 now, beside the ids' loads, so the page reads that follow them
-  // hit L2. Only a hint (a layout whose requests do not hold a row each prefetches another's).
-  if (p.kv_layout == KVLayout::kPaged && p.block_table_page_stride == 1 && p.rows == p.batch &&
-      (p.row_mapping == RowMapping::kCuSeqlens || p.row_mapping == RowMapping::kPadded)) {
-    const int64_t per_line = 128 / p.block_table.element_size();
-    for (int64_t i = tid * per_line; i < p.max_pages; i += C::kThreads * per_line) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(
-          p.block_table.address(r * p.block_table_batch_stride + i)));
-    }
-  }
+  prefetch_decode_table_row(p, r, tid, C::kThreads);  // beside the ids' loads below
   if (tid == 0) {
     ss.barrier_q.init(128);
     Pipeline::init(ss.pipeline);
@@ -465,10 +455,7 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
     for (int c = ct; c < group * kChunks; c += 128) {
       const int h = c / kChunks, col = (c % kChunks) * 8;
       const int64_t hq = static_cast<int64_t>(kvh) * group + h;
-      uint4 v = *reinterpret_cast<const uint4*>(so + h * C::kOutPitch + col);
-      gate_outputs8<T>(p, r, hq, col, v);
-      *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + r * p.out_row_stride +
-                                hq * p.out_head_stride + col) = v;
+      store_gated8<T>(p, r, hq, col, *reinterpret_cast<const uint4*>(so + h * C::kOutPitch + col));
     }
     if (p.lse != nullptr && ct < 4) {  // every thread holds every head's LSE; four write them
       CUTE_UNROLL
@@ -523,9 +510,7 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
     auto* e = reinterpret_cast<T*>(&out);
     CUTE_UNROLL
     for (int i = 0; i < 8; ++i) e[i] = ElementTraits<T>::from_float(o[i] * p.v_scale);
-    gate_outputs8<T>(p, r, hq, col, out);
-    *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + r * p.out_row_stride +
-                              hq * p.out_head_stride + col) = out;
+    store_gated8<T>(p, r, hq, col, out);
     if (col == 0 && p.lse != nullptr) {
       p.lse[r * p.lse_row_stride + hq * p.lse_head_stride] = lse2 * 0.69314718055994531f;
     }
@@ -548,18 +533,10 @@ void launch_qsa_gather(const SparseAttentionParams& p, const SparseAttentionLaun
     return;
   }
   allow_non_portable_clusters<kernel>();
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(ctas));
-  cfg.blockDim = dim3(QsaGatherConfig::kThreads);
-  cfg.dynamicSmemBytes = kSmem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr = {};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = static_cast<unsigned>(x.num_splits);
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg =
+      cluster_launch_config(static_cast<unsigned>(ctas), QsaGatherConfig::kThreads,
+                            static_cast<unsigned>(x.num_splits), kSmem, stream, attr);
   SPARSE_ATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, x));
 }
 

@@ -215,9 +215,7 @@ struct QsaUnionProblem {
     const int64_t r = r0 + cta_row(m), h = head_of(m);
     // The CUDA type of the same bits, for the gate rule the other kernels apply.
     using T = std::conditional_t<std::is_same_v<Element, cutlass::half_t>, __half, __nv_bfloat16>;
-    gate_outputs8<T>(p, r, h, col, v);
-    auto* out = static_cast<Element*>(p.out) + r * p.out_row_stride + h * p.out_head_stride + col;
-    *reinterpret_cast<uint4*>(out) = v;
+    store_gated8<T>(p, r, h, col, v);
   }
   __device__ void store_lse(int m, float v) const {
     const SparseAttentionParams& p = pr.p;

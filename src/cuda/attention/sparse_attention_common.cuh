@@ -265,6 +265,34 @@ __device__ inline void gate_outputs8(const SparseAttentionParams& p, int64_t r, 
   for (int i = 0; i < 8; ++i) e[i] = apply_gate(e[i], gate[i]);
 }
 
+// out[r, h, col .. col + 7] = the 8 rounded outputs in o, gated (gate_outputs8): one 16-byte
+// store (16-byte out rows and strides, as the kernels that call it require).
+template <typename T>
+__device__ inline void store_gated8(const SparseAttentionParams& p, int64_t r, int64_t h, int col,
+                                    uint4 o) {
+  gate_outputs8<T>(p, r, h, col, o);
+  *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + r * p.out_row_stride + h * p.out_head_stride +
+                            col) = o;
+}
+
+// A decode-shaped call (one row per request) knows row r's request before its lookup: the
+// kernel's `threads` threads pull that request's page-table row into L2 (one 128-byte line a
+// thread, all inside the row), so the page reads after the lookup hit L2 instead of HBM. Only a
+// hint: a flattened layout whose requests do not hold one row each prefetches another's row.
+__device__ inline void prefetch_decode_table_row(const SparseAttentionParams& p, int64_t r, int tid,
+                                                 int threads) {
+  if (p.kv_layout != KVLayout::kPaged || p.block_table_page_stride != 1 || p.rows != p.batch ||
+      (p.row_mapping != RowMapping::kCuSeqlens && p.row_mapping != RowMapping::kPadded)) {
+    return;
+  }
+  const MetaPtr table_row = p.block_table + r * p.block_table_batch_stride;
+  const int64_t per_line = 128 / table_row.element_size();  // entries per 128-byte line
+  for (int64_t i = static_cast<int64_t>(tid) * per_line; i < p.max_pages;
+       i += static_cast<int64_t>(threads) * per_line) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(table_row.address(i)));
+  }
+}
+
 template <typename T>
 __device__ inline void store_output(const SparseAttentionParams& p, int64_t r, int64_t h, int d,
                                     float attn) {

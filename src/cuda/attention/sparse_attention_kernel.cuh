@@ -97,19 +97,7 @@ __global__ void __launch_bounds__(FwdShape::kThreads, 1)
   const int kvh = blockIdx.y, split = blockIdx.z;
   const int group = static_cast<int>(p.group);
 
-  // A decode-shaped call (one row per request) knows the row's request before the lookup
-  // below: pull its page-table row into L2 now (one 128-byte line per thread, all inside the
-  // row), so the page reads after the lookup hit L2 instead of HBM. Only a hint: a flattened
-  // layout whose requests do not hold one row each prefetches another request's row.
-  if (p.kv_layout == KVLayout::kPaged && p.block_table_page_stride == 1 && p.rows == p.batch &&
-      (p.row_mapping == RowMapping::kCuSeqlens || p.row_mapping == RowMapping::kPadded)) {
-    const MetaPtr table_row = p.block_table + r * p.block_table_batch_stride;
-    const int64_t per_line = 128 / table_row.element_size();  // entries per 128-byte line
-    for (int64_t i = static_cast<int64_t>(tid) * per_line; i < p.max_pages;
-         i += S::kThreads * per_line) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(table_row.address(i)));
-    }
-  }
+  prefetch_decode_table_row(p, r, tid, S::kThreads);
 
   // Index entries: token ids, or with the block hint one block per entry plus the tail entry.
   // The first pass's entries do not depend on the row's metadata: load them first, so their

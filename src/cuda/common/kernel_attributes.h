@@ -41,4 +41,25 @@ void allow_non_portable_clusters() {
   });
 }
 
+// A launch of `ctas` CTAs of `threads` threads in clusters of `cluster` along x, with `smem`
+// bytes of dynamic shared memory; `attr` (the caller's, alive until the launch) holds the
+// cluster shape the config points to.
+inline cudaLaunchConfig_t cluster_launch_config(unsigned ctas, unsigned threads, unsigned cluster,
+                                                size_t smem, cudaStream_t stream,
+                                                cudaLaunchAttribute& attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(ctas);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  attr = {};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = cluster;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
 }  // namespace sparse_attn::cuda

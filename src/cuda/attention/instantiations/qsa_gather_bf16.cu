@@ -21,17 +21,10 @@ int qsa_gather_max_splits(int device_index) {
     DeviceGuard guard(device);
     opt_in_shared_memory<kernel>(kSmem, true);
     allow_non_portable_clusters<kernel>();
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(QsaGatherConfig::kMaxSplits);
-    cfg.blockDim = dim3(QsaGatherConfig::kThreads);
-    cfg.dynamicSmemBytes = kSmem;
-    cudaLaunchAttribute attr = {};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = QsaGatherConfig::kMaxSplits;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg =
+        cluster_launch_config(QsaGatherConfig::kMaxSplits, QsaGatherConfig::kThreads,
+                              QsaGatherConfig::kMaxSplits, kSmem, nullptr, attr);
     int clusters = 0;
     const bool fits =
         cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
