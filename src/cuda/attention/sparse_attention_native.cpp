@@ -139,12 +139,11 @@ Schedule schedule(const SparseAttentionParams& p) {
   // 20.7 us, B = 8 33.7 against 30.3).
   if (s.union_rows == 0 && gather_fits(p, x)) {
     const int64_t pairs = p.rows * p.num_kv_heads;
+    const int max_splits = qsa_gather_max_splits(p.device_index);
     const int64_t gather_splits =
-        p.num_splits > 0
-            ? p.num_splits
-            : choose_gather_splits(pairs, p.num_blocks, qsa_gather_max_splits(p.device_index));
+        p.num_splits > 0 ? p.num_splits : choose_gather_splits(pairs, p.num_blocks, max_splits);
     const bool small_fp8 = p.kv_dtype != p.dtype && p.num_splits <= 0 && gather_splits >= 4;
-    if (!small_fp8 && gather_splits <= qsa_gather_max_splits(p.device_index) &&
+    if (!small_fp8 && gather_splits <= max_splits &&
         pairs * gather_splits <= std::numeric_limits<int32_t>::max()) {
       s.gather_rows = true;
       s.row_tiles = false;
