@@ -507,6 +507,39 @@ std::vector<Case> cases() {
     v.push_back(c);
   }
   {
+    // Token ids on the gather kernel (qsa_gather_kernel.cuh): rows whose valid ids fill its 33
+    // tiles exactly (one split), one column past its limit (the per-row kernel), the
+    // heuristic's cluster at B = 1, 16 splits of two tiles, an engine page size, and padding
+    // rows among the rows of clusters.
+    Case c = decode("decode_b2_width2112_all_valid_splits1", 2);
+    c.k_lens = {5000, 2200};
+    c.width = 2112;
+    c.invalid_share = 0.0;
+    c.num_splits = 1;
+    v.push_back(c);
+    c = decode("decode_b2_width2113_splits1_per_row", 2);
+    c.width = 2113;
+    c.num_splits = 1;
+    v.push_back(c);
+    c = decode("decode_b1_heuristic_gate_elementwise", 1);
+    c.k_lens = {33000};
+    c.gate = Gate::kElementwise;
+    v.push_back(c);
+    c = decode("decode_b3_width2048_splits16", 3);
+    c.width = 2048;
+    c.num_splits = 16;
+    v.push_back(c);
+    c = decode("decode_b4_page1600_heuristic", 4);
+    c.page_size = 1600;
+    c.k_lens = {33000, 1601, 3, 7000};
+    v.push_back(c);
+    c = decode("decode_token_to_req_padding_rows_splits4", 3);
+    c.token_to_req = true;
+    c.padding_rows = 2;
+    c.num_splits = 4;
+    v.push_back(c);
+  }
+  {
     Case c;
     c.name = "prefill_flat_rows37_1_20_page16_width515";
     c.q_rows = {37, 1, 20};
@@ -913,10 +946,10 @@ INSTANTIATE_TEST_SUITE_P(Pages, GpuSparseAttentionBlockHint, ::testing::ValuesIn
                                {64, 1, {1, 1, 1, 1, 1, 1}, {3000, 2051, 4, 777, 9000, 130}},
                                {1600, 1, {1, 1, 1, 1, 1}, {5000, 1601, 3, 3300, 96}, true},
                                // Decode rows with SplitKV on the gather kernel (a cluster a row
-                               // and KV head): 100 blocks in 15 splits of 7, rows too short for
-                               // some splits, padding rows (request id -1); the heuristic's
-                               // count; fp16; and 17 splits, past the cluster limit (the per-row
-                               // kernel).
+                               // and KV head): 100 blocks in 7 splits of one tile (16 asked),
+                               // rows too short for some splits, padding rows (request id -1);
+                               // the heuristic's count; fp16; and 17 splits, past the cluster
+                               // limit (the per-row kernel).
                                {64, 16, {1, 1, 1, 1}, {9000, 3000, 130, 4}, false, 2},
                                {64, std::nullopt, {1, 1, 1}, {5000, 2051, 777}},
                                {1600, 5, {1, 1}, {5000, 3}, true, 1},
@@ -1417,14 +1450,27 @@ TEST_P(GpuSparseAttentionWorkspace, PoisonedCallerWorkspaceMatchesOracle) {
   }
 }
 
+// SplitKV partials are the per-row kernel's: the cases that need them select more token ids
+// than the gather kernel takes (kQsaGatherMaxTokens), whose SplitKV merges in a cluster.
+Case wide_decode(int64_t b) {
+  Case c = decode("w", b);
+  c.width = 4103;
+  return c;
+}
+
 std::vector<WorkspaceCase> workspace_cases() {
   std::vector<WorkspaceCase> v;
-  v.push_back({"decode_b1_heuristic_splits", decode("w", 1), true});
+  v.push_back({"decode_b1_heuristic_splits", wide_decode(1), true});
   {
-    Case c = decode("w", 3);
+    Case c = wide_decode(3);
     c.num_splits = 4;
     c.gate = Gate::kElementwise;
     v.push_back({"decode_b3_splits4_gate", c, true});
+  }
+  {
+    Case c = decode("w", 3);
+    c.num_splits = 4;
+    v.push_back({"decode_b3_splits4_gather_cluster_needs_none", c, false});
   }
   {
     Case c = decode("w", 2);
@@ -1447,6 +1493,7 @@ std::vector<WorkspaceCase> workspace_cases() {
     c.token_to_req = true;
     c.q_rows = {2, 1};
     c.k_lens = {3000, 2500};
+    c.width = 4103;
     c.num_splits = 3;
     c.int64_metadata = true;
     v.push_back({"token_to_req_splits3_partials_int64", c, true});
@@ -1487,6 +1534,7 @@ TEST(GpuSparseAttentionWorkspaceGraph, CapturedWithCallerWorkspace) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = testing::make_rng();
   Case c = decode("graph_workspace", 2);
+  c.width = 4103;  // the per-row kernel's SplitKV partials (wide_decode)
   c.positions = true;
   Problem pb = make_problem(c, rng);
   DeviceProblem dp = to_device_problem(pb, rng);

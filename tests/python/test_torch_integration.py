@@ -151,16 +151,17 @@ def test_compiled_out_argument_is_written():
 # scratch the wrapper allocates with torch when the op runs)
 # ------------------------------------------------------------------------------------------
 
-def paged_decode_inputs(device, token_to_req):
-    """Two decode rows, canonical geometry, paged K/V: the split heuristic picks SplitKV
-    (4 CTAs per split on a GPU of 100+ SMs)."""
+def paged_decode_inputs(device, token_to_req, width=2051):
+    """Two decode rows, canonical geometry, paged K/V: the split heuristic picks SplitKV (4
+    CTAs per split on a GPU of 100+ SMs), merged inside clusters on the gather kernel, or with
+    more than its 2112 ids (width 4103) in the per-row kernel's partials (the workspace)."""
     page, pages = 64, 12
     lens = torch.tensor([700, 431], dtype=torch.int32, device=device)
     query = randn((2, 24, 256), torch.bfloat16, device)
     key = randn((2 * pages, page, 2, 256), torch.bfloat16, device)
     value = randn((2 * pages, page, 2, 256), torch.bfloat16, device)
     table = torch.randperm(2 * pages, dtype=torch.int32).view(2, pages).to(device)
-    ids = torch.randint(-1, 431, (2, 2051), dtype=torch.int32, device=device)
+    ids = torch.randint(-1, 431, (2, width), dtype=torch.int32, device=device)
     rows = torch.arange(2, dtype=torch.int32, device=device)
     return query, key, value, ids, table, lens, rows
 
@@ -218,6 +219,8 @@ def native_calls():
         pytest.param(attention_padded, run_attention_padded, 2, id="attention_padded_one_split"),
         pytest.param(lambda: paged_decode_inputs("cuda", False), run_attention_splitkv, 2,
                      id="attention_paged_splitkv"),
+        pytest.param(lambda: paged_decode_inputs("cuda", False, 4103), run_attention_splitkv, 2,
+                     id="attention_paged_splitkv_partials"),
         pytest.param(lambda: paged_decode_inputs("cuda", True), run_attention_token_to_req, 2,
                      id="attention_token_to_req_int64"),
         pytest.param(lambda: decode_inputs("cuda", "native")[:4], run_decode, 1,

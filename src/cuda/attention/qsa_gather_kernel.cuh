@@ -1,6 +1,6 @@
-// QSA prefill sparse attention for rows that share no K/V with their neighbours (independent
-// selections; the row tiles the union kernel leaves, qsa_union_problem.cuh): a CTA attends one
-// query row for one KV head, gathering the row's own selected tokens.
+// QSA sparse attention for rows that share no K/V with their neighbours: decode rows, and the
+// prefill row tiles the union kernel leaves (independent selections, qsa_union_problem.cuh).
+// A CTA attends one query row for one KV head, gathering the row's own selected tokens.
 //
 // Such a row's cost is its bytes (2051 tokens x 1 KB of K and V per KV head at the seed's
 // shape), so the kernel is built to keep the gather going: a producer warpgroup copies each
@@ -13,21 +13,23 @@
 // Packing the heads into M instead would leave 52 of its 64 rows empty; here a quarter of N is.
 // A head's softmax is a column of S^T spread over the warpgroup's four warps (ColumnSoftmax).
 //
-// The row's index entries (the block hint's blocks plus the tail entry; the kernel runs with
-// the hint only, as the union kernel does) are resolved once per CTA into the valid entries in
-// their order, each with the physical key of its first token and how many of its tokens are
-// valid (a prefix: the causal limit, the KV length and the page all cut an entry from its
-// end). Duplicates stay separate entries, so each counts as often as it is listed
-// (docs/qsa.md). Slot u of the row's token sequence is token u % 4 of valid entry u / 4: K/V
-// tile n holds slots 64 n .. 64 n + 63, zero-filled past the row's end, whose scores are
-// masked.
+// The row's index entries (the block hint's blocks plus the tail entry, or token ids) are
+// resolved once per CTA into the valid entries in their order; valid entry v fills token slots
+// per_entry * v .. (4 a block, 1 a token), a prefix of them valid (the causal limit, the KV
+// length and the page all cut a block from its end). Duplicates stay separate entries, so each
+// counts as often as it is listed (docs/qsa.md). K/V tile n holds slots 64 n .. 64 n + 63,
+// zero-filled where a slot holds no token, whose scores are masked (a bitmask of the slots).
+// The slots' physical keys are staged in the idle K/V ring and each producer thread takes the
+// keys of the rows it copies into registers, one a tile, before the first copy: 2112 slots'
+// keys would not fit beside the ring in the two-CTAs-an-SM budget.
 //
 // SplitKV (x.num_splits = S > 1, for decode batches too small to fill the GPU with one CTA per
 // row and KV head): the S CTAs of a (row, KV head) form a thread-block cluster; CTA s takes
 // blocks s * x.split_cols .. (s + 1) * x.split_cols - 1 (the last one also the tail entry),
 // leaves its normalised FP32 partial and its LSE in its own shared memory, and after a cluster
 // barrier each CTA merges a share of the (head, feature) outputs from all S CTAs' shared memory
-// (merge_lse_thread): one launch, no workspace, no partials through global memory.
+// (merge_lse_thread): one launch, no workspace, no partials through global memory. (Splits take
+// x.split_cols token ids each on the token path.)
 //
 // FP8 K/V (KV = __nv_fp8_e4m3): the producer copies each FP8 K or V tile into a ring of four
 // 16 KB staging slots, the pipeline's stages, and both warpgroups widen each tile, half the
@@ -67,10 +69,15 @@ struct QsaGatherConfig {
   static constexpr int kBlockN = 64;    // keys per K/V tile: M of S^T
   static constexpr int kThreads = 256;  // the producer warpgroup, then the consumer's
   static constexpr int kCtasPerSm = 2;  // one CTA's prologue and epilogue in another's shadow
-  static constexpr int kEntriesPerThread = (kQsaGatherMaxEntries + kThreads - 1) / kThreads;
+  // Token slots a split may fill: 4 a block entry (the hint's 512 blocks and the tail), 1 a token.
+  static constexpr int kMaxTiles = 33;
+  static constexpr int kMaxSlots = kMaxTiles * kBlockN;
+  static constexpr int kEntriesPerThread = (kMaxSlots + kThreads - 1) / kThreads;
   static constexpr int kOutPitch = kHeadDim + 8;  // epilogue rows: 16-byte aligned, skewed banks
   static constexpr int kMaxSplits = 16;  // CTAs of a SplitKV cluster (the non-portable maximum)
   static constexpr int kPartPitch = kHeadDim + 4;  // FP32 partial rows: 16-byte aligned, skewed
+  static_assert(kMaxSlots >= 4 * kQsaGatherMaxEntries && kMaxSlots >= kQsaGatherMaxTokens,
+                "a split's slots fit the producer's key queue");
 };
 
 template <class Element, bool kFp8>
@@ -116,12 +123,11 @@ struct QsaGatherTraits {
     // FP8 tiles as copied, [slot][row][16-byte chunk] (none for 16-bit K/V).
     alignas(128)
         cute::uint128_t staging[kStagingSlots > 0 ? kStagingSlots : 1][kFp8 ? C::kBlockN : 1][16];
-    int32_t keys[kQsaGatherMaxEntries];            // valid entries: physical key of the first token
-    uint8_t counts[kQsaGatherMaxEntries];          // and the entry's valid tokens (1 .. 4)
-    float red[2][4][C::kHeads];                    // ColumnSoftmax's exchange
-    float split_lse2[C::kHeads];                   // SplitKV: this split's LSE per head, log2 units
+    uint32_t slot_valid[C::kMaxSlots / 32];  // bit u: slot u holds a token (else masked)
+    int32_t round_counts[C::kEntriesPerThread][C::kThreads / 32];  // valid entries a warp a round
+    float red[2][4][C::kHeads];                                     // ColumnSoftmax's exchange
+    float split_lse2[C::kHeads];  // SplitKV: this split's LSE per head, log2 units
     float cluster_lse2[C::kMaxSplits][C::kHeads];  // and every split's, copied for the merge
-    int32_t warp_counts[C::kThreads / 32];
     typename Pipeline::SharedStorage pipeline;
     cutlass::arch::ClusterTransactionBarrier barrier_q;
   };
@@ -132,6 +138,8 @@ struct QsaGatherTraits {
                 "the epilogue's O tile fits one idle stage");
   static_assert(C::kHeads * C::kPartPitch * sizeof(float) <= C::kBlockN * C::kHeadDim * 2,
                 "a split's FP32 partial fits one idle stage");
+  static_assert(C::kMaxSlots * sizeof(int32_t) <= C::kBlockN * C::kHeadDim * 2,
+                "the slots' keys are staged in one idle stage");
 };
 
 // Named barriers (after CUTLASS's reserved ones): the consumer warpgroup's, then (FP8) the
@@ -143,6 +151,7 @@ enum class GatherBarrier : uint32_t {
   kGemmsDone = 3,   // every consumer warp's GEMMs on the first stage are done (the epilogue)
   kBufferFree = 4,  // 256 threads: the tile buffer's last GEMMs are done
   kBufferFull = 5,  // 256 threads: the tile buffer is widened
+  kKeysTaken = 6,   // the producer warpgroup's: every thread holds its keys, the ring is free
 };
 
 // All 256 threads at named barrier kId (numbered as NamedBarrier numbers them), in the
@@ -189,67 +198,91 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
     cutlass::arch::fence_barrier_init();
   }
 
-  // ----- this split's entries: blocks [e_begin, e_end), the last split also the tail entry -----
-  constexpr int kPerEntry = 4;  // tokens of a block entry
-  const int n_entries = static_cast<int>(p.num_blocks + 1);
+  // ----- this split's entries: [e_begin, e_end) of the row's blocks (the last split also the
+  // tail entry) or token ids ---------------------------------------------------------------
+  const bool hint = x.block_hint;
+  const int per_entry = hint ? 4 : 1;  // slots an entry takes
+  const int n_listed = static_cast<int>(hint ? p.num_blocks : p.width);
+  const int n_entries = n_listed + (hint ? 1 : 0);
   const int e_begin = split * static_cast<int>(x.split_cols);
-  const int e_end = split == splits - 1 ? n_entries
-                                        : min(static_cast<int>(p.num_blocks),
-                                              e_begin + static_cast<int>(x.split_cols));
+  const int e_end =
+      split == splits - 1 ? n_entries : min(n_listed, e_begin + static_cast<int>(x.split_cols));
   // Rounds of kThreads entries the split has (uniform over the CTA).
   const int rounds = (e_end - e_begin + C::kThreads - 1) / C::kThreads;
   // The ids depend on nothing the row's metadata says: their loads go out before the request
   // lookup, so the two latencies overlap.
-  int32_t id[C::kEntriesPerThread], page[C::kEntriesPerThread];
+  const int32_t* ids = hint ? p.block_indices.narrowed() + r * p.block_indices_row_stride
+                            : p.token_indices.narrowed() + r * p.token_indices_row_stride;
+  const int64_t id_stride = hint ? p.block_indices_col_stride : p.token_indices_col_stride;
+  int32_t id[C::kEntriesPerThread];
+  CUTE_UNROLL
+  for (int i = 0; i < C::kEntriesPerThread; ++i) {
+    if (i >= rounds) break;
+    const int e = e_begin + i * C::kThreads + tid;
+    id[i] = e < e_end && e < n_listed ? ids[e * id_stride] : -1;
+  }
+  for (int w = tid; w < C::kMaxSlots / 32; w += C::kThreads) ss.slot_valid[w] = 0;
+  const RowInfo ri = resolve_row(p, x, r);  // collective
+  // A padding row's output is zeros and its LSE -inf whatever the split; it is the same row in
+  // every CTA of a cluster, so split 0 writes all of it and the others leave (no cluster barrier
+  // is ever reached).
+  if (!ri.active && split != 0) return;
+  const bool merged = splits > 1 && ri.active;
+  __syncthreads();  // the barriers' initialisation and the cleared bitmask are visible
+
+  // ----- the split's valid entries, in order (every thread; the page-table loads of all of a
+  // thread's entries go out together), their tokens' slots and physical keys -----------------
   int64_t first[C::kEntriesPerThread];
+  int32_t page[C::kEntriesPerThread];
   int count[C::kEntriesPerThread];
   CUTE_UNROLL
   for (int i = 0; i < C::kEntriesPerThread; ++i) {
-    const int e = e_begin + i * C::kThreads + tid;
-    id[i] = -1;
-    if (i < rounds && e < e_end && e < p.num_blocks) {
-      id[i] = p.block_indices
-                  .narrowed()[r * p.block_indices_row_stride + e * p.block_indices_col_stride];
-    }
-  }
-  const RowInfo ri = resolve_row(p, x, r);  // collective
-  __syncthreads();                          // the barriers' initialisation is visible
-
-  // ----- the split's valid entries, in order (every thread; the page-table loads of all of a
-  // thread's entries go out together) ----------------------------------------------------------
-  CUTE_UNROLL
-  for (int i = 0; i < C::kEntriesPerThread; ++i) {
+    if (i >= rounds) break;
     const int e = e_begin + i * C::kThreads + tid;
     first[i] = entry_tokens(p, x, ri, e, id[i], &count[i]);
-    if (!ri.active || i >= rounds || e >= e_end) count[i] = 0;
+    if (!ri.active || e >= e_end) count[i] = 0;
     page[i] = count[i] > 0 ? entry_page(p, ri, first[i]) : -1;
   }
-  int n_valid = 0;
+  // Valid tokens of each entry (a prefix of it), and every round's count of valid entries a warp
+  // in one table: one barrier for all rounds.
+  uint32_t ballot[C::kEntriesPerThread];
   CUTE_UNROLL
   for (int i = 0; i < C::kEntriesPerThread; ++i) {
     if (i >= rounds) break;
     int c = 0;
     while (c < count[i] && token_valid(p, ri, first[i] + c, page[i])) ++c;
-    const uint32_t ballot = __ballot_sync(0xffffffffu, c > 0);
-    if (lane == 0) ss.warp_counts[warp] = __popc(ballot);
-    __syncthreads();
-    int at = n_valid + __popc(ballot & ((1u << lane) - 1u));
+    count[i] = c;
+    ballot[i] = __ballot_sync(0xffffffffu, c > 0);
+    if (lane == 0) ss.round_counts[i][warp] = __popc(ballot[i]);
+  }
+  __syncthreads();
+  // Valid entry v fills slots per_entry * v .. (its tokens' keys staged in the idle ring, a bit
+  // each in slot_valid); the entries keep their order.
+  int32_t* const staged_keys = reinterpret_cast<int32_t*>(ss.kv.data());
+  int n_valid = 0;
+  CUTE_UNROLL
+  for (int i = 0; i < C::kEntriesPerThread; ++i) {
+    if (i >= rounds) break;
+    int at = n_valid + __popc(ballot[i] & ((1u << lane) - 1u));
     CUTE_UNROLL
     for (int w = 0; w < C::kThreads / 32; ++w) {
-      const int nw = ss.warp_counts[w];
+      const int nw = ss.round_counts[i][w];
       if (w < warp) at += nw;
       n_valid += nw;
     }
-    if (c > 0) {
-      ss.keys[at] = physical_key(p, ri, first[i], page[i]);
-      ss.counts[at] = static_cast<uint8_t>(c);
+    if (count[i] > 0) {
+      const int u = per_entry * at;
+      const int32_t key = physical_key(p, ri, first[i], page[i]);
+      for (int j = 0; j < count[i]; ++j) staged_keys[u + j] = key + j;
+      // A block's 4 slots share a word (u is a multiple of 4).
+      atomicOr(&ss.slot_valid[u / 32], ((1u << count[i]) - 1u) << (u % 32));
     }
-    __syncthreads();  // the counts are read before the next round writes them; keys published
   }
-  const int n_slots = kPerEntry * n_valid;
+  __syncthreads();  // keys staged, bitmask complete
+  const int n_slots = per_entry * n_valid;
   const int n_tiles = (n_slots + C::kBlockN - 1) / C::kBlockN;
   // Slot u holds a token: inside the split's slots, and not one its entry lost from its end.
-  auto slot_valid = [&](int u) { return u < n_slots && u % kPerEntry < ss.counts[u / kPerEntry]; };
+  auto slot_valid = [&](int u) { return ((ss.slot_valid[u / 32] >> (u % 32)) & 1u) != 0; };
   Pipeline pipe{ss.pipeline, 0};
   // FP8: staging slot st widened into the tile buffer by all 256 threads, 8 rows a warp from
   // first_row: once every consumer warp's GEMMs on the buffer are done and the slot's copies
@@ -267,6 +300,20 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   // ----- producer: Q once, then K_n and V_n of every tile into the ring ----------------------
   auto produce = [&] {
     if (n_tiles == 0) return;  // nothing valid: the consumer writes zeros without waiting
+    // This thread's queue of keys, one a tile: those of row 16 warp + lane % 16 (-1 where the
+    // slot holds no token), read while the ring still holds them; tile n's key is key[0] once
+    // n tiles have been copied (shifting keeps every index static, so the queue is registers).
+    int32_t key[C::kMaxTiles];
+    CUTE_UNROLL
+    for (int n = 0; n < C::kMaxTiles; ++n) {
+      const int u = n * C::kBlockN + 16 * warp + lane % 16;
+      key[n] = n < n_tiles && slot_valid(u) ? staged_keys[u] : -1;
+    }
+    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kKeysTaken));
+    auto next_tile = [&] {
+      CUTE_UNROLL
+      for (int n = 0; n + 1 < C::kMaxTiles; ++n) key[n] = key[n + 1];
+    };
     using Copy = cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>;
     Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::LayoutQ{});
     const auto* q = static_cast<const Element*>(p.q);
@@ -287,14 +334,12 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
     const int64_t outer_rows = p.kv_layout == KVLayout::kPaged ? p.page_size : p.kv_capacity;
     const bool rows_of_keys = p.k_batch_stride == outer_rows * p.k_token_stride &&
                               p.v_batch_stride == outer_rows * p.v_token_stride;
-    // Lanes 0-15: tile n's row 16 warp + lane % 16, its K or V element offset (or -1).
-    auto row_offset = [&](int n, bool v) -> int64_t {
-      const int u = n * C::kBlockN + 16 * warp + lane % 16;
-      if (!slot_valid(u)) return -1;
-      const int32_t key = ss.keys[u / kPerEntry] + u % kPerEntry;
+    // Lanes 0-15: the next tile's row 16 warp + lane % 16, its K or V element offset (or -1).
+    auto row_offset = [&](bool v) -> int64_t {
+      if (key[0] < 0) return -1;
       const int64_t token_stride = v ? p.v_token_stride : p.k_token_stride;
-      if (rows_of_keys) return key * token_stride;
-      const int2 at = key_coords(p, key);
+      if (rows_of_keys) return key[0] * token_stride;
+      const int2 at = key_coords(p, key[0]);
       return at.x * (v ? p.v_batch_stride : p.k_batch_stride) + at.y * token_stride;
     };
     auto state = Pipeline::producer_start();
@@ -314,7 +359,11 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
       // slot a copy waits for is freed by the GEMM after the previous widening).
       constexpr int kAhead = Tr::kPipeStages - 1;
       const int n_units = 2 * n_tiles;
-      auto issue = [&](int i) { copy_tile(i % 2 ? vp : kp, row_offset(i / 2, i % 2 != 0)); };
+      // Units go out in order, so unit i's tile is the queue's head; a V copy moves it on.
+      auto issue = [&](int i) {
+        copy_tile(i % 2 ? vp : kp, row_offset(i % 2 != 0));
+        if (i % 2) next_tile();
+      };
       for (int i = 0; i < kAhead && i < n_units; ++i) issue(i);
       typename Pipeline::State st;
       for (int i = 0; i < n_units; ++i) {
@@ -324,8 +373,9 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
       }
     } else {
       for (int n = 0; n < n_tiles; ++n) {
-        copy_tile(kp, row_offset(n, false));
-        copy_tile(vp, row_offset(n, true));
+        copy_tile(kp, row_offset(false));
+        copy_tile(vp, row_offset(true));
+        next_tile();
       }
     }
   };
@@ -422,7 +472,7 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
     // The first stage holds the O tile: every warp's GEMMs on it (the last V tile's, for FP8)
     // are done first.
     cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kGemmsDone));
-    if (splits > 1) {
+    if (merged) {
       // The split's partial, FP32 and normalised, and its LSE (log2 units) stay here for the
       // cluster's merge (every thread holds every head's LSE; four write them).
       float* part = reinterpret_cast<float*>(ss.kv.data());
@@ -474,7 +524,7 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   } else {
     consume();
   }
-  if (splits == 1) return;
+  if (!merged) return;
 
   // ----- SplitKV: the cluster's merge ---------------------------------------------------------
   // Every CTA's partial is written (release / acquire across the cluster); then thread t of CTA

@@ -39,14 +39,17 @@ template <typename T>
 void launch_qsa_union(const QsaUnionParams& params, cudaStream_t stream);
 
 // Index entries a row may have on the gather kernel (qsa_gather_kernel.cuh): the seed's 512
-// block hint columns and the tail entry.
+// block hint columns and the tail entry, or (without the hint) 2112 token ids, 33 tiles of 64:
+// the seed's 2051 selected tokens and room for an engine's rounding of the width.
 inline constexpr int kQsaGatherMaxEntries = 513;
+inline constexpr int kQsaGatherMaxTokens = 2112;
 
 // Runs the gather kernel: one CTA per (row, KV head, split), each row reading its own selection;
 // rows whose tile x.union_handled marks are left alone. With x.num_splits > 1 (at most
 // qsa_gather_max_splits(); no union kernel before it) the splits of a (row, KV head) run as one
 // thread-block cluster and merge in it, without workspace. Needs the block hint with
-// at most kQsaGatherMaxEntries entries a row (blocks and the tail), group <= 16, K/V keys that fit
+// at most kQsaGatherMaxEntries entries a row (blocks and the tail) or at most
+// kQsaGatherMaxTokens token ids a row, group <= 16, K/V keys that fit
 // int32, rows * Hkv * splits that fit int32, and the union kernel's 16-byte Q and out rows
 // (sparse_attention_native.cpp decides). KV is T or __nv_fp8_e4m3 (FP8 K/V, with k_scale folded
 // into p.scale_log2).

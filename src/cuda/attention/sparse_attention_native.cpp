@@ -51,10 +51,11 @@ bool use_row_tiles(const SparseAttentionParams& p, int num_splits) {
 }
 
 // Whether the gather kernel can take the call's rows (at any split count): the block hint (never
-// in physical mode) with at most the seed's 512 hint columns, K/V keys that fit int32, (row, KV
-// head) pairs numbered in int32, 16-byte rows and strides for its copies of Q and out (K and V
-// have them already: check_native's vector-load rule), and a group of 12 to 16 heads (the groups
-// its tests cover; it computes 16 heads a KV head). Host-side facts only.
+// in physical mode) with at most the seed's 512 hint columns, or token ids of at most
+// kQsaGatherMaxTokens columns; K/V keys that fit int32, (row, KV head) pairs numbered in int32,
+// 16-byte rows and strides for its copies of Q and out (K and V have them already:
+// check_native's vector-load rule), and a group of 12 to 16 heads (the groups its tests cover;
+// it computes 16 heads a KV head). Host-side facts only.
 bool gather_fits(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
   const auto aligned = [](const void* ptr, std::initializer_list<int64_t> strides) {
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
@@ -64,7 +65,9 @@ bool gather_fits(const SparseAttentionParams& p, const SparseAttentionLaunch& x)
     return true;
   };
   constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
-  return x.block_hint && p.num_blocks <= kQsaGatherMaxEntries - 1 && keys_fit_int32(p) &&
+  const bool entries_fit =
+      x.block_hint ? p.num_blocks <= kQsaGatherMaxEntries - 1 : p.width <= kQsaGatherMaxTokens;
+  return entries_fit && keys_fit_int32(p) &&
          p.group >= 12 && p.group <= 16 && p.rows * p.num_kv_heads <= kMaxInt &&
          p.q_dim_stride == 1 && p.out_dim_stride == 1 &&
          aligned(p.q, {p.q_row_stride, p.q_head_stride}) &&
@@ -73,11 +76,11 @@ bool gather_fits(const SparseAttentionParams& p, const SparseAttentionLaunch& x)
 
 // Whether the union prefill kernel runs, and the gather kernel after it on the rows it leaves
 // (instead of the row-tile kernel): rows that share K/V tiles (use_row_tiles: 16-bit K/V), the
-// gather kernel's conditions, and at most the union's hint columns (its group rule is the
-// gather kernel's: 4 or 5 rows of 12 to 16 heads fill each warpgroup's 64 M rows).
+// gather kernel's conditions, and the block hint with at most the union's columns (its group
+// rule is the gather kernel's: 4 or 5 rows of 12 to 16 heads fill each warpgroup's 64 M rows).
 bool use_union(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
   static_assert(QsaUnionConfig::kMaxEntries <= kQsaGatherMaxEntries);
-  return p.kv_dtype == p.dtype && x.num_splits == 1 && gather_fits(p, x) &&
+  return p.kv_dtype == p.dtype && x.num_splits == 1 && x.block_hint && gather_fits(p, x) &&
          p.num_blocks <= QsaUnionConfig::kMaxEntries - 1;
 }
 
@@ -130,26 +133,35 @@ Schedule schedule(const SparseAttentionParams& p) {
     s.union_row_tiles = static_cast<int>((p.rows + s.union_rows - 1) / s.union_rows);
     s.union_chunk = std::min(s.union_row_tiles, QsaUnionConfig::kChunkTiles);
   }
-  // Rows the union kernel does not take, with the hint: decode batches and FP8 prefill. The
+  // Rows the union kernel does not take, with the hint (decode batches and FP8 prefill), and
+  // token-path rows the row-tile kernel does not take (the same, without the hint). The
   // gather kernel keeps more bytes in flight than the per-row one (two CTAs an SM, each with a
   // producer warpgroup), and its SplitKV merges inside a cluster (no workspace, no merge
   // launch); split counts past its cluster limit stay on the per-row kernel, and so do FP8
   // batches of four or more splits by the heuristic (B <= 8 at Hkv = 2), where the gather
   // kernel's widening made them slower than the per-row kernel (session 22: B = 1 22.1 against
   // 20.7 us, B = 8 33.7 against 30.3).
-  if (s.union_rows == 0 && gather_fits(p, x)) {
+  if (s.union_rows == 0 && (x.block_hint || !s.row_tiles) && gather_fits(p, x)) {
     const int64_t pairs = p.rows * p.num_kv_heads;
     const int max_splits = qsa_gather_max_splits(p.device_index);
+    // The split rule counts 4-token blocks; a token row of width W has about W / 4.
+    const int64_t blocks = x.block_hint ? p.num_blocks : p.width / 4;
     const int64_t gather_splits =
-        p.num_splits > 0 ? p.num_splits : choose_gather_splits(pairs, p.num_blocks, max_splits);
+        p.num_splits > 0 ? p.num_splits : choose_gather_splits(pairs, blocks, max_splits);
     const bool small_fp8 = p.kv_dtype != p.dtype && p.num_splits <= 0 && gather_splits >= 4;
     if (!small_fp8 && gather_splits <= max_splits &&
         pairs * gather_splits <= std::numeric_limits<int32_t>::max()) {
       s.gather_rows = true;
       s.row_tiles = false;
-      const int64_t blocks = std::max<int64_t>(1, p.num_blocks);
-      x.split_cols = (blocks + gather_splits - 1) / gather_splits;
-      x.num_splits = static_cast<int>((blocks + x.split_cols - 1) / x.split_cols);
+      // Splits take split_cols entries each, whole 64-token tiles of them: blocks (the last
+      // split also the tail entry) or token ids. (2051 token ids in 8 splits of 257 would give
+      // every split a fifth tile of one token; 7 splits of 320 give the slowest split the five
+      // tiles it has either way.)
+      const int64_t listed = std::max<int64_t>(1, x.block_hint ? p.num_blocks : p.width);
+      const int64_t per_tile = x.block_hint ? C::kBlockTokens / 4 : C::kBlockTokens;
+      const int64_t listed_tiles = (listed + per_tile - 1) / per_tile;
+      x.split_cols = per_tile * ((listed_tiles + gather_splits - 1) / gather_splits);
+      x.num_splits = static_cast<int>((listed + x.split_cols - 1) / x.split_cols);
     }
   }
   s.partial_slots = x.num_splits > 1 && !s.gather_rows
