@@ -125,8 +125,8 @@ struct QsaGatherTraits {
         cute::uint128_t staging[kStagingSlots > 0 ? kStagingSlots : 1][kFp8 ? C::kBlockN : 1][16];
     uint32_t slot_valid[C::kMaxSlots / 32];  // bit u: slot u holds a token (else masked)
     int32_t round_counts[C::kEntriesPerThread][C::kThreads / 32];  // valid entries a warp a round
-    float red[2][4][C::kHeads];                                     // ColumnSoftmax's exchange
-    float split_lse2[C::kHeads];  // SplitKV: this split's LSE per head, log2 units
+    float red[2][4][C::kHeads];                                    // ColumnSoftmax's exchange
+    float split_lse2[C::kHeads];                   // SplitKV: this split's LSE per head, log2 units
     float cluster_lse2[C::kMaxSplits][C::kHeads];  // and every split's, copied for the merge
     typename Pipeline::SharedStorage pipeline;
     cutlass::arch::ClusterTransactionBarrier barrier_q;
@@ -300,6 +300,18 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   // ----- producer: Q once, then K_n and V_n of every tile into the ring ----------------------
   auto produce = [&] {
     if (n_tiles == 0) return;  // nothing valid: the consumer writes zeros without waiting
+    using Copy = cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>;
+    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::LayoutQ{});
+    const auto* q = static_cast<const Element*>(p.q);
+    for (int c = tid; c < C::kHeads * (C::kHeadDim / 8); c += 128) {
+      const int m = c / (C::kHeadDim / 8), col = (c % (C::kHeadDim / 8)) * 8;
+      const bool live = m < group;  // the padding heads' rows are zeros
+      const Element* src =
+          q + (live ? r * p.q_row_stride + (kvh * group + m) * p.q_head_stride + col : 0);
+      Copy::copy(*reinterpret_cast<const cute::uint128_t*>(src),
+                 *reinterpret_cast<cute::uint128_t*>(&sQ(m, col)), live);
+    }
+    cutlass::arch::cpasync_barrier_arrive_noinc(reinterpret_cast<uint64_t*>(&ss.barrier_q));
     // This thread's queue of keys, one a tile: those of row 16 warp + lane % 16 (-1 where the
     // slot holds no token), read while the ring still holds them; tile n's key is key[0] once
     // n tiles have been copied (shifting keeps every index static, so the queue is registers).
@@ -314,18 +326,6 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
       CUTE_UNROLL
       for (int n = 0; n + 1 < C::kMaxTiles; ++n) key[n] = key[n + 1];
     };
-    using Copy = cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>;
-    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::LayoutQ{});
-    const auto* q = static_cast<const Element*>(p.q);
-    for (int c = tid; c < C::kHeads * (C::kHeadDim / 8); c += 128) {
-      const int m = c / (C::kHeadDim / 8), col = (c % (C::kHeadDim / 8)) * 8;
-      const bool live = m < group;  // the padding heads' rows are zeros
-      const Element* src =
-          q + (live ? r * p.q_row_stride + (kvh * group + m) * p.q_head_stride + col : 0);
-      Copy::copy(*reinterpret_cast<const cute::uint128_t*>(src),
-                 *reinterpret_cast<cute::uint128_t*>(&sQ(m, col)), live);
-    }
-    cutlass::arch::cpasync_barrier_arrive_noinc(reinterpret_cast<uint64_t*>(&ss.barrier_q));
     using KVStored = std::conditional_t<kFp8, uint8_t, Element>;
     const auto* kp = static_cast<const KVStored*>(p.k) + kvh * p.k_head_stride;
     const auto* vp = static_cast<const KVStored*>(p.v) + kvh * p.v_head_stride;

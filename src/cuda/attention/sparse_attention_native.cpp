@@ -67,9 +67,8 @@ bool gather_fits(const SparseAttentionParams& p, const SparseAttentionLaunch& x)
   constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
   const bool entries_fit =
       x.block_hint ? p.num_blocks <= kQsaGatherMaxEntries - 1 : p.width <= kQsaGatherMaxTokens;
-  return entries_fit && keys_fit_int32(p) &&
-         p.group >= 12 && p.group <= 16 && p.rows * p.num_kv_heads <= kMaxInt &&
-         p.q_dim_stride == 1 && p.out_dim_stride == 1 &&
+  return entries_fit && keys_fit_int32(p) && p.group >= 12 && p.group <= 16 &&
+         p.rows * p.num_kv_heads <= kMaxInt && p.q_dim_stride == 1 && p.out_dim_stride == 1 &&
          aligned(p.q, {p.q_row_stride, p.q_head_stride}) &&
          aligned(p.out, {p.out_row_stride, p.out_head_stride});
 }
