@@ -12,7 +12,9 @@
 //     call or the graph), and with explicit split counts (_s<N>, graph-timed), for the
 //     heuristic. The _fp8 rows repeat the batches with FP8 e4m3 K/V (half the bytes); _hint
 //     rows pass the blocks as block_indices too (the gather kernel, its SplitKV in clusters;
-//     _hint_s<N> rows with explicit split counts).
+//     _hint_s<N> rows with explicit split counts). _r2 and _r4 rows: multi-token decode steps,
+//     2 or 4 query rows a request at consecutive positions whose selections share 90% of their
+//     blocks (token path and _hint), graph-timed with the heuristic; floor: the union's bytes.
 //   prefill: one request of 16K, 64K, 128K tokens, every row attending to its 2051-token
 //     structured selection: the 64 most recent complete blocks plus the 448 most important
 //     older ones under a fixed per-block importance, so neighbouring rows share most blocks
@@ -130,46 +132,74 @@ struct DecodeRun {
 };
 
 // kv: K/V element type, bfloat16 or FP8 e4m3 (k_scale 1/64, v_scale 1/128; rows named _fp8).
+// rows_per_request R > 1: a multi-token step (speculative tokens, MTP; rows named _r<R>): row i
+// of request b sits at position len_b - R + i and keeps 90% of row 0's blocks, its other 10%
+// drawn from the blocks it sees that row 0 did not pick. The floor counts the union of a
+// request's selected tokens once (a kernel that shares them reads no more).
 void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
-                  const std::vector<DecodeRun>& runs, const std::function<void(Result)>& add) {
+                  const std::vector<DecodeRun>& runs, const std::function<void(Result)>& add,
+                  int64_t rows_per_request = 1) {
+  const int64_t R = rows_per_request, rows = batch * R;
   std::mt19937_64 rng(100 + batch);
   std::uniform_int_distribution<int64_t> ctx(8192, 131072);
   std::vector<int64_t> lens(batch);
   for (auto& l : lens) l = ctx(rng);
   const Pages pg = make_pages(lens, rng);
-  std::vector<int32_t> ids(batch * kWidth), hint(batch * kBlocks, -1);
-  int64_t valid = 0;
+  std::vector<int32_t> ids(rows * kWidth), hint(rows * kBlocks, -1), pos(rows);
+  int64_t valid = 0, distinct = 0;
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t p = lens[b] - 1, visible = (p + 1) / 4;
+    const int64_t p = lens[b] - R, visible = (p + 1) / 4;
     std::vector<int32_t> all(visible);
     std::iota(all.begin(), all.end(), 0);
     std::shuffle(all.begin(), all.end(), rng);
+    const std::vector<int32_t> rest(all.begin() + std::min<int64_t>(kBlocks, visible), all.end());
     all.resize(std::min<int64_t>(kBlocks, visible));
-    std::sort(all.begin(), all.end());
-    std::copy(all.begin(), all.end(), hint.begin() + b * kBlocks);
-    valid += expand(all, p, &ids[b * kWidth]);
+    std::vector<int32_t> tokens;  // the request's selected tokens, every row's
+    for (int64_t i = 0; i < R; ++i) {
+      std::vector<int32_t> mine = all;
+      if (i > 0) {
+        // 10% of row 0's blocks (its last ones after a shuffle) replaced by blocks row 0 left.
+        std::shuffle(mine.begin(), mine.end(), rng);
+        const int64_t swap = std::min<int64_t>(static_cast<int64_t>(mine.size()) / 10,
+                                               static_cast<int64_t>(rest.size()));
+        std::vector<int32_t> pick = rest;
+        std::shuffle(pick.begin(), pick.end(), rng);
+        std::copy(pick.begin(), pick.begin() + swap, mine.end() - swap);
+      }
+      std::sort(mine.begin(), mine.end());
+      const int64_t r = b * R + i;
+      pos[r] = static_cast<int32_t>(p + i);
+      std::copy(mine.begin(), mine.end(), hint.begin() + r * kBlocks);
+      const int64_t n = expand(mine, p + i, &ids[r * kWidth]);
+      valid += n;
+      tokens.insert(tokens.end(), ids.begin() + r * kWidth, ids.begin() + r * kWidth + n);
+    }
+    std::sort(tokens.begin(), tokens.end());
+    distinct += std::unique(tokens.begin(), tokens.end()) - tokens.begin();
   }
   std::vector<int32_t> lens32(lens.begin(), lens.end()), cu(batch + 1);
-  for (int64_t b = 0; b <= batch; ++b) cu[b] = static_cast<int32_t>(b);
-  Tensor q = random_device({batch, kHq, kD}, DType::kBF16, 1);
-  Tensor gate = random_device({batch, kHq, kD}, DType::kBF16, 2);
+  for (int64_t b = 0; b <= batch; ++b) cu[b] = static_cast<int32_t>(b * R);
+  Tensor q = random_device({rows, kHq, kD}, DType::kBF16, 1);
+  Tensor gate = random_device({rows, kHq, kD}, DType::kBF16, 2);
   Tensor k = random_pool({pg.pool, kPage, kHkv, kD}, 3, kv);
   Tensor v = random_pool({pg.pool, kPage, kHkv, kD}, 4, kv);
-  Tensor idx = int32_device(ids, {batch, kWidth});
-  Tensor blocks = int32_device(hint, {batch, kBlocks});
+  Tensor idx = int32_device(ids, {rows, kWidth});
+  Tensor blocks = int32_device(hint, {rows, kBlocks});
   Tensor table = int32_device(pg.table, {batch, pg.max_pages});
   Tensor dl = int32_device(lens32, {batch}), dcu = int32_device(cu, {batch + 1});
-  Tensor out = Tensor::empty({batch, kHq, kD}, DType::kBF16, Device::cuda());
-  Tensor lse = Tensor::empty({batch, kHq}, DType::kF32, Device::cuda());
+  Tensor dpos = int32_device(pos, {rows});
+  Tensor out = Tensor::empty({rows, kHq, kD}, DType::kBF16, Device::cuda());
+  Tensor lse = Tensor::empty({rows, kHq}, DType::kF32, Device::cuda());
   const bool fp8 = kv == DType::kF8E4M3;
-  const double bytes = 2.0 * valid * kHkv * kD * dtype_size(kv) + 3.0 * batch * kHq * kD * 2 +
-                       4.0 * batch * kWidth + 4.0 * batch * kHq;
+  const double bytes = 2.0 * distinct * kHkv * kD * dtype_size(kv) + 3.0 * rows * kHq * kD * 2 +
+                       4.0 * rows * kWidth + 4.0 * rows * kHq;
   const double floor_ms = bytes / (c.copy_tbps * 1e12) * 1e3;
   for (const DecodeRun& run : runs) {
     SparseAttentionOptions o;
     o.block_table = table.view();
     o.seq_lens_k = dl.view();
     o.cu_seqlens_q = dcu.view();
+    if (R > 1) o.query_positions = dpos.view();
     o.gate = gate.view();
     if (fp8) {
       o.k_scale = 1.0 / 64;
@@ -191,7 +221,8 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
     const double eager_ms = run.eager ? timer.time(call).median_ms : 0.0;
     const double graph_ms = timer.time_graph(call).median_ms;
     const double sec = graph_ms * 1e-3;
-    add({fmt::format("decode_b{}{}{}{}{}", batch, fp8 ? "_fp8" : "", run.hint ? "_hint" : "",
+    add({fmt::format("decode_b{}{}{}{}{}{}", batch, R > 1 ? fmt::format("_r{}", R) : "",
+                     fp8 ? "_fp8" : "", run.hint ? "_hint" : "",
                      run.splits > 0 ? fmt::format("_s{}", run.splits) : "",
                      run.workspace ? "_ws" : ""),
          eager_ms, graph_ms, 4.0 * valid * kHq * kD / sec / 1e12, bytes / sec / 1e12, floor_ms,
@@ -439,6 +470,12 @@ int main(int argc, char** argv) {
       for (int splits : {1, 2, 4, 8, 16}) runs.push_back({splits, false, false, true});
     }
     bench_decode(timer, c, b, DType::kBF16, runs, add);
+  }
+  for (int64_t b : {1, 8, 32, 128}) {
+    for (int64_t r : {2, 4}) {
+      if (!want(fmt::format("decode_b{}_r{}", b, r))) continue;
+      bench_decode(timer, c, b, DType::kBF16, {{0, false, false}, {0, false, false, true}}, add, r);
+    }
   }
   for (int64_t b : {1, 8, 32, 128}) {
     if (!want(fmt::format("decode_b{}_fp8", b))) continue;
