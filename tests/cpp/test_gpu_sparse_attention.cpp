@@ -1214,6 +1214,24 @@ TEST_P(GpuSparseAttentionUnion, SelectionGivesTheTokenResult) {
 INSTANTIATE_TEST_SUITE_P(
     Window, GpuSparseAttentionUnion,
     ::testing::Values(
+        // Multi-token decode steps: 4 (or 6) rows a request, every request the same, so the
+        // union kernel's tiles are requests (2 or 3 rows a warpgroup).
+        UnionCase{"decode_steps_4_rows_a_request_nb512",
+                  DType::kBF16,
+                  64,
+                  {4, 4, 4, 4, 4, 4, 4, 4},
+                  {5200, 3001, 9000, 700, 64, 2052, 4097, 130},
+                  512,
+                  Gate::kElementwise,
+                  true},
+        UnionCase{"decode_steps_6_rows_a_request_page1600_nb200",
+                  DType::kBF16,
+                  1600,
+                  {6, 6, 6},
+                  {33000, 1602, 7},
+                  200,
+                  Gate::kPerHead,
+                  true},
         UnionCase{
             "page64_nb512_rows150", DType::kBF16, 64, {150}, {5200}, 512, Gate::kElementwise, true},
         UnionCase{"page1600_two_requests_nb256",

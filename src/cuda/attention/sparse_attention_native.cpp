@@ -128,7 +128,14 @@ Schedule schedule(const SparseAttentionParams& p) {
 
   s.row_tiles = use_row_tiles(p, x.num_splits);
   if (s.row_tiles && use_union(p, x)) {
-    s.union_rows = 2 * static_cast<int>(64 / p.group);
+    // A tile is 2 * (64 / G) consecutive rows (10 at 24/2), or one request's R = rows / batch
+    // rows where that is even and fewer (a multi-token decode step: R rows of one request
+    // share most of their blocks, while tiles of 10 would span requests and leave their rows to
+    // the gather kernel). Rows of uneven requests only change which tiles the build marks.
+    const int full = 2 * static_cast<int>(64 / p.group);
+    const int64_t per_request = p.batch > 0 && p.rows % p.batch == 0 ? p.rows / p.batch : 0;
+    s.union_rows =
+        per_request % 2 == 0 && per_request > 0 && per_request < full ? per_request : full;
     s.union_row_tiles = static_cast<int>((p.rows + s.union_rows - 1) / s.union_rows);
     s.union_chunk = std::min(s.union_row_tiles, QsaUnionConfig::kChunkTiles);
   }
