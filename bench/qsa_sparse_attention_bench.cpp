@@ -15,6 +15,7 @@
 //     _hint_s<N> rows with explicit split counts). _r2 and _r4 rows: multi-token decode steps,
 //     2 or 4 query rows a request at consecutive positions whose selections share 90% of their
 //     blocks (token path and _hint), graph-timed with the heuristic; floor: the union's bytes.
+//     _fp8_f16q rows: FP8 K/V under FP16 queries (the widening's cost against _fp8).
 //   prefill: one request of 16K, 64K, 128K tokens, every row attending to its 2051-token
 //     structured selection: the 64 most recent complete blocks plus the 448 most important
 //     older ones under a fixed per-block importance, so neighbouring rows share most blocks
@@ -136,9 +137,10 @@ struct DecodeRun {
 // of request b sits at position len_b - R + i and keeps 90% of row 0's blocks, its other 10%
 // drawn from the blocks it sees that row 0 did not pick. The floor counts the union of a
 // request's selected tokens once (a kernel that shares them reads no more).
+// qdtype: the query's (and out's, gate's) type; FP16 rows are named _f16q.
 void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
                   const std::vector<DecodeRun>& runs, const std::function<void(Result)>& add,
-                  int64_t rows_per_request = 1) {
+                  int64_t rows_per_request = 1, DType qdtype = DType::kBF16) {
   const int64_t R = rows_per_request, rows = batch * R;
   std::mt19937_64 rng(100 + batch);
   std::uniform_int_distribution<int64_t> ctx(8192, 131072);
@@ -179,8 +181,8 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
   }
   std::vector<int32_t> lens32(lens.begin(), lens.end()), cu(batch + 1);
   for (int64_t b = 0; b <= batch; ++b) cu[b] = static_cast<int32_t>(b * R);
-  Tensor q = random_device({rows, kHq, kD}, DType::kBF16, 1);
-  Tensor gate = random_device({rows, kHq, kD}, DType::kBF16, 2);
+  Tensor q = random_device({rows, kHq, kD}, qdtype, 1);
+  Tensor gate = random_device({rows, kHq, kD}, qdtype, 2);
   Tensor k = random_pool({pg.pool, kPage, kHkv, kD}, 3, kv);
   Tensor v = random_pool({pg.pool, kPage, kHkv, kD}, 4, kv);
   Tensor idx = int32_device(ids, {rows, kWidth});
@@ -188,7 +190,7 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
   Tensor table = int32_device(pg.table, {batch, pg.max_pages});
   Tensor dl = int32_device(lens32, {batch}), dcu = int32_device(cu, {batch + 1});
   Tensor dpos = int32_device(pos, {rows});
-  Tensor out = Tensor::empty({rows, kHq, kD}, DType::kBF16, Device::cuda());
+  Tensor out = Tensor::empty({rows, kHq, kD}, qdtype, Device::cuda());
   Tensor lse = Tensor::empty({rows, kHq}, DType::kF32, Device::cuda());
   const bool fp8 = kv == DType::kF8E4M3;
   const double bytes = 2.0 * distinct * kHkv * kD * dtype_size(kv) + 3.0 * rows * kHq * kD * 2 +
@@ -221,9 +223,9 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
     const double eager_ms = run.eager ? timer.time(call).median_ms : 0.0;
     const double graph_ms = timer.time_graph(call).median_ms;
     const double sec = graph_ms * 1e-3;
-    add({fmt::format("decode_b{}{}{}{}{}{}", batch, R > 1 ? fmt::format("_r{}", R) : "",
-                     fp8 ? "_fp8" : "", run.hint ? "_hint" : "",
-                     run.splits > 0 ? fmt::format("_s{}", run.splits) : "",
+    add({fmt::format("decode_b{}{}{}{}{}{}{}", batch, R > 1 ? fmt::format("_r{}", R) : "",
+                     fp8 ? "_fp8" : "", qdtype == DType::kF16 ? "_f16q" : "",
+                     run.hint ? "_hint" : "", run.splits > 0 ? fmt::format("_s{}", run.splits) : "",
                      run.workspace ? "_ws" : ""),
          eager_ms, graph_ms, 4.0 * valid * kHq * kD / sec / 1e12, bytes / sec / 1e12, floor_ms,
          fmt::format("{} splits, gate, lse{}",
@@ -485,6 +487,13 @@ int main(int argc, char** argv) {
       for (int splits : {1, 2, 4, 8, 16}) runs.push_back({splits, false, false, true});
     }
     bench_decode(timer, c, b, DType::kF8E4M3, runs, add);
+  }
+  // FP8 K/V under FP16 queries: the gather kernel widens e4m3 to FP16 in one conversion a code
+  // pair, against four instructions a pair to BF16 (cuda/common/fp8.cuh), so these rows against
+  // the bf16 _fp8 rows measure what the widening costs.
+  for (int64_t b : {32, 128}) {
+    if (!want(fmt::format("decode_b{}_fp8_f16q", b))) continue;
+    bench_decode(timer, c, b, DType::kF8E4M3, {{0, false, false, true}}, add, 1, DType::kF16);
   }
   auto prefill_row = [&](const std::string& name, const std::function<Result()>& run) {
     if (!want(name)) return;
