@@ -1214,16 +1214,24 @@ TEST_P(GpuSparseAttentionUnion, SelectionGivesTheTokenResult) {
 INSTANTIATE_TEST_SUITE_P(
     Window, GpuSparseAttentionUnion,
     ::testing::Values(
-        // Multi-token decode steps: 4 (or 6) rows a request, every request the same, so the
-        // union kernel's tiles are requests (2 or 3 rows a warpgroup).
-        UnionCase{"decode_steps_4_rows_a_request_nb512",
-                  DType::kBF16,
-                  64,
-                  {4, 4, 4, 4, 4, 4, 4, 4},
-                  {5200, 3001, 9000, 700, 64, 2052, 4097, 130},
-                  512,
-                  Gate::kElementwise,
-                  true},
+        // Multi-token decode steps: 4 rows a request in 70 requests (140 union CTAs, enough
+        // for every SM of an H200 to take one: the union kernel's tiles are then requests, 2
+        // rows a warpgroup), and 6 rows a request in 3 requests (too few: tiles of 10 rows).
+        [] {
+          UnionCase uc{"decode_steps_4_rows_70_requests_nb64",
+                       DType::kBF16,
+                       64,
+                       {},
+                       {},
+                       64,
+                       Gate::kElementwise,
+                       true};
+          for (int64_t b = 0; b < 70; ++b) {
+            uc.q_rows.push_back(4);
+            uc.k_lens.push_back(4 + 997 * b % 9000);
+          }
+          return uc;
+        }(),
         UnionCase{"decode_steps_6_rows_a_request_page1600_nb200",
                   DType::kBF16,
                   1600,

@@ -129,13 +129,16 @@ Schedule schedule(const SparseAttentionParams& p) {
   s.row_tiles = use_row_tiles(p, x.num_splits);
   if (s.row_tiles && use_union(p, x)) {
     // A tile is 2 * (64 / G) consecutive rows (10 at 24/2), or one request's R = rows / batch
-    // rows where that is even and fewer (a multi-token decode step: R rows of one request
-    // share most of their blocks, while tiles of 10 would span requests and leave their rows to
-    // the gather kernel). Rows of uneven requests only change which tiles the build marks.
+    // rows where that is even and fewer and the requests' CTAs (one an SM) fill the GPU (a
+    // multi-token decode step: R rows of one request share most of their blocks, while tiles
+    // of 10 would span requests and leave their rows to the gather kernel, whose two CTAs an
+    // SM fill it when the union kernel's requests would not). Rows of uneven requests only
+    // change which tiles the build marks.
     const int full = 2 * static_cast<int>(64 / p.group);
     const int64_t per_request = p.batch > 0 && p.rows % p.batch == 0 ? p.rows / p.batch : 0;
-    s.union_rows =
-        per_request % 2 == 0 && per_request > 0 && per_request < full ? per_request : full;
+    const bool request_tiles = per_request % 2 == 0 && per_request > 0 && per_request < full &&
+                               p.batch * p.num_kv_heads >= sm_count(p.device_index);
+    s.union_rows = request_tiles ? static_cast<int>(per_request) : full;
     s.union_row_tiles = static_cast<int>((p.rows + s.union_rows - 1) / s.union_rows);
     s.union_chunk = std::min(s.union_row_tiles, QsaUnionConfig::kChunkTiles);
   }
