@@ -72,7 +72,9 @@ struct QsaGatherConfig {
   // Token slots a split may fill: 4 a block entry (the hint's 512 blocks and the tail), 1 a token.
   static constexpr int kMaxTiles = 33;
   static constexpr int kMaxSlots = kMaxTiles * kBlockN;
-  static constexpr int kEntriesPerThread = (kMaxSlots + kThreads - 1) / kThreads;
+  // Rounds of kThreads entries a split's resolution takes at most: blocks (3), tokens (9).
+  static constexpr int kBlockRounds = (kQsaGatherMaxEntries + kThreads - 1) / kThreads;
+  static constexpr int kTokenRounds = (kMaxSlots + kThreads - 1) / kThreads;
   static constexpr int kOutPitch = kHeadDim + 8;  // epilogue rows: 16-byte aligned, skewed banks
   static constexpr int kMaxSplits = 16;  // CTAs of a SplitKV cluster (the non-portable maximum)
   static constexpr int kPartPitch = kHeadDim + 4;  // FP32 partial rows: 16-byte aligned, skewed
@@ -124,8 +126,8 @@ struct QsaGatherTraits {
     alignas(128)
         cute::uint128_t staging[kStagingSlots > 0 ? kStagingSlots : 1][kFp8 ? C::kBlockN : 1][16];
     uint32_t slot_valid[C::kMaxSlots / 32];  // bit u: slot u holds a token (else masked)
-    int32_t round_counts[C::kEntriesPerThread][C::kThreads / 32];  // valid entries a warp a round
-    float red[2][4][C::kHeads];                                    // ColumnSoftmax's exchange
+    int32_t round_counts[C::kTokenRounds][C::kThreads / 32];  // valid entries a warp a round
+    float red[2][4][C::kHeads];                               // ColumnSoftmax's exchange
     float split_lse2[C::kHeads];                   // SplitKV: this split's LSE per head, log2 units
     float cluster_lse2[C::kMaxSplits][C::kHeads];  // and every split's, copied for the merge
     typename Pipeline::SharedStorage pipeline;
@@ -165,7 +167,10 @@ __device__ __forceinline__ void cta_sync() {
   asm volatile("barrier.sync %0, 256;" : : "n"(kHardwareId) : "memory");
 }
 
-template <typename T, typename KV>
+// kTokens: the row's entries are token ids (else the block hint's blocks and the tail entry,
+// x.block_hint). Two kernels, so that each carries only its own resolution's rounds (the code a
+// CTA fetches: after the bench's L2 flush, instruction fetch is part of a small batch's latency).
+template <typename T, typename KV, bool kTokens>
 __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kCtasPerSm)
     qsa_gather_kernel(const __grid_constant__ SparseAttentionParams p,
                       const __grid_constant__ SparseAttentionLaunch x) {
@@ -200,8 +205,9 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
 
   // ----- this split's entries: [e_begin, e_end) of the row's blocks (the last split also the
   // tail entry) or token ids ---------------------------------------------------------------
-  const bool hint = x.block_hint;
-  const int per_entry = hint ? 4 : 1;  // slots an entry takes
+  constexpr bool hint = !kTokens;
+  constexpr int per_entry = hint ? 4 : 1;  // slots an entry takes
+  constexpr int kRounds = kTokens ? C::kTokenRounds : C::kBlockRounds;
   const int n_listed = static_cast<int>(hint ? p.num_blocks : p.width);
   const int n_entries = n_listed + (hint ? 1 : 0);
   const int e_begin = split * static_cast<int>(x.split_cols);
@@ -214,9 +220,9 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   const int32_t* ids = hint ? p.block_indices.narrowed() + r * p.block_indices_row_stride
                             : p.token_indices.narrowed() + r * p.token_indices_row_stride;
   const int64_t id_stride = hint ? p.block_indices_col_stride : p.token_indices_col_stride;
-  int32_t id[C::kEntriesPerThread];
+  int32_t id[kRounds];
   CUTE_UNROLL
-  for (int i = 0; i < C::kEntriesPerThread; ++i) {
+  for (int i = 0; i < kRounds; ++i) {
     if (i >= rounds) break;
     const int e = e_begin + i * C::kThreads + tid;
     id[i] = e < e_end && e < n_listed ? ids[e * id_stride] : -1;
@@ -232,11 +238,11 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
 
   // ----- the split's valid entries, in order (every thread; the page-table loads of all of a
   // thread's entries go out together), their tokens' slots and physical keys -----------------
-  int64_t first[C::kEntriesPerThread];
-  int32_t page[C::kEntriesPerThread];
-  int count[C::kEntriesPerThread];
+  int64_t first[kRounds];
+  int32_t page[kRounds];
+  int count[kRounds];
   CUTE_UNROLL
-  for (int i = 0; i < C::kEntriesPerThread; ++i) {
+  for (int i = 0; i < kRounds; ++i) {
     if (i >= rounds) break;
     const int e = e_begin + i * C::kThreads + tid;
     first[i] = entry_tokens(p, x, ri, e, id[i], &count[i]);
@@ -245,9 +251,9 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   }
   // Valid tokens of each entry (a prefix of it), and every round's count of valid entries a warp
   // in one table: one barrier for all rounds.
-  uint32_t ballot[C::kEntriesPerThread];
+  uint32_t ballot[kRounds];
   CUTE_UNROLL
-  for (int i = 0; i < C::kEntriesPerThread; ++i) {
+  for (int i = 0; i < kRounds; ++i) {
     if (i >= rounds) break;
     int c = 0;
     while (c < count[i] && token_valid(p, ri, first[i] + c, page[i])) ++c;
@@ -261,7 +267,7 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   int32_t* const staged_keys = reinterpret_cast<int32_t*>(ss.kv.data());
   int n_valid = 0;
   CUTE_UNROLL
-  for (int i = 0; i < C::kEntriesPerThread; ++i) {
+  for (int i = 0; i < kRounds; ++i) {
     if (i >= rounds) break;
     int at = n_valid + __popc(ballot[i] & ((1u << lane) - 1u));
     CUTE_UNROLL
@@ -568,12 +574,12 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   cluster.sync();
 }
 
-template <typename T, typename KV>
-void launch_qsa_gather(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
-                       cudaStream_t stream) {
+template <typename T, typename KV, bool kTokens>
+void launch_qsa_gather_entries(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
+                               cudaStream_t stream) {
   constexpr int kSmem =
       QsaGatherTraits<sm90::CutlassElement<T>, std::is_same_v<KV, __nv_fp8_e4m3>>::kSmemBytes;
-  constexpr auto kernel = qsa_gather_kernel<T, KV>;
+  constexpr auto kernel = qsa_gather_kernel<T, KV, kTokens>;
   // Two CTAs of ~112 KB per SM need the largest shared-memory carveout.
   opt_in_shared_memory<kernel>(kSmem, true);
   const int64_t ctas = p.rows * p.num_kv_heads * x.num_splits;
@@ -588,6 +594,16 @@ void launch_qsa_gather(const SparseAttentionParams& p, const SparseAttentionLaun
       cluster_launch_config(static_cast<unsigned>(ctas), QsaGatherConfig::kThreads,
                             static_cast<unsigned>(x.num_splits), kSmem, stream, attr);
   SPARSE_ATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, x));
+}
+
+template <typename T, typename KV>
+void launch_qsa_gather(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
+                       cudaStream_t stream) {
+  if (x.block_hint) {
+    launch_qsa_gather_entries<T, KV, false>(p, x, stream);
+  } else {
+    launch_qsa_gather_entries<T, KV, true>(p, x, stream);
+  }
 }
 
 }  // namespace sparse_attn::cuda

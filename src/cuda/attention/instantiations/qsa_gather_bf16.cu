@@ -6,14 +6,14 @@ template void launch_qsa_gather<__nv_bfloat16, __nv_bfloat16>(const SparseAttent
                                                               const SparseAttentionLaunch&,
                                                               cudaStream_t);
 
-// Asked of the BF16 kernel, whose CTA is the largest (FP16's is the same, FP8's no larger), so
-// its answer holds for every kernel of the family.
+// Asked of the BF16 block-hint kernel, whose CTA is the largest (the token kernel's and FP16's
+// are the same, FP8's no larger), so its answer holds for every kernel of the family.
 int qsa_gather_max_splits(int device_index) {
   using T = __nv_bfloat16;
   constexpr int kSmem = QsaGatherTraits<sm90::CutlassElement<T>, false>::kSmemBytes;
   static_assert(QsaGatherTraits<sm90::CutlassElement<T>, true>::kSmemBytes <= kSmem,
                 "the FP8 kernel's CTA is larger: ask it for its own cluster limit");
-  constexpr auto kernel = qsa_gather_kernel<T, T>;
+  constexpr auto kernel = qsa_gather_kernel<T, T, false>;
   static std::once_flag once[64];
   static int limit[64];
   const int device = device_index;
