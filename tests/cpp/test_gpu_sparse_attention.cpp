@@ -509,8 +509,8 @@ std::vector<Case> cases() {
   {
     // Token ids on the gather kernel (qsa_gather_kernel.cuh): rows whose valid ids fill its 33
     // tiles exactly (one split), one column past its limit (the per-row kernel), the
-    // heuristic's cluster at B = 1, 16 splits of two tiles, an engine page size, and padding
-    // rows among the rows of clusters.
+    // heuristic's cluster at B = 1, 16 splits of two tiles, an engine page size, dense K/V, and
+    // padding rows among the rows of clusters.
     Case c = decode("decode_b2_width2112_all_valid_splits1", 2);
     c.k_lens = {5000, 2200};
     c.width = 2112;
@@ -532,6 +532,15 @@ std::vector<Case> cases() {
     c = decode("decode_b4_page1600_heuristic", 4);
     c.page_size = 1600;
     c.k_lens = {33000, 1601, 3, 7000};
+    v.push_back(c);
+    c = Case{};  // padded (dense) K/V: one split, padded queries
+    c.name = "decode_padded_q_dense_kv_splits1";
+    c.padded_q = true;
+    c.paged = false;
+    c.q_rows = {1, 1, 1};
+    c.k_lens = {3000, 64, 2051};
+    c.num_splits = 1;
+    c.gate = Gate::kPerHead;
     v.push_back(c);
     c = decode("decode_token_to_req_padding_rows_splits4", 3);
     c.token_to_req = true;
