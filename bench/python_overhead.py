@@ -143,6 +143,17 @@ def main():
     measure("qsa_sparse_attention: out=", lambda: sparse_attn.qsa_sparse_attention(
         a["query"], a["key"], a["value"], a["token_indices"], cu_seqlens_q=a["cu_seqlens_q"],
         seq_lens_k=a["seq_lens_k"], block_table=a["block_table"], backend=be, out=attn_out))
+    # As an engine's decode step calls it (issue 15: <= 10 us): out= and a caller workspace of
+    # the size the call asks (none on the gather kernel: a 16-byte buffer then).
+    ws_bytes = sparse_attn.qsa_sparse_attention_workspace_size(
+        a["query"], a["key"], a["value"], a["token_indices"], cu_seqlens_q=a["cu_seqlens_q"],
+        seq_lens_k=a["seq_lens_k"], block_table=a["block_table"], backend=be)
+    workspace = torch.empty(max(ws_bytes, 16), dtype=torch.uint8, device=device)
+    measure(f"qsa_sparse_attention: out=, workspace {ws_bytes} B",
+            lambda: sparse_attn.qsa_sparse_attention(
+                a["query"], a["key"], a["value"], a["token_indices"],
+                cu_seqlens_q=a["cu_seqlens_q"], seq_lens_k=a["seq_lens_k"],
+                block_table=a["block_table"], backend=be, out=attn_out, workspace=workspace))
     measure("qsa_sparse_attention: binding", lambda: _C.qsa_sparse_attention(
         a["query"], a["key"], a["value"], a["token_indices"], attn_out, None, None,
         a["cu_seqlens_q"], None, None, None, None, a["seq_lens_k"], None, a["block_table"],
