@@ -15,7 +15,9 @@
 //     _hint_s<N> rows with explicit split counts). _r2 and _r4 rows: multi-token decode steps,
 //     2 or 4 query rows a request at consecutive positions whose selections share 90% of their
 //     blocks (token path and _hint), graph-timed with the heuristic; floor: the union's bytes.
-//     _fp8_f16q rows: FP8 K/V under FP16 queries (the widening's cost against _fp8).
+//     _fp8_f16q rows: FP8 K/V under FP16 queries (the widening's cost against _fp8). _b2b rows
+//     (B = 1, 8): 20 calls back to back in one graph, the time a call (code and metadata in
+//     L2, no launch gap; at these batches the K/V bytes fit L2 too).
 //   prefill: one request of 16K, 64K, 128K tokens, every row attending to its 2051-token
 //     structured selection: the 64 most recent complete blocks plus the 448 most important
 //     older ones under a fixed per-block importance, so neighbouring rows share most blocks
@@ -130,6 +132,10 @@ struct DecodeRun {
   bool eager;         // also time the eager call
   bool workspace;     // pass a caller-owned workspace (no pool allocation in the call or graph)
   bool hint = false;  // pass the 512 blocks as block_indices too (rows named _hint)
+  // Graph-time 20 calls back to back instead of one, L2 flushed before each replay only (rows
+  // named _b2b): the call's cost with its code, metadata and (small batches) K/V in L2 and no
+  // launch gap, against the flushed single replay's.
+  bool back_to_back = false;
 };
 
 // kv: K/V element type, bfloat16 or FP8 e4m3 (k_scale 1/64, v_scale 1/128; rows named _fp8).
@@ -221,12 +227,13 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
       qsa_sparse_attention(q, k, v, idx.view(), out, lse.view(), o);
     };
     const double eager_ms = run.eager ? timer.time(call).median_ms : 0.0;
-    const double graph_ms = timer.time_graph(call).median_ms;
+    const double graph_ms = run.back_to_back ? timer.time_graph_back_to_back(call).median_ms
+                                             : timer.time_graph(call).median_ms;
     const double sec = graph_ms * 1e-3;
-    add({fmt::format("decode_b{}{}{}{}{}{}{}", batch, R > 1 ? fmt::format("_r{}", R) : "",
+    add({fmt::format("decode_b{}{}{}{}{}{}{}{}", batch, R > 1 ? fmt::format("_r{}", R) : "",
                      fp8 ? "_fp8" : "", qdtype == DType::kF16 ? "_f16q" : "",
                      run.hint ? "_hint" : "", run.splits > 0 ? fmt::format("_s{}", run.splits) : "",
-                     run.workspace ? "_ws" : ""),
+                     run.workspace ? "_ws" : "", run.back_to_back ? "_b2b" : ""),
          eager_ms, graph_ms, 4.0 * valid * kHq * kD / sec / 1e12, bytes / sec / 1e12, floor_ms,
          fmt::format("{} splits, gate, lse{}",
                      run.splits > 0 ? fmt::format("{}", run.splits) : "heuristic",
@@ -467,6 +474,10 @@ int main(int argc, char** argv) {
   for (int64_t b : {1, 8, 32, 128}) {
     if (!want(fmt::format("decode_b{}", b))) continue;
     std::vector<DecodeRun> runs = {{0, true, false}, {0, false, true}, {0, true, false, true}};
+    if (b <= 8) {
+      runs.push_back({0, false, false, false, true});
+      runs.push_back({0, false, false, true, true});
+    }
     if (sweep) {
       for (int splits : {1, 2, 4, 8, 16, 33}) runs.push_back({splits, false, false});
       for (int splits : {1, 2, 4, 8, 16}) runs.push_back({splits, false, false, true});
