@@ -479,8 +479,10 @@ int main(int argc, char** argv) {
       runs.push_back({0, false, false, true, true});
     }
     if (sweep) {
+      // The hint's counts include ones that divide its 33 tiles evenly (3 and 11: 11 and 3
+      // tiles a split) against the powers of two, whose last split carries a tile more.
       for (int splits : {1, 2, 4, 8, 16, 33}) runs.push_back({splits, false, false});
-      for (int splits : {1, 2, 4, 8, 16}) runs.push_back({splits, false, false, true});
+      for (int splits : {1, 2, 3, 4, 6, 8, 11, 16}) runs.push_back({splits, false, false, true});
     }
     bench_decode(timer, c, b, DType::kBF16, runs, add);
   }
