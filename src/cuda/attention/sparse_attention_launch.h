@@ -47,9 +47,9 @@ inline constexpr int kQsaGatherMaxTokens = 2112;
 // Runs the gather kernel: one CTA per (row, KV head, split), each row reading its own selection;
 // rows whose tile x.union_handled marks are left alone. With x.num_splits > 1 (at most
 // qsa_gather_max_splits(); no union kernel before it) the splits of a (row, KV head) run as one
-// thread-block cluster and merge in it, without workspace. Needs the block hint with
-// at most kQsaGatherMaxEntries entries a row (blocks and the tail) or at most
-// kQsaGatherMaxTokens token ids a row, group <= 16, K/V keys that fit
+// thread-block cluster and merge in it, without workspace. Needs at most kQsaGatherMaxEntries
+// entries a row with the block hint (blocks and the tail) or kQsaGatherMaxTokens token ids
+// without it, group <= 16, K/V keys that fit
 // int32, rows * Hkv * splits that fit int32, and the union kernel's 16-byte Q and out rows
 // (sparse_attention_native.cpp decides). KV is T or __nv_fp8_e4m3 (FP8 K/V, with k_scale folded
 // into p.scale_log2).
