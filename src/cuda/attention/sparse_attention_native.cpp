@@ -112,19 +112,22 @@ Schedule schedule(const SparseAttentionParams& p) {
   // The structured path reads block_indices (one entry per 4-token block, the tail derived
   // from the position) when the hint is given and pages hold whole blocks.
   x.block_hint = p.block_indices && (p.kv_layout != KVLayout::kPaged || p.page_size % 4 == 0);
-  const int64_t entries = x.block_hint ? p.num_blocks + 1 : p.width;
   const int64_t entries_per_tile = x.block_hint ? C::kBlockTokens / 4 : C::kBlockTokens;
 
-  // Splits partition the index entries in whole 64-token tiles; a count above the number of
-  // tiles would only add empty splits (which the merge skips), so it is capped there.
-  const int64_t tiles = std::max<int64_t>(1, (entries + entries_per_tile - 1) / entries_per_tile);
-  int64_t splits = p.num_splits > 0 ? p.num_splits
-                                    : choose_num_splits(p.rows, p.num_kv_heads, p.width,
-                                                        sm_count(p.device_index));
-  splits = std::clamp<int64_t>(splits, 1, std::min<int64_t>(tiles, 65535));
-  const int64_t tiles_per_split = (tiles + splits - 1) / splits;
-  x.split_cols = tiles_per_split * entries_per_tile;
-  x.num_splits = static_cast<int>((tiles + tiles_per_split - 1) / tiles_per_split);
+  // Splits partition `entries` index entries in whole 64-token tiles, at most `splits` of them;
+  // a count above the number of tiles would only add empty splits (which the merges skip), so
+  // it is capped there.
+  const auto split_tiles = [&](int64_t entries, int64_t splits) {
+    const int64_t tiles = std::max<int64_t>(1, (entries + entries_per_tile - 1) / entries_per_tile);
+    splits = std::clamp<int64_t>(splits, 1, std::min<int64_t>(tiles, 65535));
+    const int64_t tiles_per_split = (tiles + splits - 1) / splits;
+    x.split_cols = tiles_per_split * entries_per_tile;
+    x.num_splits = static_cast<int>((tiles + tiles_per_split - 1) / tiles_per_split);
+  };
+  split_tiles(x.block_hint ? p.num_blocks + 1 : p.width,
+              p.num_splits > 0
+                  ? p.num_splits
+                  : choose_num_splits(p.rows, p.num_kv_heads, p.width, sm_count(p.device_index)));
 
   s.row_tiles = use_row_tiles(p, x.num_splits);
   if (s.row_tiles && use_union(p, x)) {
@@ -162,15 +165,11 @@ Schedule schedule(const SparseAttentionParams& p) {
         pairs * gather_splits <= std::numeric_limits<int32_t>::max()) {
       s.gather_rows = true;
       s.row_tiles = false;
-      // Splits take split_cols entries each, whole 64-token tiles of them: blocks (the last
-      // split also the tail entry) or token ids. (2051 token ids in 8 splits of 257 would give
+      // The gather kernel's splits take whole tiles of blocks (its last split also the tail
+      // entry, beyond them) or of token ids. (2051 token ids in 8 splits of 257 would give
       // every split a fifth tile of one token; 7 splits of 320 give the slowest split the five
       // tiles it has either way.)
-      const int64_t listed = std::max<int64_t>(1, x.block_hint ? p.num_blocks : p.width);
-      const int64_t per_tile = x.block_hint ? C::kBlockTokens / 4 : C::kBlockTokens;
-      const int64_t listed_tiles = (listed + per_tile - 1) / per_tile;
-      x.split_cols = per_tile * ((listed_tiles + gather_splits - 1) / gather_splits);
-      x.num_splits = static_cast<int>((listed + x.split_cols - 1) / x.split_cols);
+      split_tiles(x.block_hint ? p.num_blocks : p.width, gather_splits);
     }
   }
   s.partial_slots = x.num_splits > 1 && !s.gather_rows
