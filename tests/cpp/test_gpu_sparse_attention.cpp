@@ -1389,7 +1389,8 @@ TEST(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
 
 // Physical ids into flattened K/V: no requests, no causal mask, duplicates counted, ids < 0
 // or >= total_kv masked, the lse buffer written; rows with nothing valid give 0 and -inf.
-// With the heuristic's splits the per-row kernel runs; with one split the row-tile kernel.
+// With the heuristic's splits the gather kernel runs (token ids, 2 splits in a cluster: 18
+// (row, KV head) pairs); with one split the row-tile kernel.
 TEST(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = testing::make_rng();

@@ -47,6 +47,7 @@
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <string>
 #include <type_traits>
 
 #include "api/qsa_attention_params.h"
@@ -60,6 +61,7 @@
 #include "cuda/attention/sparse_attention_launch.h"
 #include "cuda/common/check.h"
 #include "cuda/common/kernel_attributes.h"
+#include "sparse_attn/errors.h"
 
 namespace sparse_attn::cuda {
 
@@ -156,15 +158,17 @@ enum class GatherBarrier : uint32_t {
   kKeysTaken = 6,   // the producer warpgroup's: every thread holds its keys, the ring is free
 };
 
-// All 256 threads at named barrier kId (numbered as NamedBarrier numbers them), in the
-// non-aligned form (barrier.sync): the producer's warps come from their
+// kThreads threads (all 256 unless named) at named barrier kId (numbered as NamedBarrier numbers
+// them), in the non-aligned form (barrier.sync): the producer's warps come from their
 // spin waits, whose lanes leave one by one, and an aligned bar.sync needs a converged warp
-// (synccheck found a divergent one at it even after a __syncwarp).
-template <GatherBarrier kId>
+// (synccheck found a divergent one at it even after a __syncwarp). The memory clobber keeps
+// the compiler from moving shared-memory accesses across it (NamedBarrier's asm has none): the
+// producer's key loads must not sink past kKeysTaken to their uses, where the ring holds K/V.
+template <GatherBarrier kId, int kThreads = 256>
 __device__ __forceinline__ void cta_sync() {
   constexpr uint32_t kHardwareId =
       static_cast<uint32_t>(kId) + cutlass::arch::NamedBarrier::ReservedNamedBarrierCount;
-  asm volatile("barrier.sync %0, 256;" : : "n"(kHardwareId) : "memory");
+  asm volatile("barrier.sync %0, %1;" : : "n"(kHardwareId), "n"(kThreads) : "memory");
 }
 
 // kTokens: the row's entries are token ids (else the block hint's blocks and the tail entry,
@@ -327,7 +331,7 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
       const int u = n * C::kBlockN + 16 * warp + lane % 16;
       key[n] = n < n_tiles && slot_valid(u) ? staged_keys[u] : -1;
     }
-    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kKeysTaken));
+    cta_sync<GatherBarrier::kKeysTaken, 128>();
     auto next_tile = [&] {
       CUTE_UNROLL
       for (int n = 0; n + 1 < C::kMaxTiles; ++n) key[n] = key[n + 1];
@@ -580,6 +584,15 @@ void launch_qsa_gather_entries(const SparseAttentionParams& p, const SparseAtten
   constexpr int kSmem =
       QsaGatherTraits<sm90::CutlassElement<T>, std::is_same_v<KV, __nv_fp8_e4m3>>::kSmemBytes;
   constexpr auto kernel = qsa_gather_kernel<T, KV, kTokens>;
+  // schedule() keeps every split's entries within the key queue's slots (the largest split is
+  // the last: split_cols entries and, with the hint, the tail); past them the kernel would
+  // drop entries.
+  const int64_t entries =
+      x.num_splits == 1 ? (kTokens ? p.width : p.num_blocks + 1) : x.split_cols + (kTokens ? 0 : 1);
+  if ((kTokens ? 1 : 4) * entries > QsaGatherConfig::kMaxSlots) {
+    throw Error("qsa_sparse_attention: internal: gather kernel reached with " +
+                std::to_string(entries) + " entries in a split");
+  }
   // Two CTAs of ~112 KB per SM need the largest shared-memory carveout.
   opt_in_shared_memory<kernel>(kSmem, true);
   const int64_t ctas = p.rows * p.num_kv_heads * x.num_splits;
