@@ -14,6 +14,7 @@
 #include "cuda/attention/sparse_attention_config.h"
 #include "cuda/attention/sparse_attention_heuristics.h"
 #include "cuda/attention/sparse_attention_launch.h"
+#include "cuda/attention/sparse_attention_schedule.h"
 #include "cuda/common/check.h"
 #include "cuda/common/device_guard.h"
 #include "cuda/common/device_props.h"
@@ -83,29 +84,13 @@ bool use_union(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
          p.num_blocks <= QsaUnionConfig::kMaxEntries - 1;
 }
 
-// Where each scratch buffer of a call lives in its workspace (byte offsets, each kAlign-aligned)
-// and how many bytes the whole takes.
-struct WorkspaceLayout {
-  static constexpr size_t kAlign = 256;
-  size_t o_partial = 0, lse_partial = 0, union_handled = 0, union_tiles = 0, bytes = 0;
-};
+}  // namespace
 
-// The launch schedule of a call (pointers unset) and its workspace layout: the one place that
-// decides both, so the size qsa_sparse_attention_workspace_size reports and the memory the
-// launcher carves up cannot disagree. Reads sizes, layouts and options only.
-struct Schedule {
-  SparseAttentionLaunch launch;
-  size_t partial_slots = 0;  // num_splits * rows * Hq with SplitKV, else 0
-  bool row_tiles = false;    // rows share K/V tiles: the union kernel and the gather kernel
-                             // (union_rows > 0) or the row-tile kernel, not the per-row one
-  bool gather_rows = false;  // every row on the gather kernel alone (no union kernel before)
-  int union_rows = 0;        // rows per CTA of the union kernel, 0 when it does not run
-  int union_row_tiles = 0;   // tiles of union_rows rows
-  int union_chunk = 0;       // row tiles per build + union kernel launch pair
-  WorkspaceLayout workspace;
-};
+ScheduleDevice schedule_device(int device_index) {
+  return ScheduleDevice{sm_count(device_index), qsa_gather_max_splits(device_index)};
+}
 
-Schedule schedule(const SparseAttentionParams& p) {
+Schedule schedule(const SparseAttentionParams& p, const ScheduleDevice& device) {
   using C = SparseAttentionConfig;
   Schedule s;
   SparseAttentionLaunch& x = s.launch;
@@ -127,7 +112,7 @@ Schedule schedule(const SparseAttentionParams& p) {
   split_tiles(x.block_hint ? p.num_blocks + 1 : p.width,
               p.num_splits > 0
                   ? p.num_splits
-                  : choose_num_splits(p.rows, p.num_kv_heads, p.width, sm_count(p.device_index)));
+                  : choose_num_splits(p.rows, p.num_kv_heads, p.width, device.sm_count));
 
   s.row_tiles = use_row_tiles(p, x.num_splits);
   if (s.row_tiles && use_union(p, x)) {
@@ -140,7 +125,7 @@ Schedule schedule(const SparseAttentionParams& p) {
     const int full = 2 * static_cast<int>(64 / p.group);
     const int64_t per_request = p.batch > 0 && p.rows % p.batch == 0 ? p.rows / p.batch : 0;
     const bool request_tiles = per_request % 2 == 0 && per_request > 0 && per_request < full &&
-                               p.batch * p.num_kv_heads >= sm_count(p.device_index);
+                               p.batch * p.num_kv_heads >= device.sm_count;
     s.union_rows = request_tiles ? static_cast<int>(per_request) : full;
     s.union_row_tiles = static_cast<int>((p.rows + s.union_rows - 1) / s.union_rows);
     s.union_chunk = std::min(s.union_row_tiles, QsaUnionConfig::kChunkTiles);
@@ -155,7 +140,7 @@ Schedule schedule(const SparseAttentionParams& p) {
   // 20.7 us, B = 8 33.7 against 30.3).
   if (s.union_rows == 0 && (x.block_hint || !s.row_tiles) && gather_fits(p, x)) {
     const int64_t pairs = p.rows * p.num_kv_heads;
-    const int max_splits = qsa_gather_max_splits(p.device_index);
+    const int max_splits = device.max_gather_splits;
     // The split rule counts 4-token blocks; a token row of width W has about W / 4.
     const int64_t blocks = x.block_hint ? p.num_blocks : p.width / 4;
     const int64_t gather_splits =
@@ -187,11 +172,10 @@ Schedule schedule(const SparseAttentionParams& p) {
   return s;
 }
 
-}  // namespace
 }  // namespace cuda
 
 size_t native_sparse_attention_workspace_size(const SparseAttentionParams& p) {
-  return p.rows == 0 ? 0 : cuda::schedule(p).workspace.bytes;
+  return p.rows == 0 ? 0 : cuda::schedule(p, cuda::schedule_device(p.device_index)).workspace.bytes;
 }
 
 void native_sparse_attention(const SparseAttentionParams& p) {
@@ -202,7 +186,7 @@ void native_sparse_attention(const SparseAttentionParams& p) {
   if (p.rows == 0) return;
   cuda::DeviceGuard guard(p.device_index);
   auto stream = static_cast<cudaStream_t>(p.stream);
-  const cuda::Schedule s = cuda::schedule(p);
+  const cuda::Schedule s = cuda::schedule(p, cuda::schedule_device(p.device_index));
   cuda::SparseAttentionLaunch x = s.launch;
 
   // The kernels read the ids and the page table as int32 (their hot loops issue a pass's loads

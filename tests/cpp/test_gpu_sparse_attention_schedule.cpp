@@ -1,0 +1,204 @@
+// The native sparse-attention schedule (src/cuda/attention/sparse_attention_schedule.h) on the
+// host: which kernel takes a call's rows and with how many splits, for the shapes the docs' worked
+// examples and the bench use, and the gather kernel's limits for every width it takes. No GPU is
+// needed (the device's facts are given); the file is built with the CUDA backend only.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <optional>
+
+#include "api/qsa_attention_params.h"
+#include "cuda/attention/sparse_attention_launch.h"
+#include "cuda/attention/sparse_attention_schedule.h"
+
+namespace sparse_attn::cuda {
+namespace {
+
+constexpr ScheduleDevice kH200{132, 16};
+
+// The seed's geometry (24/2/256, bf16, paged K/V of page 64), R rows a request in `batch`
+// requests at 32K context; the block hint of nb blocks, or width token ids without it.
+struct Shape {
+  int64_t batch = 1, rows_per_request = 1;
+  std::optional<int64_t> hint_blocks;
+  int64_t width = 2051;
+  DType kv_dtype = DType::kBF16;
+  int num_splits = 0;
+};
+
+SparseAttentionParams params(const Shape& s) {
+  alignas(16) static char storage[16];
+  SparseAttentionParams p;
+  p.rows = s.batch * s.rows_per_request;
+  p.batch = s.batch;
+  p.num_q_heads = 24;
+  p.num_kv_heads = 2;
+  p.group = 12;
+  p.head_dim = 256;
+  p.kv_layout = KVLayout::kPaged;
+  p.page_size = 64;
+  p.max_pages = 512;
+  p.num_pages = s.batch * p.max_pages;
+  p.kv_capacity = p.max_pages * p.page_size;
+  p.dtype = DType::kBF16;
+  p.kv_dtype = s.kv_dtype;
+  p.q = p.out = storage;
+  p.q_row_stride = p.out_row_stride = 24 * 256;
+  p.q_head_stride = p.out_head_stride = 256;
+  p.q_dim_stride = p.out_dim_stride = 1;
+  if (s.hint_blocks) {
+    p.num_blocks = *s.hint_blocks;
+    p.width = 4 * p.num_blocks + 3;
+    p.block_indices = MetaPtr(storage, DType::kI32);
+  } else {
+    p.width = s.width;
+  }
+  p.token_indices = MetaPtr(storage, DType::kI32);
+  p.row_mapping = RowMapping::kCuSeqlens;
+  p.num_splits = s.num_splits;
+  return p;
+}
+
+// The gather kernel's splits of the docs' worked examples: 8 / 4 / 2 / 1 at B = 1 / 8 / 32 /
+// 128 with the hint (whole tiles of 16 blocks: 64, 128, 256, 512 blocks a split), without a
+// workspace; 2051 token ids at B = 1 in 7 splits of 320 (five tiles each).
+TEST(SparseAttentionSchedule, DecodeTakesTheGatherKernelsSplits) {
+  const int64_t batches[] = {1, 8, 32, 128};
+  const int splits[] = {8, 4, 2, 1};
+  for (int i = 0; i < 4; ++i) {
+    for (bool hint : {true, false}) {
+      Shape shape;
+      shape.batch = batches[i];
+      if (hint) shape.hint_blocks = 512;
+      const Schedule s = schedule(params(shape), kH200);
+      SCOPED_TRACE(testing::Message() << "B = " << batches[i] << (hint ? " hint" : " tokens"));
+      EXPECT_TRUE(s.gather_rows);
+      EXPECT_EQ(s.union_rows, 0);
+      EXPECT_EQ(s.launch.block_hint, hint);
+      EXPECT_EQ(s.workspace.bytes, 0u);
+      if (hint) {
+        EXPECT_EQ(s.launch.num_splits, splits[i]);
+        EXPECT_EQ(s.launch.split_cols, 512 / splits[i]);
+      }
+    }
+  }
+  Shape tokens;
+  const Schedule s = schedule(params(tokens), kH200);
+  EXPECT_EQ(s.launch.num_splits, 7);
+  EXPECT_EQ(s.launch.split_cols, 320);
+}
+
+// Past the gather kernel's 2112 ids (33 tiles), the per-row kernel with its SplitKV partials in
+// the workspace; at 2112 still the gather kernel.
+TEST(SparseAttentionSchedule, WiderTokenRowsTakeThePerRowKernel) {
+  Shape shape;
+  shape.width = 2112;
+  EXPECT_TRUE(schedule(params(shape), kH200).gather_rows);
+  shape.width = 2113;
+  const Schedule s = schedule(params(shape), kH200);
+  EXPECT_FALSE(s.gather_rows);
+  EXPECT_FALSE(s.row_tiles);
+  EXPECT_GT(s.launch.num_splits, 1);
+  EXPECT_EQ(s.partial_slots, static_cast<size_t>(s.launch.num_splits) * 24);
+  EXPECT_GE(s.workspace.bytes, s.partial_slots * (256 + 1) * sizeof(float));
+}
+
+// FP8 decode batches that the heuristic gives four or more splits stay on the per-row kernel
+// (B = 1 and 8 at Hkv = 2); from B = 32 the gather kernel; an explicit count is honoured.
+TEST(SparseAttentionSchedule, SmallFp8BatchesTakeThePerRowKernel) {
+  Shape shape;
+  shape.hint_blocks = 512;
+  shape.kv_dtype = DType::kF8E4M3;
+  for (int64_t b : {1, 8}) {
+    shape.batch = b;
+    EXPECT_FALSE(schedule(params(shape), kH200).gather_rows) << "B = " << b;
+  }
+  shape.batch = 32;
+  EXPECT_TRUE(schedule(params(shape), kH200).gather_rows);
+  shape.batch = 1;
+  shape.num_splits = 8;
+  const Schedule s = schedule(params(shape), kH200);
+  EXPECT_TRUE(s.gather_rows);
+  EXPECT_EQ(s.launch.num_splits, 8);
+}
+
+// Split counts past the device's cluster limit go to the per-row kernel: 16 where clusters of
+// 16 run, 8 where only the portable size does.
+TEST(SparseAttentionSchedule, SplitsPastTheClusterLimitTakeThePerRowKernel) {
+  Shape shape;
+  shape.hint_blocks = 512;
+  shape.num_splits = 16;
+  EXPECT_TRUE(schedule(params(shape), kH200).gather_rows);
+  EXPECT_FALSE(schedule(params(shape), ScheduleDevice{132, 8}).gather_rows);
+  shape.num_splits = 17;
+  EXPECT_FALSE(schedule(params(shape), kH200).gather_rows);
+}
+
+// Prefill with the hint: tiles of 10 rows on the union kernel (its flags and records in the
+// workspace), the gather kernel after it at one split; without the hint the row-tile kernel.
+TEST(SparseAttentionSchedule, PrefillTakesTheUnionOrRowTileKernel) {
+  Shape shape;
+  shape.rows_per_request = 150;
+  shape.hint_blocks = 512;
+  Schedule s = schedule(params(shape), kH200);
+  EXPECT_EQ(s.union_rows, 10);
+  EXPECT_EQ(s.union_row_tiles, 15);
+  EXPECT_EQ(s.launch.num_splits, 1);
+  EXPECT_GT(s.workspace.bytes, 0u);
+  shape.hint_blocks.reset();
+  s = schedule(params(shape), kH200);
+  EXPECT_EQ(s.union_rows, 0);
+  EXPECT_TRUE(s.row_tiles);
+  EXPECT_FALSE(s.gather_rows);
+  EXPECT_EQ(s.workspace.bytes, 0u);
+}
+
+// Multi-token decode steps with the hint: a request's 4 rows are one union tile once the
+// requests' CTAs fill the SMs (B * Hkv >= 132); below, the gather kernel takes the rows.
+TEST(SparseAttentionSchedule, MultiTokenStepsTakeRequestTiles) {
+  Shape shape;
+  shape.hint_blocks = 512;
+  shape.rows_per_request = 4;
+  shape.batch = 128;
+  const Schedule s = schedule(params(shape), kH200);
+  EXPECT_EQ(s.union_rows, 4);
+  EXPECT_EQ(s.union_row_tiles, 128);
+  shape.batch = 8;
+  const Schedule small = schedule(params(shape), kH200);
+  EXPECT_EQ(small.union_rows, 0);
+  EXPECT_TRUE(small.gather_rows);
+}
+
+// Every width the gather kernel takes, at every split count, fits its key queue: the largest
+// split (the last: split_cols entries, with the hint also the tail) holds at most 2112 token
+// slots (the launcher's check), the splits cover the row's entries, and their count is within
+// the cluster limit.
+TEST(SparseAttentionSchedule, GatherSplitsFitTheKeyQueue) {
+  for (bool hint : {true, false}) {
+    const int64_t max_entries = hint ? kQsaGatherMaxEntries - 1 : kQsaGatherMaxTokens;
+    for (int64_t n = 0; n <= max_entries; ++n) {
+      for (int splits = 0; splits <= 16; ++splits) {
+        Shape shape;
+        shape.batch = 3;
+        if (hint) {
+          shape.hint_blocks = n;
+        } else {
+          shape.width = n;
+        }
+        shape.num_splits = splits;
+        const Schedule s = schedule(params(shape), kH200);
+        if (!s.gather_rows) continue;  // FP8 or explicit counts past the limit: not these
+        const SparseAttentionLaunch& x = s.launch;
+        const int64_t entries = hint ? n + 1 : n;
+        const int64_t largest = x.num_splits == 1 ? entries : x.split_cols + (hint ? 1 : 0);
+        ASSERT_LE((hint ? 4 : 1) * largest, 2112) << n << " entries, " << splits << " splits";
+        ASSERT_LE(x.num_splits, kH200.max_gather_splits);
+        ASSERT_GE(x.num_splits * x.split_cols + (hint ? 1 : 0), entries);
+        ASSERT_LT((x.num_splits - 1) * x.split_cols, std::max<int64_t>(entries, 1));
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace sparse_attn::cuda
