@@ -266,13 +266,21 @@ __device__ inline void gate_outputs8(const SparseAttentionParams& p, int64_t r, 
 }
 
 // out[r, h, col .. col + 7] = the 8 rounded outputs in o, gated (gate_outputs8): one 16-byte
-// store (16-byte out rows and strides, as the kernels that call it require).
+// store where out's features are contiguous and 16-byte aligned there, else element by element.
+// Any out layout then takes the same kernels, so the schedule (and the workspace size, which
+// is decided without out) does not depend on it.
 template <typename T>
 __device__ inline void store_gated8(const SparseAttentionParams& p, int64_t r, int64_t h, int col,
                                     uint4 o) {
   gate_outputs8<T>(p, r, h, col, o);
-  *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + r * p.out_row_stride + h * p.out_head_stride +
-                            col) = o;
+  T* dst = static_cast<T*>(p.out) + r * p.out_row_stride + h * p.out_head_stride;
+  if (p.out_dim_stride == 1 && reinterpret_cast<uintptr_t>(dst + col) % 16 == 0) {
+    *reinterpret_cast<uint4*>(dst + col) = o;
+    return;
+  }
+  const auto* e = reinterpret_cast<const T*>(&o);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) dst[(col + i) * p.out_dim_stride] = e[i];
 }
 
 // A decode-shaped call (one row per request) knows row r's request before its lookup: the

@@ -50,7 +50,7 @@ inline constexpr int kQsaGatherMaxTokens = 2112;
 // thread-block cluster and merge in it, without workspace. Needs at most kQsaGatherMaxEntries
 // entries a row with the block hint (blocks and the tail) or kQsaGatherMaxTokens token ids
 // without it, group <= 16, K/V keys that fit
-// int32, rows * Hkv * splits that fit int32, and the union kernel's 16-byte Q and out rows
+// int32, rows * Hkv * splits that fit int32, and the union kernel's 16-byte Q rows
 // (sparse_attention_native.cpp decides). KV is T or __nv_fp8_e4m3 (FP8 K/V, with k_scale folded
 // into p.scale_log2).
 template <typename T, typename KV>

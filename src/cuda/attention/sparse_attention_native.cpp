@@ -54,9 +54,10 @@ bool use_row_tiles(const SparseAttentionParams& p, int num_splits) {
 // Whether the gather kernel can take the call's rows (at any split count): the block hint (never
 // in physical mode) with at most the seed's 512 hint columns, or token ids of at most
 // kQsaGatherMaxTokens columns; K/V keys that fit int32, (row, KV head) pairs numbered in int32,
-// 16-byte rows and strides for its copies of Q and out (K and V have them already:
-// check_native's vector-load rule), and a group of 12 to 16 heads (the groups its tests cover;
-// it computes 16 heads a KV head). Host-side facts only.
+// 16-byte rows and strides for its copies of Q (K and V have them already: check_native's
+// vector-load rule; out takes any layout, store_gated8), and a group of 12 to 16 heads (the
+// groups its tests cover; it computes 16 heads a KV head). Host-side facts of the inputs only:
+// qsa_sparse_attention_workspace_size decides the same without out.
 bool gather_fits(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
   const auto aligned = [](const void* ptr, std::initializer_list<int64_t> strides) {
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
@@ -69,9 +70,8 @@ bool gather_fits(const SparseAttentionParams& p, const SparseAttentionLaunch& x)
   const bool entries_fit =
       x.block_hint ? p.num_blocks <= kQsaGatherMaxEntries - 1 : p.width <= kQsaGatherMaxTokens;
   return entries_fit && keys_fit_int32(p) && p.group >= 12 && p.group <= 16 &&
-         p.rows * p.num_kv_heads <= kMaxInt && p.q_dim_stride == 1 && p.out_dim_stride == 1 &&
-         aligned(p.q, {p.q_row_stride, p.q_head_stride}) &&
-         aligned(p.out, {p.out_row_stride, p.out_head_stride});
+         p.rows * p.num_kv_heads <= kMaxInt && p.q_dim_stride == 1 &&
+         aligned(p.q, {p.q_row_stride, p.q_head_stride});
 }
 
 // Whether the union prefill kernel runs, and the gather kernel after it on the rows it leaves
