@@ -947,7 +947,7 @@ INSTANTIATE_TEST_SUITE_P(Pages, GpuSparseAttentionBlockHint, ::testing::ValuesIn
                                {16, 3, {1, 1, 1}, {5001, 2998, 401}},
                                {64, 1, {9}, {58}},
                                {6, std::nullopt, {7, 2}, {500, 66}},
-                               // The union and gather kernels (one split, rows per request >= 4).
+                               // The union and gather kernels (one split, rows per request >= 10).
                                {16, 1, {40, 13}, {3000, 900}},
                                {64, std::nullopt, {37, 5}, {3000, 203}, true},
                                {16, 1, {40, 13}, {3000, 900}, true},
@@ -1225,7 +1225,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         // Multi-token decode steps: 4 rows a request in 70 requests (140 union CTAs, enough
         // for every SM of an H200 to take one: the union kernel's tiles are then requests, 2
-        // rows a warpgroup), and 6 rows a request in 3 requests (too few: tiles of 10 rows).
+        // rows a warpgroup), and 6 rows a request in 3 requests (too few: row by row).
         [] {
           UnionCase uc{"decode_steps_4_rows_70_requests_nb64",
                        DType::kBF16,

@@ -167,6 +167,19 @@ TEST(SparseAttentionSchedule, MultiTokenStepsTakeRequestTiles) {
   const Schedule small = schedule(params(shape), kH200);
   EXPECT_EQ(small.union_rows, 0);
   EXPECT_TRUE(small.gather_rows);
+  // Two rows a request, and token ids (no union kernel), also row by row at B = 128 and 32
+  // (not the row-tile kernel below 10 rows a request).
+  shape.batch = 128;
+  shape.rows_per_request = 2;
+  EXPECT_TRUE(schedule(params(shape), kH200).gather_rows);
+  shape.hint_blocks.reset();
+  for (int64_t b : {32, 128}) {
+    shape.batch = b;
+    shape.rows_per_request = 4;
+    const Schedule tokens = schedule(params(shape), kH200);
+    EXPECT_TRUE(tokens.gather_rows) << "B = " << b;
+    EXPECT_EQ(tokens.union_rows, 0);
+  }
 }
 
 // Every width the gather kernel takes, at every split count, fits its key queue: the largest

@@ -42,12 +42,19 @@ bool keys_fit_int32(const SparseAttentionParams& p) {
   }
 }
 
-// Whether the row-tile kernel runs: one split, and on average at least a tile's worth of
-// rows per request, because only rows of one request share tokens (decode batches have one
-// row per request and go to the per-row or the gather kernel). It reads 16-bit K/V only.
+// Rows a request has on average from which its rows share K/V tiles through the row-tile or
+// the union kernel (prefill); below, decode steps of up to 9 rows a request run row by row on
+// the gather kernel, their shared tokens from L2 (session 24, 4 rows a request: 81 us at B = 32
+// with token ids against the row-tile kernel's 235; 77 with the hint against 91 through the
+// union kernel's build, whose tiles of 10 rows spanned requests).
+constexpr int64_t kRowTileMinRows = 10;
+
+// Whether the row-tile kernel runs: one split, and on average at least kRowTileMinRows rows
+// per request, because only rows of one request share tokens (decode batches go to the
+// per-row or the gather kernel). It reads 16-bit K/V only.
 bool use_row_tiles(const SparseAttentionParams& p, int num_splits) {
   if (p.kv_dtype != p.dtype) return false;
-  if (num_splits != 1 || p.rows < 4 * std::max<int64_t>(p.batch, 1)) return false;
+  if (num_splits != 1 || p.rows < kRowTileMinRows * std::max<int64_t>(p.batch, 1)) return false;
   return keys_fit_int32(p);
 }
 
@@ -115,17 +122,19 @@ Schedule schedule(const SparseAttentionParams& p, const ScheduleDevice& device) 
                   : choose_num_splits(p.rows, p.num_kv_heads, p.width, device.sm_count));
 
   s.row_tiles = use_row_tiles(p, x.num_splits);
-  if (s.row_tiles && use_union(p, x)) {
-    // A tile is 2 * (64 / G) consecutive rows (10 at 24/2), or one request's R = rows / batch
-    // rows where that is even and fewer and the requests' CTAs (one an SM) fill the GPU (a
-    // multi-token decode step: R rows of one request share most of their blocks, while tiles
-    // of 10 would span requests and leave their rows to the gather kernel, whose two CTAs an
-    // SM fill it when the union kernel's requests would not). Rows of uneven requests only
-    // change which tiles the build marks.
-    const int full = 2 * static_cast<int>(64 / p.group);
-    const int64_t per_request = p.batch > 0 && p.rows % p.batch == 0 ? p.rows / p.batch : 0;
-    const bool request_tiles = per_request % 2 == 0 && per_request > 0 && per_request < full &&
-                               p.batch * p.num_kv_heads >= device.sm_count;
+  // A union tile is 2 * (64 / G) consecutive rows (10 at 24/2) where the row-tile kernel would
+  // run, or, on a multi-token decode step with the hint, one request's R = rows / batch rows
+  // (R even, 4 or more and below a full tile) where the requests' CTAs (one an SM) fill the
+  // GPU: R rows of one request share most of their blocks (session 24, B = 128 and R = 4: 243
+  // us against 291 row by row on the gather kernel; below the SM count, and at R = 2, the
+  // gather kernel takes the rows one by one). Rows of uneven requests only change which tiles
+  // the build marks.
+  const int full = 2 * static_cast<int>(64 / std::max<int64_t>(p.group, 1));
+  const int64_t per_request = p.batch > 0 && p.rows % p.batch == 0 ? p.rows / p.batch : 0;
+  const bool request_tiles = per_request % 2 == 0 && per_request >= 4 && per_request < full &&
+                             p.batch * p.num_kv_heads >= device.sm_count && use_union(p, x);
+  if (request_tiles || (s.row_tiles && use_union(p, x))) {
+    s.row_tiles = true;
     s.union_rows = request_tiles ? static_cast<int>(per_request) : full;
     s.union_row_tiles = static_cast<int>((p.rows + s.union_rows - 1) / s.union_rows);
     s.union_chunk = std::min(s.union_row_tiles, QsaUnionConfig::kChunkTiles);
