@@ -1,0 +1,201 @@
+// The latency floor of a small decode batch (issue 15's B = 1 and 8 bars): how fast one launch
+// can take a row's selection from HBM to shared memory at all, timed as the decode bench times
+// (CUDA graph of one launch, L2 flushed before each replay, events around the replay), with
+// nothing computed on the data. The chain is the one every paged sparse decode kernel has:
+//   stage 0: the launch alone (each CTA writes one word);
+//   stage 1: + the row's block ids (the hint, 512 blocks and the tail);
+//   stage 2: + their page-table entries (loads that need the ids);
+//   stage 3: + every selected K and V row of the CTA's blocks copied into shared memory with
+//            cp.async, all in flight at once (loads that need the pages);
+//   stage 4: + SplitKV's merge through global memory: each CTA stores a 16 KB FP32 partial and
+//            the last CTA of a (row, KV head) to arrive (a counter it resets) reads them all.
+// CTAs: B rows x 2 KV heads x S splits of the row's 513 entries. The layout is the bench's:
+// K and V pools [pages, 64, 2, 256] bf16, pages scattered, contexts uniform in [8K, 128K].
+// What a kernel takes beyond stage 3 (or 4) at the same S is its compute and its pipeline.
+//
+// Usage: qsa_decode_floor
+#include <cuda_runtime.h>
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "bench_util.h"
+
+namespace sparse_attn::bench {
+namespace {
+
+constexpr int kBlocks = 512, kEntries = kBlocks + 1, kPage = 64, kHkv = 2, kD = 256;
+constexpr int kThreads = 256;
+constexpr int kRowBytes = kD * 2;                    // one token's K (or V) for one KV head
+constexpr int kBufBytes = 64 * 1024;                 // copies land here, overwriting each other
+constexpr int kPartFloats = 16 * kD;                 // a split's partial: 16 heads x 256
+
+struct Args {
+  const int32_t* hint;   // [B, 512] block ids
+  const int32_t* lens;   // [B]
+  const int32_t* table;  // [B, max_pages]
+  int max_pages;
+  const char* k;  // [pool, 64, 2, 256] bf16
+  const char* v;
+  float* partials;  // [B * 2, S, 16 * 256]
+  int* counters;    // [B * 2], zero between launches
+  float* out;       // [B * 2 * S] (stages 0-3), [B * 2, 16 * 256] (stage 4)
+  int splits;
+  int stage;
+};
+
+__global__ void __launch_bounds__(kThreads) decode_chain(const Args a) {
+  extern __shared__ __align__(128) char buf[];
+  __shared__ int32_t first_token[kEntries];
+  __shared__ int32_t page_of[kEntries];
+  const int tid = threadIdx.x;
+  const int split = blockIdx.x % a.splits, pair = blockIdx.x / a.splits;
+  const int kvh = pair % kHkv, r = pair / kHkv;
+  const int per = (kEntries + a.splits - 1) / a.splits;
+  const int e0 = split * per, e1 = min(kEntries, e0 + per), n = max(0, e1 - e0);
+  float acc = 0.f;
+  if (a.stage >= 1) {
+    const int len = a.lens[r];
+    for (int e = tid; e < n; e += kThreads) {
+      const int ent = e0 + e;
+      // The tail entry: the last (len % 4 or 4) tokens.
+      const int tok = ent < kBlocks ? 4 * a.hint[r * kBlocks + ent] : ((len - 1) / 4) * 4;
+      first_token[e] = tok;
+      if (a.stage >= 2) page_of[e] = a.table[r * a.max_pages + tok / kPage];
+      acc += static_cast<float>(tok);
+    }
+    __syncthreads();
+  }
+  if (a.stage >= 3) {
+    // Chunk t of every entry: K or V (t / 128), token t / 32 % 4, 16 bytes t % 32 of its row.
+    const int which = tid / 128, tok_in = tid / 32 % 4, piece = tid % 32;
+    const char* base = which ? a.v : a.k;
+    const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(buf)) +
+                         (tid * 16) % kBufBytes;
+    for (int e = 0; e < n; ++e) {
+      const int64_t token = static_cast<int64_t>(page_of[e]) * kPage +
+                            (first_token[e] + tok_in) % kPage;
+      const char* src = base + (token * kHkv + kvh) * kRowBytes + piece * 16;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
+                       dst + (e * kThreads * 16) % kBufBytes),
+                   "l"(src));
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    __syncthreads();
+    acc += reinterpret_cast<const float*>(buf)[tid];
+  }
+  if (a.stage < 4) {
+    if (tid == 0) a.out[blockIdx.x] = acc;
+    return;
+  }
+  float* part = a.partials + (static_cast<int64_t>(pair) * a.splits + split) * kPartFloats;
+  for (int i = tid; i < kPartFloats; i += kThreads) part[i] = acc + i;
+  __threadfence();
+  __syncthreads();
+  __shared__ int last;
+  if (tid == 0) {
+    last = atomicAdd(&a.counters[pair], 1) == a.splits - 1;
+    if (last) a.counters[pair] = 0;  // ready for the next launch
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int i = tid; i < kPartFloats; i += kThreads) {
+    float s = 0.f;
+    for (int j = 0; j < a.splits; ++j) {
+      s += __ldcg(a.partials + (static_cast<int64_t>(pair) * a.splits + j) * kPartFloats + i);
+    }
+    a.out[static_cast<int64_t>(pair) * kPartFloats + i] = s;
+  }
+}
+
+int run() {
+  Timer timer;
+  report_device_and_ceilings(timer);
+  BENCH_CUDA(cudaFuncSetAttribute(decode_chain, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  kBufBytes));
+  const std::vector<int> split_counts = {4, 8, 16, 32, 64};
+  fmt::print("graph-replayed, L2 flushed, us (median of 15)\n{:8} {:>6} {:>6}", "case", "CTAs",
+             "");
+  for (const char* s : {"launch", "+ids", "+pages", "+K/V", "+merge"}) fmt::print(" {:>8}", s);
+  fmt::print("\n");
+  for (const int batch : {1, 8, 32}) {
+    std::mt19937_64 rng(100 + batch);
+    std::uniform_int_distribution<int64_t> ctx(8192, 131072);
+    std::vector<int32_t> lens(batch);
+    for (auto& l : lens) l = static_cast<int32_t>(ctx(rng));
+    int max_pages = 0;
+    int64_t pool = 0;
+    for (const int l : lens) {
+      max_pages = std::max(max_pages, (l + kPage - 1) / kPage);
+      pool += (l + kPage - 1) / kPage;
+    }
+    std::vector<int32_t> perm(pool), table(int64_t{batch} * max_pages, 0), hint(batch * kBlocks);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    int64_t next = 0;
+    for (int b = 0; b < batch; ++b) {
+      for (int j = 0; j < (lens[b] + kPage - 1) / kPage; ++j) table[b * max_pages + j] = perm[next++];
+      std::vector<int32_t> all((lens[b] - 1) / 4);
+      std::iota(all.begin(), all.end(), 0);
+      std::shuffle(all.begin(), all.end(), rng);
+      std::sort(all.begin(), all.begin() + kBlocks);
+      std::copy(all.begin(), all.begin() + kBlocks, hint.begin() + b * kBlocks);
+    }
+    auto upload = [](const std::vector<int32_t>& h) {
+      int32_t* d = nullptr;
+      BENCH_CUDA(cudaMalloc(&d, h.size() * sizeof(int32_t)));
+      BENCH_CUDA(cudaMemcpy(d, h.data(), h.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+      return d;
+    };
+    Args a{};
+    a.hint = upload(hint);
+    a.lens = upload(lens);
+    a.table = upload(table);
+    a.max_pages = max_pages;
+    const size_t pool_bytes = static_cast<size_t>(pool) * kPage * kHkv * kRowBytes;
+    char *k = nullptr, *v = nullptr;
+    BENCH_CUDA(cudaMalloc(&k, pool_bytes));
+    BENCH_CUDA(cudaMalloc(&v, pool_bytes));
+    BENCH_CUDA(cudaMemset(k, 0, pool_bytes));
+    BENCH_CUDA(cudaMemset(v, 0, pool_bytes));
+    a.k = k;
+    a.v = v;
+    const int pairs = batch * kHkv;
+    BENCH_CUDA(cudaMalloc(&a.partials, sizeof(float) * pairs * 64 * kPartFloats));
+    BENCH_CUDA(cudaMalloc(&a.counters, sizeof(int) * pairs));
+    BENCH_CUDA(cudaMemset(a.counters, 0, sizeof(int) * pairs));
+    BENCH_CUDA(cudaMalloc(&a.out, sizeof(float) * pairs * std::max(64, kPartFloats)));
+    for (const int s : split_counts) {
+      if (pairs * s > 2 * 132 * 2) continue;  // past two waves this is no longer a latency case
+      a.splits = s;
+      fmt::print("b{}_s{:<5} {:>6} {:>6}", batch, s, pairs * s, "");
+      for (int stage = 0; stage <= 4; ++stage) {
+        a.stage = stage;
+        const Timing t = timer.time_graph([&](cudaStream_t st) {
+          decode_chain<<<pairs * s, kThreads, kBufBytes, st>>>(a);
+          BENCH_CUDA(cudaGetLastError());
+        });
+        fmt::print(" {:8.2f}", t.median_ms * 1e3);
+      }
+      fmt::print("\n");
+    }
+    for (void* p : {static_cast<void*>(const_cast<int32_t*>(a.hint)),
+                    static_cast<void*>(const_cast<int32_t*>(a.lens)),
+                    static_cast<void*>(const_cast<int32_t*>(a.table)), static_cast<void*>(k),
+                    static_cast<void*>(v), static_cast<void*>(a.partials),
+                    static_cast<void*>(a.counters), static_cast<void*>(a.out)}) {
+      BENCH_CUDA(cudaFree(p));
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace sparse_attn::bench
+
+int main() { return sparse_attn::bench::run(); }
