@@ -30,9 +30,9 @@ namespace {
 
 constexpr int kBlocks = 512, kEntries = kBlocks + 1, kPage = 64, kHkv = 2, kD = 256;
 constexpr int kThreads = 256;
-constexpr int kRowBytes = kD * 2;                    // one token's K (or V) for one KV head
-constexpr int kBufBytes = 64 * 1024;                 // copies land here, overwriting each other
-constexpr int kPartFloats = 16 * kD;                 // a split's partial: 16 heads x 256
+constexpr int kRowBytes = kD * 2;     // one token's K (or V) for one KV head
+constexpr int kBufBytes = 64 * 1024;  // copies land here, overwriting each other
+constexpr int kPartFloats = 16 * kD;  // a split's partial: 16 heads x 256
 
 struct Args {
   const int32_t* hint;   // [B, 512] block ids
@@ -74,14 +74,14 @@ __global__ void __launch_bounds__(kThreads) decode_chain(const Args a) {
     // Chunk t of every entry: K or V (t / 128), token t / 32 % 4, 16 bytes t % 32 of its row.
     const int which = tid / 128, tok_in = tid / 32 % 4, piece = tid % 32;
     const char* base = which ? a.v : a.k;
-    const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(buf)) +
-                         (tid * 16) % kBufBytes;
+    const uint32_t dst =
+        static_cast<uint32_t>(__cvta_generic_to_shared(buf)) + (tid * 16) % kBufBytes;
     for (int e = 0; e < n; ++e) {
-      const int64_t token = static_cast<int64_t>(page_of[e]) * kPage +
-                            (first_token[e] + tok_in) % kPage;
+      const int64_t token =
+          static_cast<int64_t>(page_of[e]) * kPage + (first_token[e] + tok_in) % kPage;
       const char* src = base + (token * kHkv + kvh) * kRowBytes + piece * 16;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
-                       dst + (e * kThreads * 16) % kBufBytes),
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + (e * kThreads * 16) %
+                                                                                 kBufBytes),
                    "l"(src));
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -116,11 +116,10 @@ __global__ void __launch_bounds__(kThreads) decode_chain(const Args a) {
 int run() {
   Timer timer;
   report_device_and_ceilings(timer);
-  BENCH_CUDA(cudaFuncSetAttribute(decode_chain, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  kBufBytes));
+  BENCH_CUDA(
+      cudaFuncSetAttribute(decode_chain, cudaFuncAttributeMaxDynamicSharedMemorySize, kBufBytes));
   const std::vector<int> split_counts = {4, 8, 16, 32, 64};
-  fmt::print("graph-replayed, L2 flushed, us (median of 15)\n{:8} {:>6} {:>6}", "case", "CTAs",
-             "");
+  fmt::print("graph-replayed, L2 flushed, us (median of 15)\n{:8} {:>6} {:>6}", "case", "CTAs", "");
   for (const char* s : {"launch", "+ids", "+pages", "+K/V", "+merge"}) fmt::print(" {:>8}", s);
   fmt::print("\n");
   for (const int batch : {1, 8, 32}) {
@@ -139,7 +138,8 @@ int run() {
     std::shuffle(perm.begin(), perm.end(), rng);
     int64_t next = 0;
     for (int b = 0; b < batch; ++b) {
-      for (int j = 0; j < (lens[b] + kPage - 1) / kPage; ++j) table[b * max_pages + j] = perm[next++];
+      for (int j = 0; j < (lens[b] + kPage - 1) / kPage; ++j)
+        table[b * max_pages + j] = perm[next++];
       std::vector<int32_t> all((lens[b] - 1) / 4);
       std::iota(all.begin(), all.end(), 0);
       std::shuffle(all.begin(), all.end(), rng);
