@@ -44,6 +44,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include <cstdint>
+#include <cute/arch/cluster_sm90.hpp>
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
@@ -201,6 +202,9 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   // Rows the union kernel wrote are not read nor written here.
   if (x.union_handled != nullptr && x.union_handled[r / x.union_rows] != 0) return;
   prefetch_decode_table_row(p, r, tid, C::kThreads);  // beside the ids' loads below
+  // The outputs' gate, for the epilogue or (SplitKV) the merge: each split pulls a share.
+  prefetch_gate_rows<T>(p, r, static_cast<int64_t>(kvh) * group, group, split * C::kThreads + tid,
+                        splits * C::kThreads);
   if (tid == 0) {
     ss.barrier_q.init(128);
     Pipeline::init(ss.pipeline);
@@ -283,14 +287,17 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
     if (count[i] > 0) {
       const int u = per_entry * at;
       const int32_t key = physical_key(p, ri, first[i], page[i]);
-      for (int j = 0; j < count[i]; ++j) staged_keys[u + j] = key + j;
+      CUTE_UNROLL
+      for (int j = 0; j < per_entry; ++j) staged_keys[u + j] = j < count[i] ? key + j : -1;
       // A block's 4 slots share a word (u is a multiple of 4).
       atomicOr(&ss.slot_valid[u / 32], ((1u << count[i]) - 1u) << (u % 32));
     }
   }
-  __syncthreads();  // keys staged, bitmask complete
   const int n_slots = per_entry * n_valid;
   const int n_tiles = (n_slots + C::kBlockN - 1) / C::kBlockN;
+  // The last tile's slots past the entries hold no token either.
+  if (n_slots + tid < n_tiles * C::kBlockN) staged_keys[n_slots + tid] = -1;
+  __syncthreads();  // keys staged, bitmask complete
   // Slot u holds a token: inside the split's slots, and not one its entry lost from its end.
   auto slot_valid = [&](int u) { return ((ss.slot_valid[u / 32] >> (u % 32)) & 1u) != 0; };
   Pipeline pipe{ss.pipeline, 0};
@@ -325,11 +332,12 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
     // This thread's queue of keys, one a tile: those of row 16 warp + lane % 16 (-1 where the
     // slot holds no token), read while the ring still holds them; tile n's key is key[0] once
     // n tiles have been copied (shifting keeps every index static, so the queue is registers).
+    // The staged keys say -1 themselves (no bitmask test between a load and the next): the 33
+    // loads go out back to back instead of one round trip each.
     int32_t key[C::kMaxTiles];
     CUTE_UNROLL
     for (int n = 0; n < C::kMaxTiles; ++n) {
-      const int u = n * C::kBlockN + 16 * warp + lane % 16;
-      key[n] = n < n_tiles && slot_valid(u) ? staged_keys[u] : -1;
+      key[n] = n < n_tiles ? staged_keys[n * C::kBlockN + 16 * warp + lane % 16] : -1;
     }
     cta_sync<GatherBarrier::kKeysTaken, 128>();
     auto next_tile = [&] {
@@ -575,7 +583,10 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
       p.lse[r * p.lse_row_stride + hq * p.lse_head_stride] = lse2 * 0.69314718055994531f;
     }
   }
-  cluster.sync();
+  // No CTA leaves while another may still read its shared memory. The reads' values are all
+  // used by now, so the arrive needs no release (cluster.sync's is a GPU-scope fence).
+  cute::cluster_arrive_relaxed();
+  cute::cluster_wait();
 }
 
 template <typename T, typename KV, bool kTokens>

@@ -283,15 +283,39 @@ __device__ inline void store_gated8(const SparseAttentionParams& p, int64_t r, i
   for (int i = 0; i < 8; ++i) dst[(col + i) * p.out_dim_stride] = e[i];
 }
 
+// Pulls the gate of row r's query heads first_head .. first_head + heads - 1 into L2 (`threads`
+// threads, one 128-byte line a thread): a kernel that calls it at its start finds the gate in
+// L2 when it stores its outputs, instead of adding an HBM round trip to its end. Only where the
+// gate is element-wise with contiguous features (a head's gate is then whole lines).
+template <typename T>
+__device__ inline void prefetch_gate_rows(const SparseAttentionParams& p, int64_t r,
+                                          int64_t first_head, int heads, int tid, int threads) {
+  if (p.gate_kind != GateKind::kElementwise || p.gate_dim_stride != 1) return;
+  const char* g = static_cast<const char*>(p.gate) +
+                  (r * p.gate_row_stride + first_head * p.gate_head_stride) * sizeof(T);
+  const int lines = static_cast<int>(p.head_dim * sizeof(T) / 128);  // a head's lines
+  for (int i = tid; i < heads * lines; i += threads) {
+    const char* at = g + (i / lines) * p.gate_head_stride * sizeof(T) + (i % lines) * 128;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
+  }
+}
+
 // A decode-shaped call (one row per request) knows row r's request before its lookup: the
-// kernel's `threads` threads pull that request's page-table row into L2 (one 128-byte line a
-// thread, all inside the row), so the page reads after the lookup hit L2 instead of HBM. Only a
+// kernel's `threads` threads pull that request's page-table row (one 128-byte line a thread,
+// all inside the row) and its KV length into L2, so the reads after the lookup hit L2 instead
+// of HBM. Only a
 // hint: a flattened layout whose requests do not hold one row each prefetches another's row.
 __device__ inline void prefetch_decode_table_row(const SparseAttentionParams& p, int64_t r, int tid,
                                                  int threads) {
   if (p.kv_layout != KVLayout::kPaged || p.block_table_page_stride != 1 || p.rows != p.batch ||
       (p.row_mapping != RowMapping::kCuSeqlens && p.row_mapping != RowMapping::kPadded)) {
     return;
+  }
+  // The request's KV length as well, which resolve_row reads after its own lookup.
+  if (tid == 0 && p.seq_lens_k) {
+    asm volatile(
+        "prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(p.seq_lens_k.data()) +
+                                         r * p.seq_lens_k_stride * p.seq_lens_k.element_size()));
   }
   const MetaPtr table_row = p.block_table + r * p.block_table_batch_stride;
   const int64_t per_line = 128 / table_row.element_size();  // entries per 128-byte line
