@@ -303,8 +303,8 @@ __device__ inline void prefetch_gate_rows(const SparseAttentionParams& p, int64_
 // A decode-shaped call (one row per request) knows row r's request before its lookup: the
 // kernel's `threads` threads pull that request's page-table row (one 128-byte line a thread,
 // all inside the row) and its KV length into L2, so the reads after the lookup hit L2 instead
-// of HBM. Only a
-// hint: a flattened layout whose requests do not hold one row each prefetches another's row.
+// of HBM. Only a hint: a flattened layout whose requests do not hold one row each prefetches
+// another's row.
 __device__ inline void prefetch_decode_table_row(const SparseAttentionParams& p, int64_t r, int tid,
                                                  int threads) {
   if (p.kv_layout != KVLayout::kPaged || p.block_table_page_stride != 1 || p.rows != p.batch ||
