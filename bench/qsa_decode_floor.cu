@@ -9,9 +9,11 @@
 //            cp.async, all in flight at once (loads that need the pages);
 //   stage 4: + SplitKV's merge through global memory: each CTA stores a 16 KB FP32 partial and
 //            the last CTA of a (row, KV head) to arrive (a counter it resets) reads them all.
+//            This merge is the plain one (one CTA reads every partial, a few loads in flight a
+//            thread), so its column says what such a merge costs, not a floor.
 // CTAs: B rows x 2 KV heads x S splits of the row's 513 entries. The layout is the bench's:
 // K and V pools [pages, 64, 2, 256] bf16, pages scattered, contexts uniform in [8K, 128K].
-// What a kernel takes beyond stage 3 (or 4) at the same S is its compute and its pipeline.
+// What a kernel takes beyond stage 3 at the same S is its compute, its pipeline and its merge.
 //
 // Usage: qsa_decode_floor
 #include <cuda_runtime.h>
