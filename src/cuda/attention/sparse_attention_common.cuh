@@ -283,6 +283,11 @@ __device__ inline void store_gated8(const SparseAttentionParams& p, int64_t r, i
   for (int i = 0; i < 8; ++i) dst[(col + i) * p.out_dim_stride] = e[i];
 }
 
+// Pulls the 128-byte line at `at` into L2 (a hint: no fault, no register).
+__device__ inline void prefetch_l2(const void* at) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
+}
+
 // Pulls the gate of row r's query heads first_head .. first_head + heads - 1 into L2 (`threads`
 // threads, one 128-byte line a thread): a kernel that calls it at its start finds the gate in
 // L2 when it stores its outputs, instead of adding an HBM round trip to its end. Only where the
@@ -296,7 +301,7 @@ __device__ inline void prefetch_gate_rows(const SparseAttentionParams& p, int64_
   const int lines = static_cast<int>(p.head_dim * sizeof(T) / 128);  // a head's lines
   for (int i = tid; i < heads * lines; i += threads) {
     const char* at = g + (i / lines) * p.gate_head_stride * sizeof(T) + (i % lines) * 128;
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
+    prefetch_l2(at);
   }
 }
 
@@ -312,16 +317,12 @@ __device__ inline void prefetch_decode_table_row(const SparseAttentionParams& p,
     return;
   }
   // The request's KV length as well, which resolve_row reads after its own lookup.
-  if (tid == 0 && p.seq_lens_k) {
-    asm volatile(
-        "prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(p.seq_lens_k.data()) +
-                                         r * p.seq_lens_k_stride * p.seq_lens_k.element_size()));
-  }
+  if (tid == 0 && p.seq_lens_k) prefetch_l2(p.seq_lens_k.address(r * p.seq_lens_k_stride));
   const MetaPtr table_row = p.block_table + r * p.block_table_batch_stride;
   const int64_t per_line = 128 / table_row.element_size();  // entries per 128-byte line
   for (int64_t i = static_cast<int64_t>(tid) * per_line; i < p.max_pages;
        i += static_cast<int64_t>(threads) * per_line) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(table_row.address(i)));
+    prefetch_l2(table_row.address(i));
   }
 }
 
