@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <numeric>
 #include <vector>
 
 #include "sparse_attn/dtype.h"
@@ -54,8 +55,8 @@ Timing Timer::time(const std::function<void(cudaStream_t)>& launch, int warmup, 
   return {ms[ms.size() / 2], ms.front(), ms.back()};
 }
 
-Timing Timer::time_graph_back_to_back(const std::function<void(cudaStream_t)>& launch,
-                                      int repeats, int warmup, int reps) {
+Timing Timer::time_graph_back_to_back(const std::function<void(cudaStream_t)>& launch, int repeats,
+                                      int warmup, int reps) {
   launch(stream_);
   BENCH_CUDA(cudaStreamSynchronize(stream_));
   cudaGraph_t graph = nullptr;
@@ -75,6 +76,23 @@ Timing Timer::time_graph_back_to_back(const std::function<void(cudaStream_t)>& l
 
 Timing Timer::time_graph(const std::function<void(cudaStream_t)>& launch, int warmup, int reps) {
   return time_graph_back_to_back(launch, 1, warmup, reps);
+}
+
+Pages make_pages(const std::vector<int64_t>& lens, int64_t page, std::mt19937_64& rng) {
+  Pages pg;
+  for (int64_t l : lens) {
+    pg.pool += (l + page - 1) / page;
+    pg.max_pages = std::max(pg.max_pages, (l + page - 1) / page);
+  }
+  std::vector<int32_t> perm(pg.pool);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  pg.table.assign(lens.size() * pg.max_pages, -1);
+  int64_t next = 0;
+  for (size_t b = 0; b < lens.size(); ++b)
+    for (int64_t j = 0; j < (lens[b] + page - 1) / page; ++j)
+      pg.table[b * pg.max_pages + j] = perm[next++];
+  return pg;
 }
 
 Ceilings measure_ceilings(Timer& timer) {

@@ -8,7 +8,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <random>
 #include <string>
+#include <vector>
 
 #include "sparse_attn/tensor.h"
 
@@ -56,6 +58,14 @@ Ceilings measure_ceilings(Timer& timer);
 // Prints the device (name, SMs, L2) and the ceilings measured with `timer`, and returns them:
 // every benchmark program opens its output this way.
 Ceilings report_device_and_ceilings(Timer& timer);
+
+// The paged layout of requests of the given lengths: the pages of all requests shuffled over one
+// pool of `pool` pages, and the block table [lens.size(), max_pages] (-1 past a request's pages).
+struct Pages {
+  int64_t pool = 0, max_pages = 0;
+  std::vector<int32_t> table;
+};
+Pages make_pages(const std::vector<int64_t>& lens, int64_t page, std::mt19937_64& rng);
 
 // A device tensor of uniform random values in [-1, 1) (16-bit floats; FP8 e4m3: [-448, 448])
 // made on the host.

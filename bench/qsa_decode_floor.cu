@@ -127,21 +127,11 @@ int run() {
   for (const int batch : {1, 8, 32}) {
     std::mt19937_64 rng(100 + batch);
     std::uniform_int_distribution<int64_t> ctx(8192, 131072);
-    std::vector<int32_t> lens(batch);
-    for (auto& l : lens) l = static_cast<int32_t>(ctx(rng));
-    int max_pages = 0;
-    int64_t pool = 0;
-    for (const int l : lens) {
-      max_pages = std::max(max_pages, (l + kPage - 1) / kPage);
-      pool += (l + kPage - 1) / kPage;
-    }
-    std::vector<int32_t> perm(pool), table(int64_t{batch} * max_pages, 0), hint(batch * kBlocks);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng);
-    int64_t next = 0;
+    std::vector<int64_t> lens(batch);
+    for (auto& l : lens) l = ctx(rng);
+    const Pages pg = make_pages(lens, kPage, rng);
+    std::vector<int32_t> hint(batch * kBlocks);
     for (int b = 0; b < batch; ++b) {
-      for (int j = 0; j < (lens[b] + kPage - 1) / kPage; ++j)
-        table[b * max_pages + j] = perm[next++];
       std::vector<int32_t> all((lens[b] - 1) / 4);
       std::iota(all.begin(), all.end(), 0);
       std::shuffle(all.begin(), all.end(), rng);
@@ -156,10 +146,10 @@ int run() {
     };
     Args a{};
     a.hint = upload(hint);
-    a.lens = upload(lens);
-    a.table = upload(table);
-    a.max_pages = max_pages;
-    const size_t pool_bytes = static_cast<size_t>(pool) * kPage * kHkv * kRowBytes;
+    a.lens = upload(std::vector<int32_t>(lens.begin(), lens.end()));
+    a.table = upload(pg.table);
+    a.max_pages = static_cast<int>(pg.max_pages);
+    const size_t pool_bytes = static_cast<size_t>(pg.pool) * kPage * kHkv * kRowBytes;
     char *k = nullptr, *v = nullptr;
     BENCH_CUDA(cudaMalloc(&k, pool_bytes));
     BENCH_CUDA(cudaMalloc(&v, pool_bytes));

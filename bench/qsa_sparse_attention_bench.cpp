@@ -93,28 +93,6 @@ Tensor random_pool(const Shape& shape, uint64_t seed, DType dtype = DType::kBF16
   return t;
 }
 
-// Paged layout for requests of the given lengths: a shuffled pool and its block table.
-struct Pages {
-  int64_t pool = 0, max_pages = 0;
-  std::vector<int32_t> table;
-};
-Pages make_pages(const std::vector<int64_t>& lens, std::mt19937_64& rng) {
-  Pages pg;
-  for (int64_t l : lens) {
-    pg.pool += (l + kPage - 1) / kPage;
-    pg.max_pages = std::max(pg.max_pages, (l + kPage - 1) / kPage);
-  }
-  std::vector<int32_t> perm(pg.pool);
-  std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), rng);
-  pg.table.assign(lens.size() * pg.max_pages, -1);
-  int64_t next = 0;
-  for (size_t b = 0; b < lens.size(); ++b)
-    for (int64_t j = 0; j < (lens[b] + kPage - 1) / kPage; ++j)
-      pg.table[b * pg.max_pages + j] = perm[next++];
-  return pg;
-}
-
 // Writes the token row of a block selection: 4b..4b+3 per block, the tail 4*((p+1)/4)..p,
 // valid ids first, -1 after. Returns the number of valid ids.
 int64_t expand(const std::vector<int32_t>& blocks, int64_t p, int32_t* row) {
@@ -152,7 +130,7 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
   std::uniform_int_distribution<int64_t> ctx(8192, 131072);
   std::vector<int64_t> lens(batch);
   for (auto& l : lens) l = ctx(rng);
-  const Pages pg = make_pages(lens, rng);
+  const Pages pg = make_pages(lens, kPage, rng);
   std::vector<int32_t> ids(rows * kWidth), hint(rows * kBlocks, -1), pos(rows);
   int64_t valid = 0, distinct = 0;
   for (int64_t b = 0; b < batch; ++b) {
@@ -406,7 +384,7 @@ Result time_prefill(Timer& timer, int64_t tokens, const PrefillSelection& sel, b
                     const std::string& name) {
   std::mt19937_64 rng(11 + tokens);
   const std::vector<int64_t> lens{tokens};
-  const Pages pg = make_pages(lens, rng);
+  const Pages pg = make_pages(lens, kPage, rng);
   Tensor q = random_pool({tokens, kHq, kD}, 5);
   Tensor k = random_pool({pg.pool, kPage, kHkv, kD}, 6);
   Tensor v = random_pool({pg.pool, kPage, kHkv, kD}, 7);
