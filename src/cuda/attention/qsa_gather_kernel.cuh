@@ -7,11 +7,9 @@
 // 64-token K or V tile with cp.async into a ring of stages that K and V tiles share (K_0, V_0,
 // K_1, ...) while the consumer warpgroup computes, two CTAs per SM.
 //
-// The consumer works transposed, with the keys in M: S^T = K Q^T (M = 64 keys, N = 16 query
-// heads of the KV head, 12 of them real at 24/2) and O^T += V^T P^T (M = 256 features, N = 16,
-// K = 64 keys), both on GMMA with every operand in shared memory (P^T through a small buffer).
+// The consumer works transposed, with the keys in M (qsa_gather_consumer.cuh): S^T = K Q^T
+// (M = 64 keys, N = 16 query heads of the KV head, 12 of them real at 24/2) and O^T += V^T P^T.
 // Packing the heads into M instead would leave 52 of its 64 rows empty; here a quarter of N is.
-// A head's softmax is a column of S^T spread over the warpgroup's four warps (ColumnSoftmax).
 //
 // The row's index entries (the block hint's blocks plus the tail entry, or token ids) are
 // resolved once per CTA into the valid entries in their order; valid entry v fills token slots
@@ -53,6 +51,7 @@
 
 #include "api/qsa_attention_params.h"
 #include "cuda/attention/merge.cuh"
+#include "cuda/attention/qsa_gather_consumer.cuh"
 #include "cuda/attention/sm90/gather.h"
 #include "cuda/attention/sm90/mma.h"
 #include "cuda/attention/sm90/pipeline.h"
@@ -85,38 +84,18 @@ struct QsaGatherConfig {
                 "a split's slots fit the producer's key queue");
 };
 
+// The pipeline's stages: 16-bit K/V tiles (two in flight while one is read), or FP8 tiles in
+// staging slots (kPipeStages) and one 16-bit tile buffer that both warpgroups widen them into
+// (kStages).
 template <class Element, bool kFp8>
-struct QsaGatherTraits {
+struct QsaGatherTraits : GatherMmaTraits<Element, QsaGatherConfig::kHeads, kFp8 ? 1 : 3> {
   using C = QsaGatherConfig;
-  // The pipeline's stages: 16-bit K/V tiles (two in flight while one is read), or FP8 tiles in
-  // staging slots (kPipeStages) and one 16-bit tile buffer that both warpgroups widen them
-  // into (kStages).
-  static constexpr int kStages = kFp8 ? 1 : 3;
+  using Base = GatherMmaTraits<Element, C::kHeads, kFp8 ? 1 : 3>;
+  using typename Base::LayoutK;
+  using typename Base::LayoutP;
+  using typename Base::LayoutQ;
   static constexpr int kStagingSlots = kFp8 ? 4 : 0;
-  static constexpr int kPipeStages = kFp8 ? kStagingSlots : kStages;
-  using TileS = cute::Shape<cute::Int<C::kBlockN>, cute::Int<C::kHeads>, cute::Int<C::kHeadDim>>;
-  using TileO = cute::Shape<cute::Int<C::kHeadDim>, cute::Int<C::kHeads>, cute::Int<C::kBlockN>>;
-  // S^T = K Q^T: K stages and Q with the head dim contiguous. O^T += V^T P^T: V stages seen
-  // transposed (MN-major A), P^T [heads, keys] with the keys contiguous.
-  using MmaS =
-      decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<Element, Element, float, TileS>()));
-  using MmaO = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float, TileO, cute::GMMA::Major::MN,
-                                 cute::GMMA::Major::K>()));
-  using Stages = sm90::KVStageLayouts<Element, C::kHeadDim, C::kBlockN, kStages>;
-  using LayoutK = typename Stages::LayoutK;
-  using LayoutVt = typename Stages::LayoutVt;
-  using AtomQ =
-      decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-               cute::GMMA::Major::K, Element, cute::Int<C::kHeads>, cute::Int<C::kHeadDim>>());
-  using LayoutQ = decltype(cute::tile_to_shape(
-      AtomQ{}, cute::Shape<cute::Int<C::kHeads>, cute::Int<C::kHeadDim>>{}));
-  // Two P^T buffers: a tile's P is written while the previous tile's P V may still read.
-  using AtomP =
-      decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-               cute::GMMA::Major::K, Element, cute::Int<C::kHeads>, cute::Int<C::kBlockN>>());
-  using LayoutP = decltype(cute::tile_to_shape(
-      AtomP{}, cute::Shape<cute::Int<C::kHeads>, cute::Int<C::kBlockN>, cute::_2>{}));
+  static constexpr int kPipeStages = kFp8 ? kStagingSlots : Base::kStages;
   using Pipeline = sm90::TmaPipeline<kPipeStages, 1, 128>;
 
   struct SharedStorage {
@@ -401,34 +380,6 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   // ----- consumer ----------------------------------------------------------------------------
   auto consume = [&] {
     const int ct = tid - 128;
-    typename Tr::MmaS mma_s;
-    typename Tr::MmaO mma_o;
-    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::LayoutQ{});
-    Tensor sK = make_tensor(make_smem_ptr(ss.kv.data()), typename Tr::LayoutK{});
-    Tensor sVt = make_tensor(make_smem_ptr(ss.kv.data()), typename Tr::LayoutVt{});
-    Tensor sP = make_tensor(make_smem_ptr(ss.p.data()), typename Tr::LayoutP{});
-    auto thr_s = mma_s.get_thread_slice(ct);
-    auto thr_o = mma_o.get_thread_slice(ct);
-    Tensor tSrK = thr_s.partition_fragment_A(sK);    // (MMA, 1, MMA_K, stage)
-    Tensor tSrQ = thr_s.partition_fragment_B(sQ);    // (MMA, 1, MMA_K)
-    Tensor tOrVt = thr_o.partition_fragment_A(sVt);  // (MMA, MMA_M, MMA_K, stage)
-    Tensor tOrP = thr_o.partition_fragment_B(sP);    // (MMA, 1, MMA_K, buffer)
-    Tensor tSrS = partition_fragment_C(mma_s, select<0, 1>(typename Tr::TileS{}));
-    Tensor tOrO = partition_fragment_C(mma_o, select<0, 1>(typename Tr::TileO{}));
-    // (key in tile, head) of each score and (feature, head) of each output this thread holds;
-    // a column j of either fragment is the same head (one m64n16 atom layout).
-    Tensor tScS = thr_s.partition_C(make_identity_tensor(select<0, 1>(typename Tr::TileS{})));
-    Tensor tOcO = thr_o.partition_C(make_identity_tensor(select<0, 1>(typename Tr::TileO{})));
-    Tensor s_rc = make_tensor(tSrS.data(), sm90::accumulator_rows_cols(tSrS.layout()));
-    Tensor cs_rc = make_tensor(tScS.data(), sm90::accumulator_rows_cols(tScS.layout()));
-    Tensor o_rc = make_tensor(tOrO.data(), sm90::accumulator_rows_cols(tOrO.layout()));
-    Tensor co_rc = make_tensor(tOcO.data(), sm90::accumulator_rows_cols(tOcO.layout()));
-    constexpr int kCols = decltype(size<1>(s_rc))::value;
-
-    sm90::ColumnSoftmax<C::kHeads> softmax(p.scale_log2, &ss.red[0][0][0],
-                                           static_cast<uint32_t>(GatherBarrier::kColumns));
-    clear(tOrO);
-    if (n_tiles > 0) ss.barrier_q.wait(0);
     typename Pipeline::State read;
     // The 16-bit tile a GEMM reads: a stage of the ring, or (FP8) the tile buffer, widened from
     // the staging slot (rows 32 .. 63 here, the producer's warps rows 0 .. 31).
@@ -441,100 +392,76 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
         return read.index();
       }
     };
-    for (int n = 0; n < n_tiles; ++n) {
-      // ----- S^T = K_n Q^T --------------------------------------------------------------------
-      pipe.consumer_wait(read);
-      sm90::warpgroup_gemm<true, 0>(mma_s, tSrK(_, _, _, tile_stage()), tSrQ, tSrS);
-      pipe.consumer_release(read);
-      ++read;
-      // Slots without a token are masked.
+    // Slots without a token are masked.
+    auto mask = [&](auto& s_rc, const auto& cs_rc, int n) {
       CUTE_UNROLL
       for (int i = 0; i < size<0>(s_rc); ++i) {
         if (!slot_valid(n * C::kBlockN + get<0>(cs_rc(i, 0)))) {
           CUTE_UNROLL
-          for (int j = 0; j < kCols; ++j) s_rc(i, j) = -INFINITY;
+          for (int j = 0; j < size<1>(s_rc); ++j) s_rc(i, j) = -INFINITY;
         }
       }
-      float rescale[kCols];
-      softmax.update(s_rc, cs_rc, rescale);
-      bool moved = false;
-      CUTE_UNROLL
-      for (int j = 0; j < kCols; ++j) moved = moved || rescale[j] != 1.f;
-      if (moved) {
+    };
+    // ----- epilogue: normalise; O [heads, features] through an idle stage ---------------------
+    // (The first stage holds the O tile: every warp's GEMMs on it, the last V tile's for FP8,
+    // are done before gather_consume calls it.)
+    auto epilogue = [&](auto& o_rc, const auto& co_rc, const auto& cs_rc, const auto& inv_sum,
+                        const auto& lse) {
+      constexpr int kCols = decltype(size<1>(o_rc))::value;
+      if (merged) {
+        // The split's partial, FP32 and normalised, and its LSE (log2 units) stay here for the
+        // cluster's merge (every thread holds every head's LSE; four write them).
+        float* part = reinterpret_cast<float*>(ss.kv.data());
         CUTE_UNROLL
         for (int i = 0; i < size<0>(o_rc); ++i) {
           CUTE_UNROLL
-          for (int j = 0; j < kCols; ++j) o_rc(i, j) *= rescale[j];
+          for (int j = 0; j < kCols; ++j) {
+            part[get<1>(co_rc(i, j)) * C::kPartPitch + get<0>(co_rc(i, j))] =
+                o_rc(i, j) * inv_sum[j];
+          }
         }
-      }
-      // ----- P^T to shared memory, then O^T += V_n^T P^T ------------------------------------
-      CUTE_UNROLL
-      for (int i = 0; i < size<0>(s_rc); ++i) {
-        CUTE_UNROLL
-        for (int j = 0; j < kCols; ++j) {
-          sP(get<1>(cs_rc(i, j)), get<0>(cs_rc(i, j)), n % 2) = Element(s_rc(i, j));
+        if (ct < 4) {
+          CUTE_UNROLL
+          for (int j = 0; j < kCols; ++j) {
+            ss.split_lse2[get<1>(cs_rc(0, j))] = lse[j] * 1.4426950408889634f;
+          }
         }
+        return;
       }
-      cutlass::arch::fence_view_async_shared();  // generic stores, then GMMA reads
-      cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kP));
-      pipe.consumer_wait(read);
-      sm90::warpgroup_gemm<false, 0>(mma_o, tOrVt(_, _, _, tile_stage()), tOrP(_, _, _, n % 2),
-                                     tOrO);
-      pipe.consumer_release(read);
-      ++read;
-    }
-
-    // ----- epilogue: normalise; O [heads, features] through an idle stage ---------------------
-    float inv_sum[kCols], lse[kCols];
-    softmax.finalize(cs_rc, inv_sum, lse);
-    // The first stage holds the O tile: every warp's GEMMs on it (the last V tile's, for FP8)
-    // are done first.
-    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kGemmsDone));
-    if (merged) {
-      // The split's partial, FP32 and normalised, and its LSE (log2 units) stay here for the
-      // cluster's merge (every thread holds every head's LSE; four write them).
-      float* part = reinterpret_cast<float*>(ss.kv.data());
+      Element* so = ss.kv.data();
       CUTE_UNROLL
       for (int i = 0; i < size<0>(o_rc); ++i) {
         CUTE_UNROLL
         for (int j = 0; j < kCols; ++j) {
-          part[get<1>(co_rc(i, j)) * C::kPartPitch + get<0>(co_rc(i, j))] = o_rc(i, j) * inv_sum[j];
+          so[get<1>(co_rc(i, j)) * C::kOutPitch + get<0>(co_rc(i, j))] =
+              Element(o_rc(i, j) * (inv_sum[j] * p.v_scale));
         }
       }
-      if (ct < 4) {
+      cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kOut));
+      constexpr int kChunks = C::kHeadDim / 8;  // 16-byte pieces of a row
+      for (int c = ct; c < group * kChunks; c += 128) {
+        const int h = c / kChunks, col = (c % kChunks) * 8;
+        const int64_t hq = static_cast<int64_t>(kvh) * group + h;
+        store_gated8<T>(p, r, hq, col,
+                        *reinterpret_cast<const uint4*>(so + h * C::kOutPitch + col));
+      }
+      if (p.lse != nullptr && ct < 4) {  // every thread holds every head's LSE; four write them
         CUTE_UNROLL
         for (int j = 0; j < kCols; ++j) {
-          ss.split_lse2[get<1>(cs_rc(0, j))] = lse[j] * 1.4426950408889634f;
+          const int h = get<1>(cs_rc(0, j));
+          if (h < group) {
+            p.lse[r * p.lse_row_stride +
+                  (static_cast<int64_t>(kvh) * group + h) * p.lse_head_stride] = lse[j];
+          }
         }
       }
-      return;
-    }
-    Element* so = ss.kv.data();
-    CUTE_UNROLL
-    for (int i = 0; i < size<0>(o_rc); ++i) {
-      CUTE_UNROLL
-      for (int j = 0; j < kCols; ++j) {
-        so[get<1>(co_rc(i, j)) * C::kOutPitch + get<0>(co_rc(i, j))] =
-            Element(o_rc(i, j) * (inv_sum[j] * p.v_scale));
-      }
-    }
-    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(GatherBarrier::kOut));
-    constexpr int kChunks = C::kHeadDim / 8;  // 16-byte pieces of a row
-    for (int c = ct; c < group * kChunks; c += 128) {
-      const int h = c / kChunks, col = (c % kChunks) * 8;
-      const int64_t hq = static_cast<int64_t>(kvh) * group + h;
-      store_gated8<T>(p, r, hq, col, *reinterpret_cast<const uint4*>(so + h * C::kOutPitch + col));
-    }
-    if (p.lse != nullptr && ct < 4) {  // every thread holds every head's LSE; four write them
-      CUTE_UNROLL
-      for (int j = 0; j < kCols; ++j) {
-        const int h = get<1>(cs_rc(0, j));
-        if (h < group) {
-          p.lse[r * p.lse_row_stride +
-                (static_cast<int64_t>(kvh) * group + h) * p.lse_head_stride] = lse[j];
-        }
-      }
-    }
+    };
+    gather_consume<Tr>(
+        pipe, read, n_tiles, ss.q.data(), ss.kv.data(), ss.p.data(), &ss.red[0][0][0], ss.barrier_q,
+        p.scale_log2, ct,
+        {static_cast<uint32_t>(GatherBarrier::kColumns), static_cast<uint32_t>(GatherBarrier::kP),
+         static_cast<uint32_t>(GatherBarrier::kGemmsDone)},
+        tile_stage, mask, epilogue);
   };
 
   if (warp < 4) {

@@ -1,0 +1,158 @@
+// The consumer warpgroup of the QSA gather kernels (qsa_gather_kernel.cuh: one query row a CTA;
+// qsa_step_kernel.cuh: a request's decode step of up to four rows): decode-shaped attention on
+// gathered K/V tiles, computed transposed, with the keys in M.
+//
+// S^T = K Q^T (M = 64 keys of a tile, N = kHeads query columns) and O^T += V^T P^T (M = 256
+// features, N = kHeads, K = 64 keys), both on GMMA with every operand in shared memory (P^T
+// through a small double buffer). A decode CTA has 12 to 16 query heads a row: packing them into
+// M would leave most of its 64 rows empty, while N takes them in steps of 8. A column's softmax
+// is a column of S^T spread over the warpgroup's four warps (ColumnSoftmax).
+//
+// The kernels share this piece and differ in what surrounds it: which slots of a tile a column
+// may see (the mask hook), where the 16-bit tile comes from (a ring stage, or a buffer FP8 was
+// widened into), and where the outputs go.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+
+#include "cuda/attention/sm90/mma.h"
+#include "cuda/attention/sm90/softmax.h"
+#include "cuda/attention/sm90/traits.h"
+
+namespace sparse_attn::cuda {
+
+// Shapes, GMMAs and shared-memory layouts of the consumer: kHeads query columns, kStages 16-bit
+// K/V stages of 64 keys x 256 features.
+template <class Element, int kHeads_, int kStages_>
+struct GatherMmaTraits {
+  static constexpr int kHeadDim = 256;
+  static constexpr int kBlockN = 64;  // keys per K/V tile: M of S^T
+  static constexpr int kHeads = kHeads_;
+  static constexpr int kStages = kStages_;
+  static_assert(kHeads % 16 == 0 && kHeads <= 64, "N of whole k16 P^T steps, O^T in registers");
+  using Element_ = Element;
+  using TileS = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeads>, cute::Int<kHeadDim>>;
+  using TileO = cute::Shape<cute::Int<kHeadDim>, cute::Int<kHeads>, cute::Int<kBlockN>>;
+  // S^T = K Q^T: K stages and Q with the head dim contiguous. O^T += V^T P^T: V stages seen
+  // transposed (MN-major A), P^T [heads, keys] with the keys contiguous.
+  using MmaS =
+      decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<Element, Element, float, TileS>()));
+  using MmaO = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, TileO, cute::GMMA::Major::MN,
+                                 cute::GMMA::Major::K>()));
+  using Stages = sm90::KVStageLayouts<Element, kHeadDim, kBlockN, kStages>;
+  using LayoutK = typename Stages::LayoutK;
+  using LayoutVt = typename Stages::LayoutVt;
+  using AtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                         cute::GMMA::Major::K, Element, cute::Int<kHeads>, cute::Int<kHeadDim>>());
+  using LayoutQ =
+      decltype(cute::tile_to_shape(AtomQ{}, cute::Shape<cute::Int<kHeads>, cute::Int<kHeadDim>>{}));
+  // Two P^T buffers: a tile's P is written while the previous tile's P V may still read.
+  using AtomP = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                         cute::GMMA::Major::K, Element, cute::Int<kHeads>, cute::Int<kBlockN>>());
+  using LayoutP = decltype(cute::tile_to_shape(
+      AtomP{}, cute::Shape<cute::Int<kHeads>, cute::Int<kBlockN>, cute::_2>{}));
+};
+
+// Named barriers of a consumer warpgroup (hardware ids, 128 threads each).
+struct GatherConsumerBarriers {
+  uint32_t columns;     // ColumnSoftmax's exchange
+  uint32_t p;           // a tile's P^T is in shared memory
+  uint32_t gemms_done;  // every warp's GEMMs on the tiles are done (before the epilogue reuses
+                        // shared memory they read)
+};
+
+// One consumer warpgroup over n_tiles K/V tiles of the pipeline (K_n, then V_n, from `read` on),
+// thread `ct` (0 .. 127) of it. Q [kHeads, 256] is at q (landed once barrier_q's phase 0
+// completes), the ring at kv (LayoutK / LayoutVt), P^T's buffers at p, ColumnSoftmax's exchange
+// ([2][4][kHeads] floats) at red. Hooks:
+// - tile_stage(): the stage the next GEMM reads, once its tile is there (it may widen FP8);
+// - mask(s, cs, n): sets to -inf the scores of tile n a column may not see (s and cs are the
+//   thread's scores and their (key in tile, column) coordinates as (rows, columns) views);
+// - epilogue(o, co, cs, inv_sum, lse): once every warp's GEMMs are done, the unnormalised O^T
+//   fragment and its (feature, column) coordinates, and per column j of the thread (column
+//   get<1>(cs(0, j))) the normaliser and the natural-log LSE (0 and -inf for a column that saw
+//   nothing).
+template <class Tr, class Pipe, class TileStage, class Mask, class Epilogue>
+__device__ __forceinline__ void gather_consume(const Pipe& pipe, typename Pipe::State& read,
+                                               int n_tiles, typename Tr::Element_* q,
+                                               typename Tr::Element_* kv, typename Tr::Element_* p,
+                                               float* red,
+                                               cutlass::arch::ClusterTransactionBarrier& barrier_q,
+                                               float scale_log2, int ct, GatherConsumerBarriers bar,
+                                               TileStage tile_stage, Mask mask, Epilogue epilogue) {
+  using namespace cute;
+  using cute::Tensor;
+  using Element = typename Tr::Element_;
+  typename Tr::MmaS mma_s;
+  typename Tr::MmaO mma_o;
+  Tensor sQ = make_tensor(make_smem_ptr(q), typename Tr::LayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(kv), typename Tr::LayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(kv), typename Tr::LayoutVt{});
+  Tensor sP = make_tensor(make_smem_ptr(p), typename Tr::LayoutP{});
+  auto thr_s = mma_s.get_thread_slice(ct);
+  auto thr_o = mma_o.get_thread_slice(ct);
+  Tensor tSrK = thr_s.partition_fragment_A(sK);    // (MMA, 1, MMA_K, stage)
+  Tensor tSrQ = thr_s.partition_fragment_B(sQ);    // (MMA, 1, MMA_K)
+  Tensor tOrVt = thr_o.partition_fragment_A(sVt);  // (MMA, MMA_M, MMA_K, stage)
+  Tensor tOrP = thr_o.partition_fragment_B(sP);    // (MMA, 1, MMA_K, buffer)
+  Tensor tSrS = partition_fragment_C(mma_s, select<0, 1>(typename Tr::TileS{}));
+  Tensor tOrO = partition_fragment_C(mma_o, select<0, 1>(typename Tr::TileO{}));
+  // (key in tile, column) of each score and (feature, column) of each output this thread holds;
+  // a column j of either fragment is the same query column (one m64nN atom layout).
+  Tensor tScS = thr_s.partition_C(make_identity_tensor(select<0, 1>(typename Tr::TileS{})));
+  Tensor tOcO = thr_o.partition_C(make_identity_tensor(select<0, 1>(typename Tr::TileO{})));
+  Tensor s_rc = make_tensor(tSrS.data(), sm90::accumulator_rows_cols(tSrS.layout()));
+  Tensor cs_rc = make_tensor(tScS.data(), sm90::accumulator_rows_cols(tScS.layout()));
+  Tensor o_rc = make_tensor(tOrO.data(), sm90::accumulator_rows_cols(tOrO.layout()));
+  Tensor co_rc = make_tensor(tOcO.data(), sm90::accumulator_rows_cols(tOcO.layout()));
+  constexpr int kCols = decltype(size<1>(s_rc))::value;
+
+  sm90::ColumnSoftmax<Tr::kHeads> softmax(scale_log2, red, bar.columns);
+  clear(tOrO);
+  if (n_tiles > 0) barrier_q.wait(0);
+  for (int n = 0; n < n_tiles; ++n) {
+    // ----- S^T = K_n Q^T ----------------------------------------------------------------------
+    pipe.consumer_wait(read);
+    sm90::warpgroup_gemm<true, 0>(mma_s, tSrK(_, _, _, tile_stage()), tSrQ, tSrS);
+    pipe.consumer_release(read);
+    ++read;
+    mask(s_rc, cs_rc, n);
+    float rescale[kCols];
+    softmax.update(s_rc, cs_rc, rescale);
+    bool moved = false;
+    CUTE_UNROLL
+    for (int j = 0; j < kCols; ++j) moved = moved || rescale[j] != 1.f;
+    if (moved) {
+      CUTE_UNROLL
+      for (int i = 0; i < size<0>(o_rc); ++i) {
+        CUTE_UNROLL
+        for (int j = 0; j < kCols; ++j) o_rc(i, j) *= rescale[j];
+      }
+    }
+    // ----- P^T to shared memory, then O^T += V_n^T P^T --------------------------------------
+    CUTE_UNROLL
+    for (int i = 0; i < size<0>(s_rc); ++i) {
+      CUTE_UNROLL
+      for (int j = 0; j < kCols; ++j) {
+        sP(get<1>(cs_rc(i, j)), get<0>(cs_rc(i, j)), n % 2) = Element(s_rc(i, j));
+      }
+    }
+    cutlass::arch::fence_view_async_shared();  // generic stores, then GMMA reads
+    cutlass::arch::NamedBarrier::sync(128, bar.p);
+    pipe.consumer_wait(read);
+    sm90::warpgroup_gemm<false, 0>(mma_o, tOrVt(_, _, _, tile_stage()), tOrP(_, _, _, n % 2), tOrO);
+    pipe.consumer_release(read);
+    ++read;
+  }
+
+  float inv_sum[kCols], lse[kCols];
+  softmax.finalize(cs_rc, inv_sum, lse);
+  cutlass::arch::NamedBarrier::sync(128, bar.gemms_done);
+  epilogue(o_rc, co_rc, cs_rc, inv_sum, lse);
+}
+
+}  // namespace sparse_attn::cuda
