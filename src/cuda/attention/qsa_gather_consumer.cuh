@@ -57,7 +57,8 @@ struct GatherMmaTraits {
       AtomP{}, cute::Shape<cute::Int<kHeads>, cute::Int<kBlockN>, cute::_2>{}));
 };
 
-// Named barriers of a consumer warpgroup (hardware ids, 128 threads each).
+// Named barriers of a consumer warpgroup (128 threads each), numbered as
+// cutlass::arch::NamedBarrier numbers them (after its reserved ones).
 struct GatherConsumerBarriers {
   uint32_t columns;     // ColumnSoftmax's exchange
   uint32_t p;           // a tile's P^T is in shared memory
