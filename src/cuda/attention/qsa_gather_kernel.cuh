@@ -45,7 +45,6 @@
 #include <cute/arch/cluster_sm90.hpp>
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/tensor.hpp>
-#include <cutlass/gemm/collective/builders/sm90_common.inl>
 #include <string>
 #include <type_traits>
 
@@ -53,9 +52,7 @@
 #include "cuda/attention/merge.cuh"
 #include "cuda/attention/qsa_gather_consumer.cuh"
 #include "cuda/attention/sm90/gather.h"
-#include "cuda/attention/sm90/mma.h"
 #include "cuda/attention/sm90/pipeline.h"
-#include "cuda/attention/sm90/softmax.h"
 #include "cuda/attention/sm90/traits.h"
 #include "cuda/attention/sparse_attention_common.cuh"
 #include "cuda/attention/sparse_attention_launch.h"
@@ -97,6 +94,8 @@ struct QsaGatherTraits : GatherMmaTraits<Element, QsaGatherConfig::kHeads, kFp8 
   static constexpr int kStagingSlots = kFp8 ? 4 : 0;
   static constexpr int kPipeStages = kFp8 ? kStagingSlots : Base::kStages;
   using Pipeline = sm90::TmaPipeline<kPipeStages, 1, 128>;
+  static_assert(Base::kBlockN == C::kBlockN && Base::kHeadDim == C::kHeadDim,
+                "the consumer's tiles are the config's");
 
   struct SharedStorage {
     // 1024-byte alignment: the 128-byte swizzle repeats every 8 rows of 128 bytes and GMMA
@@ -159,7 +158,6 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
     qsa_gather_kernel(const __grid_constant__ SparseAttentionParams p,
                       const __grid_constant__ SparseAttentionLaunch x) {
   using namespace cute;
-  using cute::Shape;  // not sparse_attn's (sparse_attn/tensor.h), where both are visible
   using cute::Tensor;
   using C = QsaGatherConfig;
   using Element = sm90::CutlassElement<T>;
