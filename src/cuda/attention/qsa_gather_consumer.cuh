@@ -1,20 +1,22 @@
-// The consumer warpgroup of the QSA gather kernels (qsa_gather_kernel.cuh: one query row a CTA;
-// qsa_step_kernel.cuh: a request's decode step of up to four rows): decode-shaped attention on
-// gathered K/V tiles, computed transposed, with the keys in M.
+// The consumer warpgroup of the QSA gather kernels (qsa_gather_kernel.cuh: one query row a CTA,
+// 16-bit or FP8 K/V, block hint or token ids): decode-shaped attention on gathered K/V tiles,
+// computed transposed, with the keys in M.
 //
 // S^T = K Q^T (M = 64 keys of a tile, N = kHeads query columns) and O^T += V^T P^T (M = 256
 // features, N = kHeads, K = 64 keys), both on GMMA with every operand in shared memory (P^T
-// through a small double buffer). A decode CTA has 12 to 16 query heads a row: packing them into
+// through a small buffer). A decode CTA has 12 to 16 query heads a row: packing them into
 // M would leave most of its 64 rows empty, while N takes them in steps of 8. A column's softmax
 // is a column of S^T spread over the warpgroup's four warps (ColumnSoftmax).
 //
-// The kernels share this piece and differ in what surrounds it: which slots of a tile a column
-// may see (the mask hook), where the 16-bit tile comes from (a ring stage, or a buffer FP8 was
+// The instantiations differ in what surrounds it, through its hooks: which slots of a tile a
+// column may see (the mask), where the 16-bit tile comes from (a ring stage, or a buffer FP8 was
 // widened into), and where the outputs go.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_conversion.h>
 
+#include <cute/arch/copy_sm90.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
@@ -50,11 +52,12 @@ struct GatherMmaTraits {
                          cute::GMMA::Major::K, Element, cute::Int<kHeads>, cute::Int<kHeadDim>>());
   using LayoutQ =
       decltype(cute::tile_to_shape(AtomQ{}, cute::Shape<cute::Int<kHeads>, cute::Int<kHeadDim>>{}));
-  // Two P^T buffers: a tile's P is written while the previous tile's P V may still read.
+  // One P^T buffer: a warp writes tile n + 1's P only after ColumnSoftmax's exchange of that
+  // tile, which every warp reaches after waiting for its part of tile n's P V GEMM.
   using AtomP = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
                          cute::GMMA::Major::K, Element, cute::Int<kHeads>, cute::Int<kBlockN>>());
-  using LayoutP = decltype(cute::tile_to_shape(
-      AtomP{}, cute::Shape<cute::Int<kHeads>, cute::Int<kBlockN>, cute::_2>{}));
+  using LayoutP =
+      decltype(cute::tile_to_shape(AtomP{}, cute::Shape<cute::Int<kHeads>, cute::Int<kBlockN>>{}));
 };
 
 // Named barriers of a consumer warpgroup (128 threads each), numbered as
@@ -68,7 +71,7 @@ struct GatherConsumerBarriers {
 
 // One consumer warpgroup over n_tiles K/V tiles of the pipeline (K_n, then V_n, from `read` on),
 // thread `ct` (0 .. 127) of it. Q [kHeads, 256] is at q (landed once barrier_q's phase 0
-// completes), the ring at kv (LayoutK / LayoutVt), P^T's buffers at p, ColumnSoftmax's exchange
+// completes), the ring at kv (LayoutK / LayoutVt), P^T's buffer at p, ColumnSoftmax's exchange
 // ([2][4][kHeads] floats) at red. Hooks:
 // - tile_stage(): the stage the next GEMM reads, once its tile is there (it may widen FP8);
 // - mask(s, cs, n): sets to -inf the scores of tile n a column may not see (s and cs are the
@@ -99,7 +102,7 @@ __device__ __forceinline__ void gather_consume(const Pipe& pipe, typename Pipe::
   Tensor tSrK = thr_s.partition_fragment_A(sK);    // (MMA, 1, MMA_K, stage)
   Tensor tSrQ = thr_s.partition_fragment_B(sQ);    // (MMA, 1, MMA_K)
   Tensor tOrVt = thr_o.partition_fragment_A(sVt);  // (MMA, MMA_M, MMA_K, stage)
-  Tensor tOrP = thr_o.partition_fragment_B(sP);    // (MMA, 1, MMA_K, buffer)
+  Tensor tOrP = thr_o.partition_fragment_B(sP);    // (MMA, 1, MMA_K)
   Tensor tSrS = partition_fragment_C(mma_s, select<0, 1>(typename Tr::TileS{}));
   Tensor tOrO = partition_fragment_C(mma_o, select<0, 1>(typename Tr::TileO{}));
   // (key in tile, column) of each score and (feature, column) of each output this thread holds;
@@ -111,6 +114,25 @@ __device__ __forceinline__ void gather_consume(const Pipe& pipe, typename Pipe::
   Tensor o_rc = make_tensor(tOrO.data(), sm90::accumulator_rows_cols(tOrO.layout()));
   Tensor co_rc = make_tensor(tOcO.data(), sm90::accumulator_rows_cols(tOcO.layout()));
   constexpr int kCols = decltype(size<1>(s_rc))::value;
+
+  // P^T goes to shared memory by stmatrix .trans, 16 columns a store. The scores of warp w are
+  // 8 x 8 blocks (keys 16 w + 8 i .. + 7, columns 8 k .. + 7) in stmatrix's fragment layout:
+  // s(i, 2 k + e) is the thread's (key 16 w + 8 i + lane / 4, column 8 k + 2 (lane % 4) + e).
+  // A block lands transposed as 8 rows of P^T, one a column, its 8 keys 16 contiguous bytes of
+  // the swizzled layout. Lane 8 m + c gives row c of block m of store q, where block m is
+  // (i, k) = (m % 2, 2 q + m / 2); store q's rows lie 16 q rows (whole 8-row swizzle atoms,
+  // 16 x 64 elements) past store 0's.
+  static_assert(Tr::kHeads % 16 == 0 && kCols == Tr::kHeads / 4, "whole 4-block stores");
+  constexpr int kStores = Tr::kHeads / 16;
+  Element* const p_row = [&] {
+    const int w = ct / 32, m = ct % 32 / 8, c = ct % 8;
+    return &sP(8 * (m / 2) + c, 16 * w + 8 * (m % 2));
+  }();
+  cutlass::NumericArrayConverter<Element, float, 2> to_pair;
+  auto pair = [&](float lo, float hi) {
+    const cutlass::Array<Element, 2> v = to_pair(cutlass::Array<float, 2>{lo, hi});
+    return reinterpret_cast<const uint32_t&>(v);
+  };
 
   sm90::ColumnSoftmax<Tr::kHeads> softmax(scale_log2, red, bar.columns);
   clear(tOrO);
@@ -136,16 +158,18 @@ __device__ __forceinline__ void gather_consume(const Pipe& pipe, typename Pipe::
     }
     // ----- P^T to shared memory, then O^T += V_n^T P^T --------------------------------------
     CUTE_UNROLL
-    for (int i = 0; i < size<0>(s_rc); ++i) {
-      CUTE_UNROLL
-      for (int j = 0; j < kCols; ++j) {
-        sP(get<1>(cs_rc(i, j)), get<0>(cs_rc(i, j)), n % 2) = Element(s_rc(i, j));
-      }
+    for (int q = 0; q < kStores; ++q) {
+      cute::SM90_U16x8_STSM_T::copy(pair(s_rc(0, 4 * q), s_rc(0, 4 * q + 1)),
+                                    pair(s_rc(1, 4 * q), s_rc(1, 4 * q + 1)),
+                                    pair(s_rc(0, 4 * q + 2), s_rc(0, 4 * q + 3)),
+                                    pair(s_rc(1, 4 * q + 2), s_rc(1, 4 * q + 3)),
+                                    *reinterpret_cast<cute::uint128_t*>(p_row + 16 * 64 * q));
     }
-    cutlass::arch::fence_view_async_shared();  // generic stores, then GMMA reads
+    cutlass::arch::fence_view_async_shared();  // generic-proxy stores, then GMMA reads
     cutlass::arch::NamedBarrier::sync(128, bar.p);
     pipe.consumer_wait(read);
-    sm90::warpgroup_gemm<false, 0>(mma_o, tOrVt(_, _, _, tile_stage()), tOrP(_, _, _, n % 2), tOrO);
+    // Waited for (kWait 0) before the next tile: the single P^T buffer relies on it (LayoutP).
+    sm90::warpgroup_gemm<false, 0>(mma_o, tOrVt(_, _, _, tile_stage()), tOrP, tOrO);
     pipe.consumer_release(read);
     ++read;
   }

@@ -208,6 +208,8 @@ struct ColumnSoftmax {
       CUTE_UNROLL
       for (int i = 1; i < cute::size<0>(s); ++i) m[j] = fmaxf(m[j], s(i, j));
     }
+    // Every tile, including one whose maxima cannot move: the gather consumer's single P^T
+    // buffer relies on this barrier (qsa_gather_consumer.cuh, LayoutP).
     all_reduce(m, coords, [](float a, float b) { return fmaxf(a, b); });
     CUTE_UNROLL
     for (int j = 0; j < kCols; ++j) {
