@@ -57,11 +57,15 @@ struct FwdTraits {
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = kConsumerThreads + 128;
   // setmaxnreg targets: the producer only computes addresses and issues copies; the consumers
-  // hold O, S and P. 128 * 24 + 256 * 240 fits the 64K registers of an SM at one CTA per SM.
+  // hold O, S and P. The split must fit the registers the CTA was launched with, 168 a thread
+  // at 384 threads (64K / 384 in steps of 8), not the SM's 64K: the consumers' increase waits
+  // for registers the producer's decrease frees, forever where the split asks for more (the
+  // step kernel's 32 / 240 hung in session 28). 128 * 24 + 256 * 240 = 384 * 168.
   static constexpr int kProducerRegisters = kProducerRegisters_;
   static constexpr int kConsumerRegisters = kConsumerRegisters_;
-  static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <= 65536,
-                "the register split fits one CTA per SM");
+  static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <=
+                    kThreads * (65536 / kThreads / 8 * 8),
+                "the register split fits the registers the CTA was launched with");
   static constexpr int kProducerArrivals = kProducerArrivals_;
   // Copies through the generic proxy (cp.async) must be fenced before GMMA reads them.
   static constexpr bool kGenericProxyLoads = kProducerArrivals > 1;
