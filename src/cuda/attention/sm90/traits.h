@@ -59,8 +59,8 @@ struct FwdTraits {
   // setmaxnreg targets: the producer only computes addresses and issues copies; the consumers
   // hold O, S and P. The split must fit the registers the CTA was launched with, 168 a thread
   // at 384 threads (64K / 384 in steps of 8), not the SM's 64K: the consumers' increase waits
-  // for registers the producer's decrease frees, forever where the split asks for more (the
-  // step kernel's 32 / 240 hung in session 28). 128 * 24 + 256 * 240 = 384 * 168.
+  // for registers the producer's decrease frees, forever where the split asks for more.
+  // 128 * 24 + 256 * 240 = 384 * 168.
   static constexpr int kProducerRegisters = kProducerRegisters_;
   static constexpr int kConsumerRegisters = kConsumerRegisters_;
   static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <=
