@@ -50,9 +50,8 @@ struct EstimateTraits {
   // The consumers hold a 64 x 256 FP32 accumulator each.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
-  // Within the registers the CTA was launched with (sm90/traits.h says why not 64K).
   static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <=
-                kThreads * (65536 / kThreads / 8 * 8));
+                kThreads * sm90::launched_registers(kThreads));
   static constexpr uint32_t kStageBytes = (kBlockM + kBlockN) * kChunk * sizeof(Element);
 
   using LayoutQ = typename sm90::KVStageLayouts<Element, kChunk, kBlockM, kStages>::LayoutK;

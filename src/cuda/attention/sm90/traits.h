@@ -42,6 +42,12 @@ struct KVStageLayouts {
       cute::Step<cute::_2, cute::_1, cute::_3>{}));
 };
 
+// The registers a thread keeps for a CTA of `threads` threads at one CTA per SM: 64K / threads in
+// steps of 8 (168 at 384). setmaxnreg moves registers between a CTA's warpgroups within this
+// pool: a warpgroup's increase waits for registers another's decrease frees, forever where the
+// split asks for more.
+constexpr int launched_registers(int threads) { return 65536 / threads / 8 * 8; }
+
 // kProducerArrivals: 1 for a TMA producer (one arrival and the transaction bytes per stage), or
 // the producer threads of a cp.async producer (one arrival each). The register split is the
 // producer's and each consumer thread's setmaxnreg target.
@@ -57,14 +63,11 @@ struct FwdTraits {
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = kConsumerThreads + 128;
   // setmaxnreg targets: the producer only computes addresses and issues copies; the consumers
-  // hold O, S and P. The split must fit the registers the CTA was launched with, 168 a thread
-  // at 384 threads (64K / 384 in steps of 8), not the SM's 64K: the consumers' increase waits
-  // for registers the producer's decrease frees, forever where the split asks for more.
-  // 128 * 24 + 256 * 240 = 384 * 168.
+  // hold O, S and P. 128 * 24 + 256 * 240 = 384 * 168, the registers the CTA is launched with.
   static constexpr int kProducerRegisters = kProducerRegisters_;
   static constexpr int kConsumerRegisters = kConsumerRegisters_;
   static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <=
-                    kThreads * (65536 / kThreads / 8 * 8),
+                    kThreads * launched_registers(kThreads),
                 "the register split fits the registers the CTA was launched with");
   static constexpr int kProducerArrivals = kProducerArrivals_;
   // Copies through the generic proxy (cp.async) must be fenced before GMMA reads them.
