@@ -1223,9 +1223,9 @@ TEST_P(GpuSparseAttentionUnion, SelectionGivesTheTokenResult) {
 INSTANTIATE_TEST_SUITE_P(
     Window, GpuSparseAttentionUnion,
     ::testing::Values(
-        // Multi-token decode steps: 4 rows a request in 70 requests (140 union CTAs, enough
-        // for every SM of an H200 to take one: the union kernel's tiles are then requests, 2
-        // rows a warpgroup), and 6 rows a request in 3 requests (too few: row by row).
+        // Multi-token decode steps: 4 rows a request in 70 requests (enough CTAs for every SM
+        // of an H200: the step kernel's, whose steps this selection's duplicates mostly leave
+        // to the gather kernel), and 6 rows a request in 3 requests (too few: row by row).
         [] {
           UnionCase uc{"decode_steps_4_rows_70_requests_nb64",
                        DType::kBF16,
@@ -1720,6 +1720,237 @@ TEST(GpuSparseAttentionUnionGraph, ReplayReadsCurrentHint) {
     copy_into(db.view(), next.view());
     poison_device(dp.out);
     ASSERT_EQ(captured.replay(), cudaSuccess);
+    expect_matches(pb, dp, oracle(pb));
+  }
+}
+
+// Multi-token decode steps on the step kernel (qsa_step_kernel.cuh): R rows a request at
+// consecutive positions (the union problem's right-aligned rows), each row's hint `shared` of
+// its blocks from a pool the request's rows share and the rest its own, distinct within the
+// row (a row that sees at most nb blocks lists all of them), with 3% of entries -1 and 1% a
+// block the row cannot see whole (its tail block or the next). Every `dup_every`-th request
+// lists one block twice in its first row: the step kernel leaves that step to the gather
+// kernel, and the block counts twice. With `tokens`, the rows pass the hint's expansion as
+// token ids alone (2% of them then replaced by -1 or a token after the row's position). The batch
+// is large enough that the requests' CTAs fill an H200 (B * Hkv >= 132), which is where the
+// schedule takes the step kernel: its only workspace is then the steps' flags (checked through the
+// public size, with a poisoned caller workspace).
+struct StepCase {
+  std::string name;
+  DType dtype;
+  int64_t page_size;
+  std::vector<int64_t> q_rows;  // rows a request (R each, or uneven: steps across requests)
+  int64_t nb;
+  Gate gate;
+  double shared = 0.9;
+  int dup_every = 0;
+  bool hole_page = false;
+  std::vector<int64_t> q_real;  // seq_lens_q: rows past it are padding; empty: none
+  bool tokens = false;          // token ids without the hint
+};
+
+std::vector<int64_t> step_rows(int64_t batch, int64_t r) { return std::vector<int64_t>(batch, r); }
+
+Tensor step_hint(Problem& pb, const StepCase& sc, std::mt19937_64& rng) {
+  const int64_t nb = sc.nb, width = pb.c.width;
+  std::vector<int32_t> blocks(pb.rows * nb, -1), ids(pb.rows * width, -1);
+  std::uniform_real_distribution<double> u01(0, 1);
+  // Distinct blocks of [0, vis) not in `taken`, `n` of them (fewer if there are not enough).
+  auto draw = [&](int64_t vis, int64_t n, std::vector<int32_t>& taken) {
+    std::vector<int32_t> out;
+    for (int tries = 0; static_cast<int64_t>(out.size()) < n && tries < 50 * n + 100; ++tries) {
+      const auto b = static_cast<int32_t>(std::uniform_int_distribution<int64_t>(0, vis - 1)(rng));
+      if (std::find(taken.begin(), taken.end(), b) != taken.end()) continue;
+      taken.push_back(b);
+      out.push_back(b);
+    }
+    return out;
+  };
+  std::vector<int32_t> pool;
+  for (int64_t r = 0; r < pb.rows; ++r) {
+    const int64_t p = pb.row_pos[r], vis = (p + 1) / 4;
+    int32_t* row = &blocks[r * nb];
+    if (r == 0 || pb.row_req[r] != pb.row_req[r - 1]) {
+      std::vector<int32_t> none;
+      pool =
+          vis > nb ? draw(vis, static_cast<int64_t>(sc.shared * nb), none) : std::vector<int32_t>{};
+    }
+    if (vis <= nb) {
+      for (int64_t j = 0; j < vis; ++j) row[j] = static_cast<int32_t>(j);
+    } else {
+      std::vector<int32_t> taken = pool;
+      const std::vector<int32_t> own = draw(vis, nb - static_cast<int64_t>(pool.size()), taken);
+      std::copy(pool.begin(), pool.end(), row);
+      std::copy(own.begin(), own.end(), row + pool.size());
+      std::shuffle(row, row + nb, rng);
+    }
+    for (int64_t j = 0; j < nb; ++j) {
+      const double x = u01(rng);
+      if (x < 0.03) {
+        row[j] = -1;
+      } else if (x < 0.04) {
+        row[j] = static_cast<int32_t>(vis + (x < 0.035 ? 0 : 1));
+      }
+    }
+    const bool first_of_request = r == 0 || pb.row_req[r] != pb.row_req[r - 1];
+    if (sc.dup_every > 0 && first_of_request && pb.row_req[r] % sc.dup_every == 0 && vis >= 2) {
+      row[0] = static_cast<int32_t>(vis - 2);
+      row[1] = row[0];
+    }
+    int32_t* row_ids = &ids[r * width];
+    expand_hint_row(row, nb, p, row_ids);
+    for (int64_t j = 0; sc.tokens && j < width; ++j) {
+      const double x = u01(rng);
+      if (x < 0.01) {
+        row_ids[j] = -1;
+      } else if (x < 0.02) {
+        row_ids[j] = static_cast<int32_t>(p + 1 + std::uniform_int_distribution<int>(0, 9)(rng));
+      }
+    }
+  }
+  pb.idx = testing::int32_tensor({pb.rows, width}, ids);
+  return testing::int32_tensor({pb.rows, nb}, blocks);
+}
+
+class GpuSparseAttentionStep : public ::testing::TestWithParam<StepCase> {};
+
+TEST_P(GpuSparseAttentionStep, UnionOfTheRowsGivesTheTokenResult) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  const StepCase& sc = GetParam();
+  auto rng = testing::make_rng();
+  UnionCase uc{sc.name, sc.dtype, sc.page_size, sc.q_rows, {}, sc.nb, sc.gate, true};
+  uc.hole_page = sc.hole_page;
+  uc.q_real = sc.q_real;
+  // KV lengths from a few hundred tokens (rows that see fewer than nb blocks) to 4 * nb + 8K
+  // (longer caches only cost the host time to fill them: the selections read nb blocks a row).
+  for (size_t b = 0; b < sc.q_rows.size(); ++b) {
+    uc.k_lens.push_back(b % 7 == 3 ? 40 + 13 * static_cast<int64_t>(b) % 200
+                                   : 4 * sc.nb + 7919 * static_cast<int64_t>(b) % 8000);
+  }
+  Problem pb = union_problem(uc, rng);
+  const Tensor blocks = step_hint(pb, sc, rng);
+  DeviceProblem dp = to_device_problem(pb, rng);
+  Tensor db = to_device(blocks);
+  if (!sc.tokens) dp.opts.block_indices = db.view();
+  const size_t bytes = qsa_sparse_attention_workspace_size(dp.q, dp.k, dp.v, dp.idx, dp.opts);
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  if (!sc.tokens && 2 * static_cast<int64_t>(sc.q_rows.size()) >= sms) {  // B * Hkv fills the SMs
+    EXPECT_EQ(bytes, 256u) << "the steps' flags alone: the schedule did not take the step kernel";
+  }
+  Tensor workspace =
+      testing::poisoned_device({static_cast<int64_t>(std::max<size_t>(bytes, 1))}, DType::kU8);
+  dp.opts.workspace = workspace.view();
+  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  expect_matches(pb, dp, oracle(pb));
+  const Tensor first = Tensor::to_host(dp.out);
+  poison_device(dp.out);
+  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);
+  const Tensor again = Tensor::to_host(dp.out);
+  ASSERT_EQ(std::memcmp(first.data(), again.data(), first.numel() * 2), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Decode, GpuSparseAttentionStep,
+    ::testing::Values(
+        // 70 requests: one CTA a request for both KV heads (one wave on 132 SMs).
+        StepCase{"r4_b70_page64_nb512", DType::kBF16, 64, step_rows(70, 4), 512,
+                 Gate::kElementwise},
+        // 140 requests: one CTA a (request, KV head).
+        StepCase{"r3_b140_fp16_page1600_nb256", DType::kF16, 1600, step_rows(140, 3), 256,
+                 Gate::kPerHead},
+        StepCase{"r2_b70_page16_nb64_hole_page_padding_rows", DType::kBF16, 16, step_rows(70, 2),
+                 64, Gate::kNone, 0.9, 0, true,
+                 [] {
+                   std::vector<int64_t> real(70, 2);
+                   for (size_t b = 0; b < real.size(); b += 5) real[b] = b % 10 == 0 ? 1 : 0;
+                   return real;
+                 }()},
+        // Independent selections: four rows' unions of up to 2052 blocks (129 tiles).
+        StepCase{"r4_b70_independent_nb512", DType::kBF16, 800, step_rows(70, 4), 512,
+                 Gate::kElementwise, 0.0},
+        // Duplicates in every third request, and requests of 3 and 5 rows (steps that span two
+        // requests): those steps go to the gather kernel, the rest stay the step kernel's.
+        StepCase{"r4_b70_duplicates_uneven_requests_nb128", DType::kBF16, 64,
+                 [] {
+                   std::vector<int64_t> rows = step_rows(70, 4);
+                   for (size_t b = 0; b + 1 < rows.size(); b += 8) rows[b] = 3, rows[b + 1] = 5;
+                   return rows;
+                 }(),
+                 128, Gate::kElementwise, 0.9, 3},
+        // Token ids alone: the union of tokens (4 stages, 8448-token unions at most).
+        StepCase{"tokens_r4_b70_page64_nb512",
+                 DType::kBF16,
+                 64,
+                 step_rows(70, 4),
+                 512,
+                 Gate::kElementwise,
+                 0.9,
+                 0,
+                 false,
+                 {},
+                 true},
+        StepCase{"tokens_r3_b140_fp16_page1600_duplicates",
+                 DType::kF16,
+                 1600,
+                 step_rows(140, 3),
+                 256,
+                 Gate::kPerHead,
+                 0.9,
+                 4,
+                 false,
+                 {},
+                 true},
+        // Request 0 (1024 tokens, every block listed) loses its first page of 16 tokens.
+        StepCase{"tokens_r2_b70_page16_hole_page_nb256",
+                 DType::kBF16,
+                 16,
+                 step_rows(70, 2),
+                 256,
+                 Gate::kElementwise,
+                 0.9,
+                 0,
+                 true,
+                 {},
+                 true},
+        StepCase{"tokens_r4_b70_independent_nb512_padding_rows", DType::kBF16, 16, step_rows(70, 4),
+                 512, Gate::kNone, 0.0, 0, false,
+                 [] {
+                   std::vector<int64_t> real(70, 4);
+                   for (size_t b = 0; b < real.size(); b += 6) real[b] = b % 12 == 0 ? 2 : 0;
+                   return real;
+                 }(),
+                 true}),
+    [](const ::testing::TestParamInfo<StepCase>& info) { return info.param.name; });
+
+// The step kernel and the gather kernel after it (the steps' flags in a pool workspace the graph
+// owns) replay with the hint and token ids current at replay: new selections each time, with
+// duplicate steps among them, so the flags change between replays.
+TEST(GpuSparseAttentionStepGraph, ReplayReadsCurrentSelections) {
+  SPARSE_ATTN_REQUIRE_GPU();
+  auto rng = testing::make_rng();
+  const StepCase sc{"graph", DType::kBF16, 64, step_rows(70, 4), 128, Gate::kPerHead, 0.9, 3};
+  UnionCase uc{sc.name, sc.dtype, sc.page_size, sc.q_rows, {}, sc.nb, sc.gate, true};
+  for (size_t b = 0; b < sc.q_rows.size(); ++b) {
+    uc.k_lens.push_back(600 + 911 * static_cast<int64_t>(b) % 6000);
+  }
+  Problem pb = union_problem(uc, rng);
+  const Tensor blocks = step_hint(pb, sc, rng);
+  DeviceProblem dp = to_device_problem(pb, rng);
+  Tensor db = to_device(blocks);
+  dp.opts.block_indices = db.view();
+  const testing::CapturedGraph captured = capture(dp);
+  ASSERT_TRUE(captured.ok());
+  for (int step = 0; step < 2; ++step) {
+    StepCase next = sc;
+    next.dup_every = step == 0 ? 2 : 5;
+    const Tensor hint = step_hint(pb, next, rng);
+    copy_into(dp.idx, pb.idx.view());
+    copy_into(db.view(), hint.view());
+    poison_device(dp.out);
+    ASSERT_EQ(captured.replay(), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     expect_matches(pb, dp, oracle(pb));
   }
 }

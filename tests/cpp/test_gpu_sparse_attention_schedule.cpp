@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "api/qsa_attention_params.h"
+#include "cuda/attention/qsa_step_params.h"
 #include "cuda/attention/sparse_attention_launch.h"
 #include "cuda/attention/sparse_attention_schedule.h"
 
@@ -153,33 +154,61 @@ TEST(SparseAttentionSchedule, PrefillTakesTheUnionOrRowTileKernel) {
   EXPECT_EQ(s.workspace.bytes, 0u);
 }
 
-// Multi-token decode steps with the hint: a request's 4 rows are one union tile once the
-// requests' CTAs fill the SMs (B * Hkv >= 132); below, the gather kernel takes the rows.
-TEST(SparseAttentionSchedule, MultiTokenStepsTakeRequestTiles) {
+// Multi-token decode steps, with the hint or token ids: a request's 2 to 4 rows are one
+// step-kernel CTA once the requests' CTAs fill the SMs (B * Hkv >= 132), both KV heads a CTA where
+// that keeps one wave (B = 128), the gather kernel after it at one split for the steps it leaves;
+// 6 rows are union tiles (the hint); below the SM count, and for FP8, an explicit split count or
+// contexts past the step kernel's bitmaps, the gather kernel takes the rows one by one.
+TEST(SparseAttentionSchedule, MultiTokenStepsTakeTheStepKernel) {
   Shape shape;
   shape.hint_blocks = 512;
-  shape.rows_per_request = 4;
   shape.batch = 128;
-  const Schedule s = schedule(params(shape), kH200);
-  EXPECT_EQ(s.union_rows, 4);
-  EXPECT_EQ(s.union_row_tiles, 128);
-  shape.batch = 8;
+  for (int64_t r : {2, 3, 4}) {
+    shape.rows_per_request = r;
+    const Schedule s = schedule(params(shape), kH200);
+    EXPECT_EQ(s.step_rows, r);
+    EXPECT_EQ(s.union_rows, r);
+    EXPECT_EQ(s.union_row_tiles, 128);
+    EXPECT_EQ(s.union_chunk, 0);
+    EXPECT_FALSE(s.gather_rows);
+    EXPECT_EQ(s.launch.num_splits, 1);
+    EXPECT_EQ(s.partial_slots, 0u);
+    EXPECT_GE(s.workspace.bytes, 128u);  // the steps' flags
+  }
+  shape.rows_per_request = 4;
+  shape.batch = 65;
   const Schedule small = schedule(params(shape), kH200);
+  EXPECT_EQ(small.step_rows, 0);
   EXPECT_EQ(small.union_rows, 0);
   EXPECT_TRUE(small.gather_rows);
-  // Two rows a request, and token ids (no union kernel), also row by row at B = 128 and 32
-  // (not the row-tile kernel below 10 rows a request).
   shape.batch = 128;
-  shape.rows_per_request = 2;
-  EXPECT_TRUE(schedule(params(shape), kH200).gather_rows);
+  shape.rows_per_request = 6;
+  const Schedule six = schedule(params(shape), kH200);
+  EXPECT_EQ(six.step_rows, 0);
+  EXPECT_EQ(six.union_rows, 6);
+  shape.rows_per_request = 4;
+  shape.kv_dtype = DType::kF8E4M3;
+  EXPECT_EQ(schedule(params(shape), kH200).step_rows, 0);
+  shape.kv_dtype = DType::kBF16;
+  shape.num_splits = 2;
+  EXPECT_EQ(schedule(params(shape), kH200).step_rows, 0);
+  shape.num_splits = 0;
+  // K/V capacities past the bitmaps: 1.25M tokens with the hint, 256K with token ids.
+  const auto with_capacity = [&](int64_t tokens) {
+    SparseAttentionParams p = params(shape);
+    p.max_pages = tokens / 64;
+    p.kv_capacity = p.max_pages * 64;
+    p.num_pages = p.max_pages;
+    return p;
+  };
+  EXPECT_EQ(schedule(with_capacity(QsaStepConfig<false>::kMaxContext), kH200).step_rows, 4);
+  EXPECT_EQ(schedule(with_capacity(QsaStepConfig<false>::kMaxContext + 64), kH200).step_rows, 0);
   shape.hint_blocks.reset();
-  for (int64_t b : {32, 128}) {
-    shape.batch = b;
-    shape.rows_per_request = 4;
-    const Schedule tokens = schedule(params(shape), kH200);
-    EXPECT_TRUE(tokens.gather_rows) << "B = " << b;
-    EXPECT_EQ(tokens.union_rows, 0);
-  }
+  EXPECT_EQ(schedule(params(shape), kH200).step_rows, 0);
+  shape.batch = 32;
+  const Schedule small_tokens = schedule(params(shape), kH200);
+  EXPECT_TRUE(small_tokens.gather_rows);
+  EXPECT_EQ(small_tokens.step_rows, 0);
 }
 
 // Every width the gather kernel takes, at every split count, fits its key queue: the largest

@@ -1,6 +1,6 @@
-// The consumer warpgroup of the QSA gather kernels (qsa_gather_kernel.cuh: one query row a CTA,
-// 16-bit or FP8 K/V, block hint or token ids): decode-shaped attention on gathered K/V tiles,
-// computed transposed, with the keys in M.
+// The consumer warpgroup of the QSA gather kernels (qsa_gather_kernel.cuh: one query row a CTA;
+// qsa_step_kernel.cuh: a request's decode step of up to four rows, a consumer warpgroup a KV
+// head): decode-shaped attention on gathered K/V tiles, computed transposed, with the keys in M.
 //
 // S^T = K Q^T (M = 64 keys of a tile, N = kHeads query columns) and O^T += V^T P^T (M = 256
 // features, N = kHeads, K = 64 keys), both on GMMA with every operand in shared memory (P^T
@@ -70,9 +70,9 @@ struct GatherConsumerBarriers {
 };
 
 // One consumer warpgroup over n_tiles K/V tiles of the pipeline (K_n, then V_n, from `read` on),
-// thread `ct` (0 .. 127) of it. Q [kHeads, 256] is at q (landed once barrier_q's phase 0
-// completes), the ring at kv (LayoutK / LayoutVt), P^T's buffer at p, ColumnSoftmax's exchange
-// ([2][4][kHeads] floats) at red. Hooks:
+// thread `ct` (0 .. 127) of it. Q [kHeads, 256] is at q, the ring at kv (LayoutK / LayoutVt),
+// P^T's buffer at p, ColumnSoftmax's exchange ([2][4][kHeads] floats) at red. Hooks:
+// - wait_q(): returns once Q is in shared memory (called before the first GEMM, if any);
 // - tile_stage(): the stage the next GEMM reads, once its tile is there (it may widen FP8);
 // - mask(s, cs, n): sets to -inf the scores of tile n a column may not see (s and cs are the
 //   thread's scores and their (key in tile, column) coordinates as (rows, columns) views);
@@ -80,13 +80,12 @@ struct GatherConsumerBarriers {
 //   fragment and its (feature, column) coordinates, and per column j of the thread (column
 //   get<1>(cs(0, j))) the normaliser and the natural-log LSE (0 and -inf for a column that saw
 //   nothing).
-template <class Tr, class Pipe, class TileStage, class Mask, class Epilogue>
+template <class Tr, class Pipe, class WaitQ, class TileStage, class Mask, class Epilogue>
 __device__ __forceinline__ void gather_consume(const Pipe& pipe, typename Pipe::State& read,
                                                int n_tiles, typename Tr::Element_* q,
                                                typename Tr::Element_* kv, typename Tr::Element_* p,
-                                               float* red,
-                                               cutlass::arch::ClusterTransactionBarrier& barrier_q,
-                                               float scale_log2, int ct, GatherConsumerBarriers bar,
+                                               float* red, float scale_log2, int ct,
+                                               GatherConsumerBarriers bar, WaitQ wait_q,
                                                TileStage tile_stage, Mask mask, Epilogue epilogue) {
   using namespace cute;
   using cute::Tensor;
@@ -136,7 +135,7 @@ __device__ __forceinline__ void gather_consume(const Pipe& pipe, typename Pipe::
 
   sm90::ColumnSoftmax<Tr::kHeads> softmax(scale_log2, red, bar.columns);
   clear(tOrO);
-  if (n_tiles > 0) barrier_q.wait(0);
+  if (n_tiles > 0) wait_q();
   for (int n = 0; n < n_tiles; ++n) {
     // ----- S^T = K_n Q^T ----------------------------------------------------------------------
     pipe.consumer_wait(read);

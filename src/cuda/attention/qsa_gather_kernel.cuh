@@ -137,19 +137,6 @@ enum class GatherBarrier : uint32_t {
   kKeysTaken = 6,   // the producer warpgroup's: every thread holds its keys, the ring is free
 };
 
-// kThreads threads (all 256 unless named) at named barrier kId (numbered as NamedBarrier numbers
-// them), in the non-aligned form (barrier.sync): the producer's warps come from their
-// spin waits, whose lanes leave one by one, and an aligned bar.sync needs a converged warp
-// (synccheck found a divergent one at it even after a __syncwarp). The memory clobber keeps
-// the compiler from moving shared-memory accesses across it (NamedBarrier's asm has none): the
-// producer's key loads must not sink past kKeysTaken to their uses, where the ring holds K/V.
-template <GatherBarrier kId, int kThreads = 256>
-__device__ __forceinline__ void cta_sync() {
-  constexpr uint32_t kHardwareId =
-      static_cast<uint32_t>(kId) + cutlass::arch::NamedBarrier::ReservedNamedBarrierCount;
-  asm volatile("barrier.sync %0, %1;" : : "n"(kHardwareId), "n"(kThreads) : "memory");
-}
-
 // kTokens: the row's entries are token ids (else the block hint's blocks and the tail entry,
 // x.block_hint). Two kernels, so that each carries only its own resolution's rounds (the code a
 // CTA fetches: after the bench's L2 flush, instruction fetch is part of a small batch's latency).
@@ -282,13 +269,13 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   // first_row: once every consumer warp's GEMMs on the buffer are done and the slot's copies
   // have landed; then published to GMMA.
   auto widen = [&](const typename Pipeline::State& st, int first_row) {
-    cta_sync<GatherBarrier::kBufferFree>();
+    sm90::cta_sync<GatherBarrier::kBufferFree, 256>();
     pipe.consumer_wait(st);
     sm90::convert_rows_fp8<Element, C::kBlockN, 8>(
         ss.kv.data(), ss.staging[st.index()], first_row, lane,
         [](uint32_t w, uint32_t& lo, uint32_t& hi) { fp8x4_to_natural<T>(w, lo, hi); });
     cutlass::arch::fence_view_async_shared();  // generic stores, then GMMA reads
-    cta_sync<GatherBarrier::kBufferFull>();
+    sm90::cta_sync<GatherBarrier::kBufferFull, 256>();
   };
 
   // ----- producer: Q once, then K_n and V_n of every tile into the ring ----------------------
@@ -316,7 +303,7 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
     for (int n = 0; n < C::kMaxTiles; ++n) {
       key[n] = n < n_tiles ? staged_keys[n * C::kBlockN + 16 * warp + lane % 16] : -1;
     }
-    cta_sync<GatherBarrier::kKeysTaken, 128>();
+    sm90::cta_sync<GatherBarrier::kKeysTaken, 128>();
     auto next_tile = [&] {
       CUTE_UNROLL
       for (int n = 0; n + 1 < C::kMaxTiles; ++n) key[n] = key[n + 1];
@@ -324,18 +311,10 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
     using KVStored = std::conditional_t<kFp8, uint8_t, Element>;
     const auto* kp = static_cast<const KVStored*>(p.k) + kvh * p.k_head_stride;
     const auto* vp = static_cast<const KVStored*>(p.v) + kvh * p.v_head_stride;
-    // Pages (or requests) back to back in K and V, as caches are allocated, make a physical key
-    // the row index itself: no division by the page size per row.
-    const int64_t outer_rows = p.kv_layout == KVLayout::kPaged ? p.page_size : p.kv_capacity;
-    const bool rows_of_keys = p.k_batch_stride == outer_rows * p.k_token_stride &&
-                              p.v_batch_stride == outer_rows * p.v_token_stride;
+    const bool rows_of_keys = kv_keys_are_rows(p);
     // Lanes 0-15: the next tile's row 16 warp + lane % 16, its K or V element offset (or -1).
     auto row_offset = [&](bool v) -> int64_t {
-      if (key[0] < 0) return -1;
-      const int64_t token_stride = v ? p.v_token_stride : p.k_token_stride;
-      if (rows_of_keys) return key[0] * token_stride;
-      const int2 at = key_coords(p, key[0]);
-      return at.x * (v ? p.v_batch_stride : p.k_batch_stride) + at.y * token_stride;
+      return key[0] < 0 ? -1 : kv_row_offset(p, key[0], v, rows_of_keys);
     };
     auto state = Pipeline::producer_start();
     auto copy_tile = [&](const KVStored* base, int64_t off) {
@@ -455,11 +434,11 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
       }
     };
     gather_consume<Tr>(
-        pipe, read, n_tiles, ss.q.data(), ss.kv.data(), ss.p.data(), &ss.red[0][0][0], ss.barrier_q,
-        p.scale_log2, ct,
+        pipe, read, n_tiles, ss.q.data(), ss.kv.data(), ss.p.data(), &ss.red[0][0][0], p.scale_log2,
+        ct,
         {static_cast<uint32_t>(GatherBarrier::kColumns), static_cast<uint32_t>(GatherBarrier::kP),
          static_cast<uint32_t>(GatherBarrier::kGemmsDone)},
-        tile_stage, mask, epilogue);
+        [&] { ss.barrier_q.wait(0); }, tile_stage, mask, epilogue);
   };
 
   if (warp < 4) {

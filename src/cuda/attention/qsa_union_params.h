@@ -37,8 +37,8 @@ struct alignas(16) QsaUnionData {
   int32_t outer[QsaUnionConfig::kMaxUnion];   // each block's K/V outer index: page, or request
   int32_t pos[QsaUnionConfig::kMaxRows];      // causal positions; -1 for a padding row
   int32_t request, seq_len_k, max_pos, n_union;
-  int32_t ok;  // 0: the gather kernel's tile (two requests, too far, union too big, a count
-               // over 255)
+  int32_t ok;      // 0: the gather kernel's tile (two requests, too far, union too big, a count
+                   // over 255)
   int32_t pad[1];  // to 16 bytes: the kernels copy it in 16-byte pieces
 };
 struct QsaUnionTile {

@@ -68,11 +68,73 @@ __device__ inline int find_request(const SparseAttentionParams& p, int64_t r) {
   return lo;
 }
 
-// Request, position and KV length of row r (called by the whole CTA). A token_to_req id of -1
-// marks a padding row (inactive: nothing is read, the output is 0 and the LSE -inf), and so
-// does any other id outside [0, batch), a broken promise, and so does a negative position.
-// Other contents the caller promised (monotonic offsets, lengths within capacity) are clamped
-// so no access leaves its tensor.
+// Where row r sits: its request b (-1: a padding row, whose token_to_req id is -1 or any other
+// id outside [0, batch), a broken promise), its index i among the request's rows and the count
+// rows_b of those rows in the layout. For kCuSeqlens, b_cu is the request the caller found for
+// r (find_request) or for an earlier row of the same CTA; the row lies in that request iff
+// i < rows_b. kNone has no requests (b = 0, i = 0, rows_b = 1).
+struct RowPlace {
+  int b = 0;
+  int64_t i = 0, rows_b = 1;
+};
+__device__ inline RowPlace row_place(const SparseAttentionParams& p, int64_t r, int b_cu) {
+  RowPlace at;
+  switch (p.row_mapping) {
+    case RowMapping::kPadded:
+      at.b = static_cast<int>(r / p.q_len);
+      at.i = r % p.q_len;
+      at.rows_b = p.q_len;
+      break;
+    case RowMapping::kCuSeqlens: {
+      at.b = b_cu;
+      const int64_t first = p.cu_seqlens_q[b_cu * p.cu_seqlens_q_stride];
+      at.i = r - first;
+      at.rows_b = p.cu_seqlens_q[(b_cu + 1) * p.cu_seqlens_q_stride] - first;
+      break;
+    }
+    case RowMapping::kTokenToReq: {
+      const int64_t id = p.token_to_req[r * p.token_to_req_stride];
+      // Validation made token_to_req come with query_positions and without seq_lens_q: the
+      // row's index within its request decides nothing (i = 0 of a one-row request).
+      at.b = id < 0 || id >= p.batch ? -1 : static_cast<int>(id);
+      break;
+    }
+    case RowMapping::kSingleRequest:
+      at.i = r;
+      at.rows_b = p.rows;
+      break;
+    case RowMapping::kNone:
+      break;
+  }
+  return at;
+}
+
+// Position, KV length and activity of row r at `at` (a request's row, at.b >= 0). Other contents
+// the caller promised (monotonic offsets, lengths within capacity) are clamped so no access
+// leaves its tensor; a row past seq_lens_q or at a negative position is inactive.
+__device__ inline RowInfo row_info(const SparseAttentionParams& p, int64_t r, const RowPlace& at) {
+  RowInfo ri;
+  ri.b = at.b;
+  const int64_t seq_len_q =
+      p.seq_lens_q ? clamp64(p.seq_lens_q[at.b * p.seq_lens_q_stride], 0, at.rows_b) : at.rows_b;
+  ri.active = at.i < seq_len_q;
+  ri.seq_len_k = p.seq_lens_k ? clamp64(p.seq_lens_k[at.b * p.seq_lens_k_stride], 0, p.kv_capacity)
+                              : p.kv_capacity;
+  if (p.query_positions) {
+    ri.pos = p.row_mapping == RowMapping::kPadded
+                 ? p.query_positions[at.b * p.query_positions_batch_stride +
+                                     at.i * p.query_positions_row_stride]
+                 : p.query_positions[r * p.query_positions_row_stride];
+  } else {
+    ri.pos = ri.seq_len_k - seq_len_q + at.i;
+  }
+  ri.active = ri.active && ri.pos >= 0;
+  return ri;
+}
+
+// Request, position and KV length of row r (called by the whole CTA). A padding row (row_place's
+// b = -1, past seq_lens_q, or at a negative position) is inactive: nothing is read, the output
+// is 0 and the LSE -inf.
 __device__ inline RowInfo resolve_row(const SparseAttentionParams& p,
                                       const SparseAttentionLaunch& x, int64_t r) {
   RowInfo ri;
@@ -81,54 +143,13 @@ __device__ inline RowInfo resolve_row(const SparseAttentionParams& p,
     ri.seq_len_k = p.total_kv;
     return ri;
   }
-  int64_t i = 0, rows_b = 0;  // request-local row index, rows of the request in the layout
-  switch (p.row_mapping) {
-    case RowMapping::kPadded:
-      ri.b = static_cast<int>(r / p.q_len);
-      i = r % p.q_len;
-      rows_b = p.q_len;
-      break;
-    case RowMapping::kCuSeqlens: {
-      ri.b = find_request(p, r);
-      const int64_t first = p.cu_seqlens_q[ri.b * p.cu_seqlens_q_stride];
-      i = r - first;
-      rows_b = p.cu_seqlens_q[(ri.b + 1) * p.cu_seqlens_q_stride] - first;
-      break;
-    }
-    case RowMapping::kTokenToReq: {
-      const int64_t id = p.token_to_req[r * p.token_to_req_stride];
-      if (id < 0 || id >= p.batch) {
-        ri.active = false;
-        return ri;
-      }
-      ri.b = static_cast<int>(id);
-      // Validation made token_to_req come with query_positions and without seq_lens_q: the
-      // row's index within its request decides nothing (i = 0 of a one-row request).
-      rows_b = 1;
-      break;
-    }
-    case RowMapping::kSingleRequest:
-      i = r;
-      rows_b = p.rows;
-      break;
-    case RowMapping::kNone:
-      break;
+  const int b_cu = p.row_mapping == RowMapping::kCuSeqlens ? find_request(p, r) : 0;
+  const RowPlace at = row_place(p, r, b_cu);
+  if (at.b < 0) {
+    ri.active = false;
+    return ri;
   }
-  const int64_t seq_len_q =
-      p.seq_lens_q ? clamp64(p.seq_lens_q[ri.b * p.seq_lens_q_stride], 0, rows_b) : rows_b;
-  ri.active = i < seq_len_q;
-  ri.seq_len_k = p.seq_lens_k ? clamp64(p.seq_lens_k[ri.b * p.seq_lens_k_stride], 0, p.kv_capacity)
-                              : p.kv_capacity;
-  if (p.query_positions) {
-    ri.pos = p.row_mapping == RowMapping::kPadded
-                 ? p.query_positions[ri.b * p.query_positions_batch_stride +
-                                     i * p.query_positions_row_stride]
-                 : p.query_positions[r * p.query_positions_row_stride];
-  } else {
-    ri.pos = ri.seq_len_k - seq_len_q + i;
-  }
-  ri.active = ri.active && ri.pos >= 0;
-  return ri;
+  return row_info(p, r, at);
 }
 
 // The page-table entry behind an index entry whose first token is `first`: an entry's tokens
@@ -305,25 +326,47 @@ __device__ inline void prefetch_gate_rows(const SparseAttentionParams& p, int64_
   }
 }
 
-// A decode-shaped call (one row per request) knows row r's request before its lookup: the
-// kernel's `threads` threads pull that request's page-table row (one 128-byte line a thread,
-// all inside the row) and its KV length into L2, so the reads after the lookup hit L2 instead
-// of HBM. Only a hint: a flattened layout whose requests do not hold one row each prefetches
-// another's row.
-__device__ inline void prefetch_decode_table_row(const SparseAttentionParams& p, int64_t r, int tid,
-                                                 int threads) {
-  if (p.kv_layout != KVLayout::kPaged || p.block_table_page_stride != 1 || p.rows != p.batch ||
-      (p.row_mapping != RowMapping::kCuSeqlens && p.row_mapping != RowMapping::kPadded)) {
-    return;
-  }
+// Pulls request b's page-table row (one 128-byte line a thread of `threads`, all inside the row)
+// and its KV length into L2, so that the reads after the kernel's row lookup hit L2 instead of
+// HBM. Only a hint: paged layouts with contiguous table rows.
+__device__ inline void prefetch_table_row(const SparseAttentionParams& p, int64_t b, int tid,
+                                          int threads) {
+  if (p.kv_layout != KVLayout::kPaged || p.block_table_page_stride != 1) return;
   // The request's KV length as well, which resolve_row reads after its own lookup.
-  if (tid == 0 && p.seq_lens_k) prefetch_l2(p.seq_lens_k.address(r * p.seq_lens_k_stride));
-  const MetaPtr table_row = p.block_table + r * p.block_table_batch_stride;
+  if (tid == 0 && p.seq_lens_k) prefetch_l2(p.seq_lens_k.address(b * p.seq_lens_k_stride));
+  const MetaPtr table_row = p.block_table + b * p.block_table_batch_stride;
   const int64_t per_line = 128 / table_row.element_size();  // entries per 128-byte line
   for (int64_t i = static_cast<int64_t>(tid) * per_line; i < p.max_pages;
        i += static_cast<int64_t>(threads) * per_line) {
     prefetch_l2(table_row.address(i));
   }
+}
+
+// A decode-shaped call (one row per request) knows row r's request before its lookup: r.
+// A flattened layout whose requests do not hold one row each would prefetch another's row.
+__device__ inline void prefetch_decode_table_row(const SparseAttentionParams& p, int64_t r, int tid,
+                                                 int threads) {
+  if (p.rows != p.batch ||
+      (p.row_mapping != RowMapping::kCuSeqlens && p.row_mapping != RowMapping::kPadded)) {
+    return;
+  }
+  prefetch_table_row(p, r, tid, threads);
+}
+
+// Element offset of the K (v = false) or V row of a physical key (physical_key) from the head's
+// base. With pages (or requests) back to back in K and V, as caches are allocated, a key is the
+// row index itself (rows_of_keys, kv_keys_are_rows): no division by the page size per row.
+__device__ inline bool kv_keys_are_rows(const SparseAttentionParams& p) {
+  const int64_t outer_rows = p.kv_layout == KVLayout::kPaged ? p.page_size : p.kv_capacity;
+  return p.k_batch_stride == outer_rows * p.k_token_stride &&
+         p.v_batch_stride == outer_rows * p.v_token_stride;
+}
+__device__ inline int64_t kv_row_offset(const SparseAttentionParams& p, int32_t key, bool v,
+                                        bool rows_of_keys) {
+  const int64_t token_stride = v ? p.v_token_stride : p.k_token_stride;
+  if (rows_of_keys) return key * token_stride;
+  const int2 at = key_coords(p, key);
+  return at.x * (v ? p.v_batch_stride : p.k_batch_stride) + at.y * token_stride;
 }
 
 template <typename T>

@@ -8,8 +8,10 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <type_traits>
 
 #include "api/qsa_attention_params.h"
+#include "cuda/attention/qsa_step_params.h"
 #include "cuda/attention/qsa_union_params.h"
 #include "cuda/attention/sparse_attention_config.h"
 #include "cuda/attention/sparse_attention_heuristics.h"
@@ -91,6 +93,22 @@ bool use_union(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
          p.num_blocks <= QsaUnionConfig::kMaxEntries - 1;
 }
 
+// Whether the step kernel takes a multi-token decode step of `per_request` rows a request: 2 to
+// 4 rows (every request alike), 16-bit K/V, where one CTA a request and KV head fills the GPU
+// (below, the gather kernel's cluster splits over the rows one by one win: the step kernel has
+// none), no split count asked for, K/V capacities its bitmaps cover (1.25M tokens with the hint,
+// 256K with token ids), and the gather kernel's conditions (it takes the steps the step kernel
+// leaves). Session 26's design: the union of 4 rows that share 90% of their blocks is ~1.3x one
+// row's bytes.
+bool use_step(const SparseAttentionParams& p, const SparseAttentionLaunch& x, int64_t per_request,
+              int sm_count) {
+  const int64_t max_context = QsaStepConfig<false>::kMaxContext;
+  return x.block_hint && p.num_kv_heads % QsaStepConfig<false>::kHeadsPerCta == 0 &&
+         per_request >= 2 && per_request <= QsaStepConfig<false>::kRows && p.kv_dtype == p.dtype &&
+         p.num_splits <= 1 && p.row_mapping != RowMapping::kNone &&
+         p.batch * p.num_kv_heads >= sm_count && p.kv_capacity <= max_context && gather_fits(p, x);
+}
+
 }  // namespace
 
 ScheduleDevice schedule_device(int device_index) {
@@ -122,18 +140,29 @@ Schedule schedule(const SparseAttentionParams& p, const ScheduleDevice& device) 
                   : choose_num_splits(p.rows, p.num_kv_heads, p.width, device.sm_count));
 
   s.row_tiles = use_row_tiles(p, x.num_splits);
-  // A union tile is 2 * (64 / G) consecutive rows (10 at 24/2) where the row-tile kernel would
-  // run, or, on a multi-token decode step with the hint, one request's R = rows / batch rows
+  // A multi-token decode step of R = rows / batch rows a request, 2 <= R <= 4, goes to the step
+  // kernel where the requests' CTAs fill the GPU (use_step). Otherwise a union tile is
+  // 2 * (64 / G) consecutive rows (10 at 24/2) where the row-tile kernel would run, or, on a
+  // multi-token step with the hint that the step kernel does not take, one request's R rows
   // (R even, 4 or more and below a full tile) where the requests' CTAs (one an SM) fill the
   // GPU: R rows of one request share most of their blocks (session 24, B = 128 and R = 4: 243
-  // us against 291 row by row on the gather kernel; below the SM count, and at R = 2, the
-  // gather kernel takes the rows one by one). Rows of uneven requests only change which tiles
-  // the build marks.
+  // us against 291 row by row on the gather kernel; below the SM count, the gather kernel takes
+  // the rows one by one). Rows of uneven requests only change which tiles the build (or the
+  // step kernel) marks.
   const int full = 2 * static_cast<int>(64 / std::max<int64_t>(p.group, 1));
   const int64_t per_request = p.batch > 0 && p.rows % p.batch == 0 ? p.rows / p.batch : 0;
-  const bool request_tiles = per_request % 2 == 0 && per_request >= 4 && per_request < full &&
-                             p.batch * p.num_kv_heads >= device.sm_count && use_union(p, x);
-  if (request_tiles || (s.row_tiles && use_union(p, x))) {
+  const bool step = use_step(p, x, per_request, device.sm_count);
+  const bool request_tiles = !step && per_request % 2 == 0 && per_request >= 4 &&
+                             per_request < full && p.batch * p.num_kv_heads >= device.sm_count &&
+                             use_union(p, x);
+  if (step) {
+    // The steps the step kernel leaves go to the gather kernel at one split.
+    split_tiles(x.block_hint ? p.num_blocks : p.width, 1);
+    s.row_tiles = false;
+    s.step_rows = static_cast<int>(per_request);
+    s.union_rows = s.step_rows;
+    s.union_row_tiles = static_cast<int>(p.batch);
+  } else if (request_tiles || (s.row_tiles && use_union(p, x))) {
     s.row_tiles = true;
     s.union_rows = request_tiles ? static_cast<int>(per_request) : full;
     s.union_row_tiles = static_cast<int>((p.rows + s.union_rows - 1) / s.union_rows);
@@ -220,7 +249,10 @@ void native_sparse_attention(const SparseAttentionParams& p) {
     x.lse_partial = reinterpret_cast<float*>(workspace + s.workspace.lse_partial);
   }
   cuda::QsaUnionParams u;
-  if (s.union_rows > 0) {
+  if (s.step_rows > 0) {
+    x.union_handled = reinterpret_cast<uint8_t*>(workspace + s.workspace.union_handled);
+    x.union_rows = s.step_rows;
+  } else if (s.union_rows > 0) {
     u.p = q;
     u.x = x;
     u.handled = reinterpret_cast<uint8_t*>(workspace + s.workspace.union_handled);
@@ -233,9 +265,24 @@ void native_sparse_attention(const SparseAttentionParams& p) {
     using T = typename decltype(tag)::type;
     cuda::dispatch_kv_dtype<T>(p.dtype, p.kv_dtype, "qsa_sparse_attention", [&](auto kv_tag) {
       using KV = typename decltype(kv_tag)::type;
-      // Chunks of row tiles bound the tiles' workspace: each is built, then attended. The union
-      // and row-tile kernels read 16-bit K/V: schedule() gives them no FP8 call.
-      for (int begin = 0; begin < s.union_row_tiles; begin += s.union_chunk) {
+      // The step, union and row-tile kernels read 16-bit K/V: schedule() gives them no FP8
+      // call.
+      if (s.step_rows > 0) {
+        cuda::QsaStepParams sp;
+        sp.p = q;
+        sp.handled = reinterpret_cast<uint8_t*>(workspace + s.workspace.union_handled);
+        sp.steps = p.batch;
+        sp.rows_per_step = s.step_rows;
+        sp.tokens = !x.block_hint;
+        if constexpr (std::is_same_v<KV, T>) {
+          cuda::launch_qsa_step<T>(sp, stream);
+        } else {
+          // use_step takes 16-bit K/V only; the gather kernel would read unwritten flags.
+          throw Error("qsa_sparse_attention: internal: the step kernel reached with FP8 K/V");
+        }
+      }
+      // Chunks of row tiles bound the tiles' workspace: each is built, then attended.
+      for (int begin = 0; s.union_chunk > 0 && begin < s.union_row_tiles; begin += s.union_chunk) {
         u.tile_begin = begin;
         u.chunk_tiles = std::min(s.union_chunk, s.union_row_tiles - begin);
         cuda::launch_qsa_union_build(u, stream);

@@ -15,6 +15,20 @@
 
 namespace sparse_attn::cuda::sm90 {
 
+// kThreads threads at named barrier kId (an enum value, numbered after CUTLASS's reserved ids as
+// NamedBarrier numbers them), in the non-aligned form (barrier.sync): a producer's warps come
+// from their spin waits, whose lanes leave one by one, and an aligned bar.sync needs a converged
+// warp (synccheck found a divergent one at it even after a __syncwarp). The memory clobber keeps
+// the compiler from moving shared-memory accesses across it (NamedBarrier's asm has none): what a
+// barrier orders is shared memory that one side reads and the other then overwrites.
+template <auto kId, int kThreads>
+__device__ __forceinline__ void cta_sync() {
+  constexpr uint32_t kHardwareId =
+      static_cast<uint32_t>(kId) + cutlass::arch::NamedBarrier::ReservedNamedBarrierCount;
+  static_assert(kHardwareId < 16, "the hardware has 16 named barriers");
+  asm volatile("barrier.sync %0, %1;" : : "n"(kHardwareId), "n"(kThreads) : "memory");
+}
+
 template <int kStages, int kConsumers, int kProducerArrivals = 1, int kConsumerThreads = 128>
 struct TmaPipeline {
   using State = cutlass::PipelineState<kStages>;

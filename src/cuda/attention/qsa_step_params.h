@@ -1,0 +1,62 @@
+// Configuration and kernel parameters of the multi-token decode step kernel
+// (qsa_step_kernel.cuh), shared with the host code that decides whether it runs
+// (sparse_attention_native.cpp).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "api/qsa_attention_params.h"
+#include "cuda/attention/sparse_attention_launch.h"
+
+namespace sparse_attn::cuda {
+
+// kTokens: the rows' entries are token ids, else the block hint's blocks and the tail entry.
+template <bool kTokens>
+struct QsaStepConfig {
+  static constexpr int kRows = 4;                     // a step's query rows, at most
+  static constexpr int kHeadsPerRow = 16;             // a KV head's query heads (group <= 16)
+  static constexpr int kCols = kRows * kHeadsPerRow;  // N of both GEMMs
+  static constexpr int kHeadDim = 256;
+  static constexpr int kBlockN = 64;      // union tokens per K/V tile
+  static constexpr int kHeadsPerCta = 2;  // KV heads a CTA, a consumer warpgroup each
+  static constexpr int kThreads = 128 * (1 + kHeadsPerCta);  // the producer warpgroup first
+  // setmaxnreg targets: the producer computes addresses and issues copies; a consumer holds
+  // its head's O^T (128 registers), S^T and the softmax. The CTA keeps the registers it was
+  // launched with, 168 a thread at 384 threads (64K / 384, in steps of 8): a consumer's
+  // increase waits until the producer's decrease has freed enough of them, and waits forever
+  // where the split asks for more (32 / 240 did: 128 x 32 + 256 x 240 = 64K > 384 x 168).
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+  static_assert(128 * kProducerRegisters + 128 * kHeadsPerCta * kConsumerRegisters <=
+                    kThreads * (65536 / kThreads / 8 * 8),
+                "the register split fits the registers the CTA was launched with");
+  static constexpr int kPerEntry = kTokens ? 1 : 4;  // tokens (K/V slots) a union entry holds
+  // K/V tiles of 32 KB: K_n and V_n of each head (a pipeline a head).
+  static constexpr int kStagesPerHead = 2;
+  static constexpr int kStages = kStagesPerHead * kHeadsPerCta;
+  // A row's entries, and so any union of kRows rows: 2052 blocks or 8448 tokens.
+  static constexpr int kRowEntries = kTokens ? kQsaGatherMaxTokens : kQsaGatherMaxEntries;
+  static constexpr int kMaxUnion = kRows * kRowEntries;
+  // A row's bitmap of blocks (or tokens) in the ring (16-bit elements): 10240 (8192) words.
+  static constexpr int kBitmapWords = kStages * kBlockN * kHeadDim * 2 / 4 / kRows;
+  // K/V capacities the bitmaps cover: 1,310,720 (262,144) tokens.
+  static constexpr int64_t kMaxContext = static_cast<int64_t>(kBitmapWords) * 32 * kPerEntry;
+};
+
+struct QsaStepParams {
+  SparseAttentionParams p;     // validated; ids and the page table narrowed to int32
+  uint8_t* handled = nullptr;  // [steps]: 1 where the kernel wrote the step's rows, 0 where it
+                               // left them to the gather kernel (x.union_handled there)
+  int64_t steps = 0;           // rows / rows_per_step: step s is rows s R .. s R + R - 1
+  int rows_per_step = 0;       // R, 2 .. kRows
+  bool tokens = false;         // the entries are token ids (else the block hint)
+};
+
+// The step kernel on every step of params.p: steps * Hkv / 2 CTAs. T is the query's
+// and the K/V's 16-bit type.
+template <typename T>
+void launch_qsa_step(const QsaStepParams& params, cudaStream_t stream);
+
+}  // namespace sparse_attn::cuda
