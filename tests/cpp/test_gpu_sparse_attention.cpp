@@ -1854,10 +1854,10 @@ TEST_P(GpuSparseAttentionStep, UnionOfTheRowsGivesTheTokenResult) {
 INSTANTIATE_TEST_SUITE_P(
     Decode, GpuSparseAttentionStep,
     ::testing::Values(
-        // 70 requests: one CTA a request for both KV heads (one wave on 132 SMs).
+        // 70 requests: 70 CTAs of both KV heads.
         StepCase{"r4_b70_page64_nb512", DType::kBF16, 64, step_rows(70, 4), 512,
                  Gate::kElementwise},
-        // 140 requests: one CTA a (request, KV head).
+        // 140 requests: 140 CTAs, more than one wave on 132 SMs.
         StepCase{"r3_b140_fp16_page1600_nb256", DType::kF16, 1600, step_rows(140, 3), 256,
                  Gate::kPerHead},
         StepCase{"r2_b70_page16_nb64_hole_page_padding_rows", DType::kBF16, 16, step_rows(70, 2),
@@ -1879,7 +1879,8 @@ INSTANTIATE_TEST_SUITE_P(
                    return rows;
                  }(),
                  128, Gate::kElementwise, 0.9, 3},
-        // Token ids alone: the union of tokens (4 stages, 8448-token unions at most).
+        // Token ids alone: steps the gather kernel takes row by row (the step kernel takes the
+        // hint only).
         StepCase{"tokens_r4_b70_page64_nb512",
                  DType::kBF16,
                  64,

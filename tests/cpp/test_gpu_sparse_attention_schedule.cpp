@@ -154,11 +154,11 @@ TEST(SparseAttentionSchedule, PrefillTakesTheUnionOrRowTileKernel) {
   EXPECT_EQ(s.workspace.bytes, 0u);
 }
 
-// Multi-token decode steps, with the hint or token ids: a request's 2 to 4 rows are one
-// step-kernel CTA once the requests' CTAs fill the SMs (B * Hkv >= 132), both KV heads a CTA where
-// that keeps one wave (B = 128), the gather kernel after it at one split for the steps it leaves;
-// 6 rows are union tiles (the hint); below the SM count, and for FP8, an explicit split count or
-// contexts past the step kernel's bitmaps, the gather kernel takes the rows one by one.
+// Multi-token decode steps with the hint: a request's 2 to 4 rows are one step-kernel CTA (both
+// KV heads) once the requests' CTAs fill the SMs (B * Hkv >= 132), the gather kernel after it at
+// one split for the steps it leaves; 6 rows are union tiles; below the SM count, and for FP8, an
+// explicit split count, contexts past the step kernel's bitmaps or token ids, the gather kernel
+// takes the rows one by one.
 TEST(SparseAttentionSchedule, MultiTokenStepsTakeTheStepKernel) {
   Shape shape;
   shape.hint_blocks = 512;
@@ -193,7 +193,7 @@ TEST(SparseAttentionSchedule, MultiTokenStepsTakeTheStepKernel) {
   shape.num_splits = 2;
   EXPECT_EQ(schedule(params(shape), kH200).step_rows, 0);
   shape.num_splits = 0;
-  // K/V capacities past the bitmaps: 1.25M tokens with the hint, 256K with token ids.
+  // K/V capacities past the bitmaps: 1M tokens.
   const auto with_capacity = [&](int64_t tokens) {
     SparseAttentionParams p = params(shape);
     p.max_pages = tokens / 64;
@@ -201,14 +201,12 @@ TEST(SparseAttentionSchedule, MultiTokenStepsTakeTheStepKernel) {
     p.num_pages = p.max_pages;
     return p;
   };
-  EXPECT_EQ(schedule(with_capacity(QsaStepConfig<false>::kMaxContext), kH200).step_rows, 4);
-  EXPECT_EQ(schedule(with_capacity(QsaStepConfig<false>::kMaxContext + 64), kH200).step_rows, 0);
+  EXPECT_EQ(schedule(with_capacity(QsaStepConfig::kMaxContext), kH200).step_rows, 4);
+  EXPECT_EQ(schedule(with_capacity(QsaStepConfig::kMaxContext + 64), kH200).step_rows, 0);
   shape.hint_blocks.reset();
-  EXPECT_EQ(schedule(params(shape), kH200).step_rows, 0);
-  shape.batch = 32;
-  const Schedule small_tokens = schedule(params(shape), kH200);
-  EXPECT_TRUE(small_tokens.gather_rows);
-  EXPECT_EQ(small_tokens.step_rows, 0);
+  const Schedule tokens = schedule(params(shape), kH200);
+  EXPECT_EQ(tokens.step_rows, 0);
+  EXPECT_TRUE(tokens.gather_rows);
 }
 
 // Every width the gather kernel takes, at every split count, fits its key queue: the largest

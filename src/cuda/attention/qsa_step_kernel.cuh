@@ -1,5 +1,5 @@
 // QSA sparse attention for multi-token decode steps (speculative decoding, MTP): a request's
-// R <= 4 query rows, each with its own selection (the block hint, or token ids) and position,
+// R <= 4 query rows, each with its own selection (the block hint) and position,
 // attended by one CTA against the union of their selections, so that the tokens the rows share
 // are read once. Where the batch fills the GPU with one CTA per request (B * Hkv >= the SM
 // count), this is what makes a step of R rows cost little more than one row: the union of rows
@@ -11,10 +11,10 @@
 // that a row does not see is masked in that row's 16 columns only.
 //
 // The union is built in the prologue, in the ring's shared memory before any tile lands there.
-// Its entries are blocks (the hint) or tokens (kTokens):
-// - every row's entries set their bits in a bitmap of the request's blocks (tokens), one bitmap
-//   a row: its hinted blocks complete at its position and its tail entry, the current incomplete
-//   block; or its token ids not after its position. Entries past the KV length are dropped. An
+// Its entries are blocks:
+// - every row's entries set their bits in a bitmap of the request's blocks, one bitmap a row: its
+//   hinted blocks complete at its position and its tail entry, the current incomplete block.
+//   Entries past the KV length are dropped. An
 //   entry whose bit is already set is a duplicate. docs/qsa.md counts a duplicate as often as
 //   it is listed, which the union cannot express, so the CTA leaves the request to the gather
 //   kernel;
@@ -42,7 +42,6 @@
 #include <cstdint>
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/tensor.hpp>
-#include <type_traits>
 
 #include "api/qsa_attention_params.h"
 #include "cuda/attention/qsa_gather_consumer.cuh"
@@ -57,17 +56,17 @@
 
 namespace sparse_attn::cuda {
 
-template <class Element, bool kTokens>
-struct QsaStepTraits : GatherMmaTraits<Element, QsaStepConfig<kTokens>::kCols,
-                                       QsaStepConfig<kTokens>::kStagesPerHead> {
-  using C = QsaStepConfig<kTokens>;
+template <class Element>
+struct QsaStepTraits
+    : GatherMmaTraits<Element, QsaStepConfig::kCols, QsaStepConfig::kStagesPerHead> {
+  using C = QsaStepConfig;
   using Base = GatherMmaTraits<Element, C::kCols, C::kStagesPerHead>;
   using typename Base::LayoutK;
   using typename Base::LayoutP;
   using typename Base::LayoutQ;
   using Pipeline = sm90::TmaPipeline<C::kStagesPerHead, 1, 128>;
   // Which rows see each token of a union entry: a nibble a token.
-  using RowBits = std::conditional_t<kTokens, uint8_t, uint16_t>;
+  using RowBits = uint16_t;
 
   struct SharedStorage {
     // 1024-byte alignment: the 128-byte swizzle repeats every 8 rows of 128 bytes and GMMA
@@ -111,14 +110,14 @@ __device__ __forceinline__ int o_index(int col, int feature) {
   return col * 256 + (((feature / 8) ^ (col % 8)) * 8) + feature % 8;
 }
 
-template <typename T, bool kTokens>
-__global__ void __launch_bounds__(QsaStepConfig<kTokens>::kThreads, 1)
+template <typename T>
+__global__ void __launch_bounds__(QsaStepConfig::kThreads, 1)
     qsa_step_kernel(const __grid_constant__ QsaStepParams sp) {
   using namespace cute;
   using cute::Tensor;
-  using C = QsaStepConfig<kTokens>;
+  using C = QsaStepConfig;
   using Element = sm90::CutlassElement<T>;
-  using Tr = QsaStepTraits<Element, kTokens>;
+  using Tr = QsaStepTraits<Element>;
   using Pipeline = typename Tr::Pipeline;
   extern __shared__ __align__(1024) char smem[];
   auto& ss = *reinterpret_cast<typename Tr::SharedStorage*>(smem);
@@ -144,14 +143,14 @@ __global__ void __launch_bounds__(QsaStepConfig<kTokens>::kThreads, 1)
   }
 
   // ----- the rows' entries, their first round of ids -----------------------------------------
-  const int n_listed = static_cast<int>(kTokens ? p.width : p.num_blocks);
-  const int per_row = n_listed + (kTokens ? 0 : 1);  // the hint's tail entry last
+  const int n_listed = static_cast<int>(p.num_blocks);
+  const int per_row = n_listed + 1;  // the tail entry last
   const int n_entries = rows * per_row;
-  const int32_t* const ids = kTokens ? p.token_indices.narrowed() : p.block_indices.narrowed();
-  const int64_t id_row_stride = kTokens ? p.token_indices_row_stride : p.block_indices_row_stride;
-  const int64_t id_col_stride = kTokens ? p.token_indices_col_stride : p.block_indices_col_stride;
+  const int32_t* const ids = p.block_indices.narrowed();
+  const int64_t id_row_stride = p.block_indices_row_stride;
+  const int64_t id_col_stride = p.block_indices_col_stride;
   // Entry f is row f / per_row, column f % per_row. A thread takes kBatch entries a round, their
-  // ids loaded together: one round for the hint (2052 entries at most), four for token ids. The
+  // ids loaded together: one round (2052 entries at most). The
   // ids depend on nothing the rows' metadata says: the first round's loads go out before the
   // request lookup, so the two latencies overlap.
   constexpr int kBatch = 9;
@@ -208,7 +207,7 @@ __global__ void __launch_bounds__(QsaStepConfig<kTokens>::kThreads, 1)
   }
 
   // ----- the union of the rows' entries ---------------------------------------------------------
-  // Entries (blocks or tokens) that hold a token before the KV length: the bitmaps' words a row.
+  // Blocks that hold a token before the KV length: the bitmaps' words a row.
   const int words = req < 0 ? 0 : ((len_k + C::kPerEntry - 1) / C::kPerEntry + 31) / 32;
   uint32_t* const bitmap = reinterpret_cast<uint32_t*>(ss.kv.data());  // [rows][words]
   // The bitmap index of entry f with id v, or -1 where it holds no token the row sees.
@@ -217,9 +216,7 @@ __global__ void __launch_bounds__(QsaStepConfig<kTokens>::kThreads, 1)
     const int64_t pos = ss.pos[f / per_row];
     int64_t x = -1;
     if (pos < 0) return -1;
-    if constexpr (kTokens) {
-      x = v >= 0 && v <= pos ? v : -1;
-    } else if (f % per_row < n_listed) {
+    if (f % per_row < n_listed) {
       x = v >= 0 && 4 * static_cast<int64_t>(v) + 3 <= pos ? v : -1;
     } else if ((pos + 1) % 4 != 0) {
       x = (pos + 1) / 4;
@@ -492,8 +489,8 @@ __global__ void __launch_bounds__(QsaStepConfig<kTokens>::kThreads, 1)
   }
 }
 
-template <typename T, bool kTokens>
-void launch_qsa_step_entries(const QsaStepParams& params, cudaStream_t stream) {
+template <typename T>
+void launch_qsa_step(const QsaStepParams& params, cudaStream_t stream) {
   // The kernel reads every step's rows' ids unchecked: schedule() sends only calls whose rows
   // are whole steps.
   if (params.steps * params.rows_per_step > params.p.rows) {
@@ -501,21 +498,12 @@ void launch_qsa_step_entries(const QsaStepParams& params, cudaStream_t stream) {
                 std::to_string(params.steps) + " steps of " + std::to_string(params.rows_per_step) +
                 " rows over " + std::to_string(params.p.rows) + " rows");
   }
-  constexpr int kSmem = QsaStepTraits<sm90::CutlassElement<T>, kTokens>::kSmemBytes;
-  constexpr auto kernel = qsa_step_kernel<T, kTokens>;
+  constexpr int kSmem = QsaStepTraits<sm90::CutlassElement<T>>::kSmemBytes;
+  constexpr auto kernel = qsa_step_kernel<T>;
   opt_in_shared_memory<kernel>(kSmem);
-  const int64_t ctas =
-      params.steps * (params.p.num_kv_heads / QsaStepConfig<kTokens>::kHeadsPerCta);
-  kernel<<<static_cast<unsigned>(ctas), QsaStepConfig<kTokens>::kThreads, kSmem, stream>>>(params);
+  const int64_t ctas = params.steps * (params.p.num_kv_heads / QsaStepConfig::kHeadsPerCta);
+  kernel<<<static_cast<unsigned>(ctas), QsaStepConfig::kThreads, kSmem, stream>>>(params);
   SPARSE_ATTN_CUDA_CHECK_LAUNCH();
-}
-
-template <typename T>
-void launch_qsa_step(const QsaStepParams& params, cudaStream_t stream) {
-  if (params.tokens) {
-    throw Error("qsa_sparse_attention: internal: the step kernel reached with token ids");
-  }
-  launch_qsa_step_entries<T, false>(params, stream);
 }
 
 }  // namespace sparse_attn::cuda

@@ -12,8 +12,9 @@
 
 namespace sparse_attn::cuda {
 
-// kTokens: the rows' entries are token ids, else the block hint's blocks and the tail entry.
-template <bool kTokens>
+// The rows' entries are the block hint's blocks and each row's tail entry (x.block_hint): the
+// union of four rows' token ids (41 KB of keys and row bits) would not fit beside four stages and
+// two Q tiles.
 struct QsaStepConfig {
   static constexpr int kRows = 4;                     // a step's query rows, at most
   static constexpr int kHeadsPerRow = 16;             // a KV head's query heads (group <= 16)
@@ -32,16 +33,16 @@ struct QsaStepConfig {
   static_assert(128 * kProducerRegisters + 128 * kHeadsPerCta * kConsumerRegisters <=
                     kThreads * (65536 / kThreads / 8 * 8),
                 "the register split fits the registers the CTA was launched with");
-  static constexpr int kPerEntry = kTokens ? 1 : 4;  // tokens (K/V slots) a union entry holds
+  static constexpr int kPerEntry = 4;  // tokens (K/V slots) a union entry (a block) holds
   // K/V tiles of 32 KB: K_n and V_n of each head (a pipeline a head).
   static constexpr int kStagesPerHead = 2;
   static constexpr int kStages = kStagesPerHead * kHeadsPerCta;
-  // A row's entries, and so any union of kRows rows: 2052 blocks or 8448 tokens.
-  static constexpr int kRowEntries = kTokens ? kQsaGatherMaxTokens : kQsaGatherMaxEntries;
+  // A row's entries, and so any union of kRows rows: 2052 blocks.
+  static constexpr int kRowEntries = kQsaGatherMaxEntries;
   static constexpr int kMaxUnion = kRows * kRowEntries;
-  // A row's bitmap of blocks (or tokens) in the ring (16-bit elements): 10240 (8192) words.
+  // A row's bitmap of blocks in the ring (16-bit elements): 8192 words.
   static constexpr int kBitmapWords = kStages * kBlockN * kHeadDim * 2 / 4 / kRows;
-  // K/V capacities the bitmaps cover: 1,310,720 (262,144) tokens.
+  // K/V capacities the bitmaps cover: 1,048,576 tokens.
   static constexpr int64_t kMaxContext = static_cast<int64_t>(kBitmapWords) * 32 * kPerEntry;
 };
 
@@ -51,10 +52,9 @@ struct QsaStepParams {
                                // left them to the gather kernel (x.union_handled there)
   int64_t steps = 0;           // rows / rows_per_step: step s is rows s R .. s R + R - 1
   int rows_per_step = 0;       // R, 2 .. kRows
-  bool tokens = false;         // the entries are token ids (else the block hint)
 };
 
-// The step kernel on every step of params.p: steps * Hkv / 2 CTAs. T is the query's
+// The step kernel on every step of params.p (block hint): steps * Hkv / 2 CTAs. T is the query's
 // and the K/V's 16-bit type.
 template <typename T>
 void launch_qsa_step(const QsaStepParams& params, cudaStream_t stream);

@@ -93,20 +93,20 @@ bool use_union(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
          p.num_blocks <= QsaUnionConfig::kMaxEntries - 1;
 }
 
-// Whether the step kernel takes a multi-token decode step of `per_request` rows a request: 2 to
-// 4 rows (every request alike), 16-bit K/V, where one CTA a request and KV head fills the GPU
-// (below, the gather kernel's cluster splits over the rows one by one win: the step kernel has
-// none), no split count asked for, K/V capacities its bitmaps cover (1.25M tokens with the hint,
-// 256K with token ids), and the gather kernel's conditions (it takes the steps the step kernel
-// leaves). Session 26's design: the union of 4 rows that share 90% of their blocks is ~1.3x one
+// Whether the step kernel takes a multi-token decode step of `per_request` rows a request: the
+// block hint, an even Hkv (a CTA takes two KV heads), 2 to 4 rows (every request alike), 16-bit
+// K/V, where one CTA a request and KV head fills the GPU (below, the gather kernel's cluster
+// splits over the rows one by one win: the step kernel has none), no split count asked for, K/V
+// capacities its bitmaps cover (1M tokens), and the gather kernel's conditions (it takes the
+// steps the step kernel leaves). The union of 4 rows that share 90% of their blocks is ~1.3x one
 // row's bytes.
 bool use_step(const SparseAttentionParams& p, const SparseAttentionLaunch& x, int64_t per_request,
               int sm_count) {
-  const int64_t max_context = QsaStepConfig<false>::kMaxContext;
-  return x.block_hint && p.num_kv_heads % QsaStepConfig<false>::kHeadsPerCta == 0 &&
-         per_request >= 2 && per_request <= QsaStepConfig<false>::kRows && p.kv_dtype == p.dtype &&
-         p.num_splits <= 1 && p.row_mapping != RowMapping::kNone &&
-         p.batch * p.num_kv_heads >= sm_count && p.kv_capacity <= max_context && gather_fits(p, x);
+  const int64_t max_context = QsaStepConfig::kMaxContext;
+  return x.block_hint && p.num_kv_heads % QsaStepConfig::kHeadsPerCta == 0 && per_request >= 2 &&
+         per_request <= QsaStepConfig::kRows && p.kv_dtype == p.dtype && p.num_splits <= 1 &&
+         p.row_mapping != RowMapping::kNone && p.batch * p.num_kv_heads >= sm_count &&
+         p.kv_capacity <= max_context && gather_fits(p, x);
 }
 
 }  // namespace
@@ -273,7 +273,6 @@ void native_sparse_attention(const SparseAttentionParams& p) {
         sp.handled = reinterpret_cast<uint8_t*>(workspace + s.workspace.union_handled);
         sp.steps = p.batch;
         sp.rows_per_step = s.step_rows;
-        sp.tokens = !x.block_hint;
         if constexpr (std::is_same_v<KV, T>) {
           cuda::launch_qsa_step<T>(sp, stream);
         } else {
