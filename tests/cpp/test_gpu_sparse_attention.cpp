@@ -1120,6 +1120,7 @@ struct UnionCase {
   bool hole_page = false;       // one block_table entry inside a sequence is -1
   std::vector<int64_t> q_real;  // seq_lens_q (rows past it are padding); empty: none
   bool fp8 = false;             // FP8 K/V (scales 0.0107, 0.0189): every row on the gather kernel
+  int64_t hq = 24, hkv = 2;
 };
 
 class GpuSparseAttentionUnion : public ::testing::TestWithParam<UnionCase> {};
@@ -1128,6 +1129,8 @@ class GpuSparseAttentionUnion : public ::testing::TestWithParam<UnionCase> {};
 Problem union_problem(const UnionCase& uc, std::mt19937_64& rng) {
   Case c;
   c.dtype = uc.dtype;
+  c.hq = uc.hq;
+  c.hkv = uc.hkv;
   c.q_rows = uc.q_rows;
   c.k_lens = uc.k_lens;
   c.page_size = uc.page_size;
@@ -1747,6 +1750,7 @@ struct StepCase {
   bool hole_page = false;
   std::vector<int64_t> q_real;  // seq_lens_q: rows past it are padding; empty: none
   bool tokens = false;          // token ids without the hint
+  int64_t hq = 24, hkv = 2;
 };
 
 std::vector<int64_t> step_rows(int64_t batch, int64_t r) { return std::vector<int64_t>(batch, r); }
@@ -1821,6 +1825,8 @@ TEST_P(GpuSparseAttentionStep, UnionOfTheRowsGivesTheTokenResult) {
   UnionCase uc{sc.name, sc.dtype, sc.page_size, sc.q_rows, {}, sc.nb, sc.gate, true};
   uc.hole_page = sc.hole_page;
   uc.q_real = sc.q_real;
+  uc.hq = sc.hq;
+  uc.hkv = sc.hkv;
   // KV lengths from a few hundred tokens (rows that see fewer than nb blocks) to 4 * nb + 8K
   // (longer caches only cost the host time to fill them: the selections read nb blocks a row).
   for (size_t b = 0; b < sc.q_rows.size(); ++b) {
@@ -1835,7 +1841,7 @@ TEST_P(GpuSparseAttentionStep, UnionOfTheRowsGivesTheTokenResult) {
   const size_t bytes = qsa_sparse_attention_workspace_size(dp.q, dp.k, dp.v, dp.idx, dp.opts);
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
-  if (!sc.tokens && 2 * static_cast<int64_t>(sc.q_rows.size()) >= sms) {  // B * Hkv fills the SMs
+  if (!sc.tokens && sc.hkv * static_cast<int64_t>(sc.q_rows.size()) >= sms) {  // B * Hkv >= SMs
     EXPECT_EQ(bytes, 256u) << "the steps' flags alone: the schedule did not take the step kernel";
   }
   Tensor workspace =
@@ -1870,6 +1876,21 @@ INSTANTIATE_TEST_SUITE_P(
         // Independent selections: four rows' unions of up to 2052 blocks (129 tiles).
         StepCase{"r4_b70_independent_nb512", DType::kBF16, 800, step_rows(70, 4), 512,
                  Gate::kElementwise, 0.0},
+        // Hkv = 4 at a group of 16 (no padding column): each step's two CTAs, the second on KV
+        // heads 2 and 3.
+        StepCase{"r4_b40_hkv4_group16_page64_nb256",
+                 DType::kBF16,
+                 64,
+                 step_rows(40, 4),
+                 256,
+                 Gate::kPerHead,
+                 0.9,
+                 0,
+                 false,
+                 {},
+                 false,
+                 64,
+                 4},
         // Duplicates in every third request, and requests of 3 and 5 rows (steps that span two
         // requests): those steps go to the gather kernel, the rest stay the step kernel's.
         StepCase{"r4_b70_duplicates_uneven_requests_nb128", DType::kBF16, 64,

@@ -95,11 +95,13 @@ bool use_union(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
 
 // Whether the step kernel takes a multi-token decode step of `per_request` rows a request: the
 // block hint, an even Hkv (a CTA takes two KV heads), 2 to 4 rows (every request alike), 16-bit
-// K/V, where one CTA a request and KV head fills the GPU (below, the gather kernel's cluster
-// splits over the rows one by one win: the step kernel has none), no split count asked for, K/V
-// capacities its bitmaps cover (1M tokens), and the gather kernel's conditions (it takes the
-// steps the step kernel leaves). The union of 4 rows that share 90% of their blocks is ~1.3x one
-// row's bytes.
+// K/V, no split count asked for, K/V capacities its bitmaps cover (1M tokens), the gather
+// kernel's conditions (it takes the steps the step kernel leaves), and B * Hkv at least the SM
+// count. That last rule was measured (session 24) with one CTA a request and KV head: below it,
+// the gather kernel's cluster splits over the rows one by one win, and the step kernel has none.
+// Its B * Hkv / 2 CTAs then leave up to half the SMs idle (4 of 132 at B = 128 and Hkv = 2): the
+// threshold for two heads a CTA is still to be measured. The union of 4 rows that share 90% of
+// their blocks is ~1.3x one row's bytes.
 bool use_step(const SparseAttentionParams& p, const SparseAttentionLaunch& x, int64_t per_request,
               int sm_count) {
   const int64_t max_context = QsaStepConfig::kMaxContext;
