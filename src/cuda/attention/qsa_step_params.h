@@ -27,7 +27,7 @@ struct QsaStepConfig {
   // its head's O^T (128 registers), S^T and the softmax. The CTA keeps the registers it was
   // launched with, 168 a thread at 384 threads (64K / 384, in steps of 8): a consumer's
   // increase waits until the producer's decrease has freed enough of them, and waits forever
-  // where the split asks for more (32 / 240 did: 128 x 32 + 256 x 240 = 64K > 384 x 168).
+  // where the split asks for more.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
   static_assert(128 * kProducerRegisters + 128 * kHeadsPerCta * kConsumerRegisters <=
