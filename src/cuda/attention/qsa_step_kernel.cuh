@@ -88,6 +88,9 @@ struct QsaStepTraits
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "one CTA an SM");
+  static_assert(128 * C::kProducerRegisters + 128 * C::kHeadsPerCta * C::kConsumerRegisters <=
+                    C::kThreads * sm90::launched_registers(C::kThreads),
+                "the register split fits the registers the CTA was launched with");
   static_assert(C::kRows * C::kBitmapWords * sizeof(uint32_t) <= sizeof(SharedStorage::kv),
                 "the rows' bitmaps fit the ring");
   static_assert(C::kRows * C::kHeadsPerRow == C::kCols && C::kRows <= 4,

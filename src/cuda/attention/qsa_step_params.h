@@ -24,15 +24,9 @@ struct QsaStepConfig {
   static constexpr int kHeadsPerCta = 2;  // KV heads a CTA, a consumer warpgroup each
   static constexpr int kThreads = 128 * (1 + kHeadsPerCta);  // the producer warpgroup first
   // setmaxnreg targets: the producer computes addresses and issues copies; a consumer holds
-  // its head's O^T (128 registers), S^T and the softmax. The CTA keeps the registers it was
-  // launched with, 168 a thread at 384 threads (64K / 384, in steps of 8): a consumer's
-  // increase waits until the producer's decrease has freed enough of them, and waits forever
-  // where the split asks for more.
+  // its head's O^T (128 registers), S^T and the softmax (checked in QsaStepTraits).
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
-  static_assert(128 * kProducerRegisters + 128 * kHeadsPerCta * kConsumerRegisters <=
-                    kThreads * (65536 / kThreads / 8 * 8),
-                "the register split fits the registers the CTA was launched with");
   static constexpr int kPerEntry = 4;  // tokens (K/V slots) a union entry (a block) holds
   // K/V tiles of 32 KB: K_n and V_n of each head (a pipeline a head).
   static constexpr int kStagesPerHead = 2;
