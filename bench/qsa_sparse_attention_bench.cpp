@@ -14,7 +14,8 @@
 //     rows pass the blocks as block_indices too (the gather kernel, its SplitKV in clusters;
 //     _hint_s<N> rows with explicit split counts). _r2 and _r4 rows: multi-token decode steps,
 //     2 or 4 query rows a request at consecutive positions whose selections share 90% of their
-//     blocks (token path and _hint), graph-timed with the heuristic; floor: the union's bytes.
+//     blocks (token path and _hint), graph-timed and eager with the heuristic; floor: the union's
+//     bytes.
 //     _fp8_f16q rows: FP8 K/V under FP16 queries (the widening's cost against _fp8). _b2b rows
 //     (B = 1, 8): 20 calls back to back in one graph, the time a call (code and metadata in
 //     L2, no launch gap; at these batches the K/V bytes fit L2 too).
@@ -467,7 +468,7 @@ int main(int argc, char** argv) {
   for (int64_t b : {1, 8, 32, 128}) {
     for (int64_t r : {2, 4}) {
       if (!want(fmt::format("decode_b{}_r{}", b, r))) continue;
-      bench_decode(timer, c, b, DType::kBF16, {{0, false, false}, {0, false, false, true}}, add, r);
+      bench_decode(timer, c, b, DType::kBF16, {{0, true, false}, {0, true, false, true}}, add, r);
     }
   }
   for (int64_t b : {1, 8, 32, 128}) {
