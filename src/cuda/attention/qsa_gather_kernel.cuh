@@ -526,10 +526,8 @@ void launch_qsa_gather_entries(const SparseAttentionParams& p, const SparseAtten
     // the steps leave idle or free while the last steps run, so that this launch and its first
     // wave (which mostly finds its rows handled) overlap the step kernel's tail.
     if (x.num_splits != 1) {
-      throw Error(
-          "qsa_sparse_attention: internal: the gather kernel behind the step kernel "
-          "with " +
-          std::to_string(x.num_splits) + " splits");
+      throw Error("qsa_sparse_attention: internal: the gather kernel behind the step kernel at " +
+                  std::to_string(x.num_splits) + " splits");
     }
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(static_cast<unsigned>(ctas));
