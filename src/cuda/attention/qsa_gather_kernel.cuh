@@ -163,8 +163,13 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   const int64_t pair = blockIdx.x / splits;
   const int kvh = static_cast<int>(pair % hkv);
   const int64_t r = pair / hkv;
-  // Rows the union kernel wrote are not read nor written here.
-  if (x.union_handled != nullptr && x.union_handled[r / x.union_rows] != 0) return;
+  // Rows the union or step kernel wrote are not read nor written here. Behind the step kernel
+  // (x.after_step) the marks are read once its grid has completed; after an ordinary launch the
+  // wait returns at once.
+  if (x.union_handled != nullptr) {
+    asm volatile("griddepcontrol.wait;" : : : "memory");
+    if (x.union_handled[r / x.union_rows] != 0) return;
+  }
   prefetch_decode_table_row(p, r, tid, C::kThreads);  // beside the ids' loads below
   // The outputs' gate, for the epilogue or (SplitKV) the merge: each split pulls a share.
   prefetch_gate_rows<T>(p, r, static_cast<int64_t>(kvh) * group, group, split * C::kThreads + tid,
@@ -511,9 +516,30 @@ void launch_qsa_gather_entries(const SparseAttentionParams& p, const SparseAtten
   // Two CTAs of ~112 KB per SM need the largest shared-memory carveout.
   opt_in_shared_memory<kernel>(kSmem, true);
   const int64_t ctas = p.rows * p.num_kv_heads * x.num_splits;
-  if (x.num_splits == 1) {
+  if (x.num_splits == 1 && !x.after_step) {
     kernel<<<static_cast<unsigned>(ctas), QsaGatherConfig::kThreads, kSmem, stream>>>(p, x);
     SPARSE_ATTN_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  if (x.after_step) {
+    // The rows the step kernel left: a programmatic dependent launch, whose CTAs fill the SMs
+    // the steps leave idle or free while the last steps run, so that this launch and its first
+    // wave (which mostly finds its rows handled) overlap the step kernel's tail.
+    if (x.num_splits != 1) {
+      throw Error("qsa_sparse_attention: internal: the gather kernel behind the step kernel at " +
+                  std::to_string(x.num_splits) + " splits");
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(ctas));
+    cfg.blockDim = dim3(QsaGatherConfig::kThreads);
+    cfg.dynamicSmemBytes = kSmem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    SPARSE_ATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, x));
     return;
   }
   allow_non_portable_clusters<kernel>();

@@ -28,6 +28,10 @@ struct SparseAttentionLaunch {
   // Null when that kernel did not run.
   const uint8_t* union_handled = nullptr;
   int union_rows = 0;
+  // The gather kernel is launched as the programmatic dependent of the step kernel before it
+  // (qsa_step_kernel.cuh), which marked union_handled: its CTAs may start while that grid runs
+  // and wait for it (griddepcontrol.wait) before reading the marks. num_splits == 1 only.
+  bool after_step = false;
 };
 
 // The union prefill kernel on a chunk of row tiles whose unions launch_qsa_union_build made

@@ -254,6 +254,7 @@ void native_sparse_attention(const SparseAttentionParams& p) {
   if (s.step_rows > 0) {
     x.union_handled = reinterpret_cast<uint8_t*>(workspace + s.workspace.union_handled);
     x.union_rows = s.step_rows;
+    x.after_step = true;
   } else if (s.union_rows > 0) {
     u.p = q;
     u.x = x;
