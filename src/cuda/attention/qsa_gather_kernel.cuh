@@ -529,16 +529,9 @@ void launch_qsa_gather_entries(const SparseAttentionParams& p, const SparseAtten
       throw Error("qsa_sparse_attention: internal: the gather kernel behind the step kernel at " +
                   std::to_string(x.num_splits) + " splits");
     }
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(ctas));
-    cfg.blockDim = dim3(QsaGatherConfig::kThreads);
-    cfg.dynamicSmemBytes = kSmem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr = {};
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = programmatic_launch_config(
+        dim3(static_cast<unsigned>(ctas)), QsaGatherConfig::kThreads, kSmem, stream, attr);
     SPARSE_ATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, x));
     return;
   }

@@ -23,15 +23,10 @@ void launch_sparse_attention(const SparseAttentionParams& p, const SparseAttenti
     // Programmatic dependent launch: the merge grid is set up while the forward grid runs
     // (which triggers it at its start) and waits for it in cudaGridDependencySynchronize,
     // which hides the launch gap in decode.
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(p.rows), static_cast<unsigned>(p.num_q_heads));
-    cfg.blockDim = dim3(C::kHeadDim);
-    cfg.stream = stream;
-    cudaLaunchAttribute attr = {};
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = programmatic_launch_config(
+        dim3(static_cast<unsigned>(p.rows), static_cast<unsigned>(p.num_q_heads)), C::kHeadDim, 0,
+        stream, attr);
     SPARSE_ATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sparse_attention_merge_kernel<T>, p, x));
   }
 }

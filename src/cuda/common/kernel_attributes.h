@@ -62,4 +62,25 @@ inline cudaLaunchConfig_t cluster_launch_config(unsigned ctas, unsigned threads,
   return cfg;
 }
 
+// A launch of a `grid` of CTAs of `threads` threads with `smem` bytes of dynamic shared memory
+// that, where `programmatic`, is the programmatic dependent of the kernel before it on `stream`:
+// it may start once every CTA of that kernel has run griddepcontrol.launch_dependents (or
+// exited), and its CTAs read that kernel's results only after griddepcontrol.wait. `attr` (the
+// caller's, alive until the launch) holds the attribute the config points to.
+inline cudaLaunchConfig_t programmatic_launch_config(dim3 grid, unsigned threads, size_t smem,
+                                                     cudaStream_t stream, cudaLaunchAttribute& attr,
+                                                     bool programmatic = true) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  attr = {};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = programmatic ? 1 : 0;
+  return cfg;
+}
+
 }  // namespace sparse_attn::cuda

@@ -807,16 +807,10 @@ void launch_topk(const TopkProblem& p, void* global_sort, int device, cudaStream
       constexpr bool kShared = decltype(shared_sort)::value;
       opt_in_shared_memory<topk_kernel<C, kShared>>(
           int(C::kCandidateBytes + kTopkMaxSharedSort * 8));
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(static_cast<unsigned>(topk_grid<C>(p, device)));
-      cfg.blockDim = dim3(C::kThreads);
-      cfg.dynamicSmemBytes = smem;
-      cfg.stream = stream;
-      cudaLaunchAttribute attr = {};
-      attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr.val.programmaticStreamSerializationAllowed = 1;
-      cfg.attrs = &attr;
-      cfg.numAttrs = programmatic ? 1 : 0;
+      cudaLaunchAttribute attr;
+      const cudaLaunchConfig_t cfg =
+          programmatic_launch_config(dim3(static_cast<unsigned>(topk_grid<C>(p, device))),
+                                     C::kThreads, smem, stream, attr, programmatic);
       SPARSE_ATTN_CUDA_CHECK(
           cudaLaunchKernelEx(&cfg, topk_kernel<C, kShared>, p,
                              kShared ? nullptr : static_cast<uint64_t*>(global_sort), capacity));
