@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   // (x.after_step) the marks are read once its grid has completed; after an ordinary launch the
   // wait returns at once.
   if (x.union_handled != nullptr) {
-    asm volatile("griddepcontrol.wait;" : : : "memory");
+    cudaGridDependencySynchronize();
     if (x.union_handled[r / x.union_rows] != 0) return;
   }
   prefetch_decode_table_row(p, r, tid, C::kThreads);  // beside the ids' loads below

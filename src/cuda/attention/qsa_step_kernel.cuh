@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(QsaStepConfig::kThreads, 1)
   const int64_t r0 = step * rows;
   // The gather kernel that takes the rows left here (its programmatic dependent) may launch once
   // every CTA of this grid is running; its CTAs wait for this grid's completion.
-  asm volatile("griddepcontrol.launch_dependents;");
+  cudaTriggerProgrammaticLaunchCompletion();
   // Requests hold rows_per_step rows each where the schedule sends a call here: the step's
   // request is `step`, whose page-table row and gate go to L2 while the rows resolve.
   prefetch_table_row(p, step, tid, C::kThreads);
