@@ -250,19 +250,21 @@ void native_sparse_attention(const SparseAttentionParams& p) {
     x.o_partial = reinterpret_cast<float*>(workspace + s.workspace.o_partial);
     x.lse_partial = reinterpret_cast<float*>(workspace + s.workspace.lse_partial);
   }
+  // The union or step kernel marks the row tiles (steps) it wrote; the gather kernel takes the
+  // rest.
+  uint8_t* const handled = reinterpret_cast<uint8_t*>(workspace + s.workspace.union_handled);
   cuda::QsaUnionParams u;
-  if (s.step_rows > 0) {
-    x.union_handled = reinterpret_cast<uint8_t*>(workspace + s.workspace.union_handled);
-    x.union_rows = s.step_rows;
-    x.after_step = true;
-  } else if (s.union_rows > 0) {
+  if (s.union_rows > 0 && s.step_rows == 0) {
     u.p = q;
     u.x = x;
-    u.handled = reinterpret_cast<uint8_t*>(workspace + s.workspace.union_handled);
+    u.handled = handled;
     u.tiles = reinterpret_cast<cuda::QsaUnionTile*>(workspace + s.workspace.union_tiles);
     u.rows_per_wg = s.union_rows / 2;
-    x.union_handled = u.handled;
+  }
+  if (s.union_rows > 0) {
+    x.union_handled = handled;
     x.union_rows = s.union_rows;
+    x.after_step = s.step_rows > 0;
   }
   cuda::dispatch_dtype(p.dtype, "qsa_sparse_attention", [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -273,7 +275,7 @@ void native_sparse_attention(const SparseAttentionParams& p) {
       if (s.step_rows > 0) {
         cuda::QsaStepParams sp;
         sp.p = q;
-        sp.handled = reinterpret_cast<uint8_t*>(workspace + s.workspace.union_handled);
+        sp.handled = handled;
         sp.steps = p.batch;
         sp.rows_per_step = s.step_rows;
         if constexpr (std::is_same_v<KV, T>) {

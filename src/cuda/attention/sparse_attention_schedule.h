@@ -40,7 +40,7 @@ struct Schedule {
   int union_row_tiles = 0;   // tiles of union_rows rows
   int union_chunk = 0;       // row tiles per build + union kernel launch pair
   // The step kernel (qsa_step_kernel.cuh): rows per step (a request's R rows), 0 when it does
-  // not run, and the KV heads a CTA takes. It marks the steps it wrote in union_handled
+  // not run. It marks the steps it wrote in union_handled
   // (union_rows = step_rows, union_row_tiles = the steps); the gather kernel takes the rest.
   int step_rows = 0;
   WorkspaceLayout workspace;
