@@ -3,14 +3,16 @@
 // head): decode-shaped attention on gathered K/V tiles, computed transposed, with the keys in M.
 //
 // S^T = K Q^T (M = 64 keys of a tile, N = kHeads query columns) and O^T += V^T P^T (M = 256
-// features, N = kHeads, K = 64 keys), both on GMMA with every operand in shared memory (P^T
-// through a small buffer). A decode CTA has 12 to 16 query heads a row: packing them into
-// M would leave most of its 64 rows empty, while N takes them in steps of 8. A column's softmax
-// is a column of S^T spread over the warpgroup's four warps (ColumnSoftmax).
+// features, N = kHeads, K = 64 keys), both on GMMA with P^T through a small buffer and K, V^T
+// either in shared memory (16-bit K/V) or in registers (FP8 K/V: each thread widens its own A
+// fragments out of the FP8 tile, sm90/gather.h, so that no 16-bit copy of it is ever written). A
+// decode CTA has 12 to 16 query heads a row: packing them into M would leave most of its 64 rows
+// empty, while N takes them in steps of 8. A column's softmax is a column of S^T spread over the
+// warpgroup's four warps (ColumnSoftmax).
 //
 // The instantiations differ in what surrounds it, through its hooks: which slots of a tile a
-// column may see (the mask), where the 16-bit tile comes from (a ring stage, or a buffer FP8 was
-// widened into), and where the outputs go.
+// column may see (the mask), where a tile's A operand comes from (a ring stage, or registers
+// widened from an FP8 slot), and where the outputs go.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -27,24 +29,39 @@
 namespace sparse_attn::cuda {
 
 // Shapes, GMMAs and shared-memory layouts of the consumer: kHeads query columns, kStages 16-bit
-// K/V stages of 64 keys x 256 features.
-template <class Element, int kHeads_, int kStages_>
+// K/V stages of 64 keys x 256 features (with kRegisterA, as many again FP8 tiles in the same
+// bytes), K and V^T read from shared memory or (kRegisterA) from registers.
+template <class Element, int kHeads_, int kStages_, bool kRegisterA_ = false>
 struct GatherMmaTraits {
   static constexpr int kHeadDim = 256;
   static constexpr int kBlockN = 64;  // keys per K/V tile: M of S^T
   static constexpr int kHeads = kHeads_;
   static constexpr int kStages = kStages_;
+  static constexpr bool kRegisterA = kRegisterA_;
   static_assert(kHeads % 16 == 0 && kHeads <= 64, "N of whole k16 P^T steps, O^T in registers");
   using Element_ = Element;
   using TileS = cute::Shape<cute::Int<kBlockN>, cute::Int<kHeads>, cute::Int<kHeadDim>>;
   using TileO = cute::Shape<cute::Int<kHeadDim>, cute::Int<kHeads>, cute::Int<kBlockN>>;
   // S^T = K Q^T: K stages and Q with the head dim contiguous. O^T += V^T P^T: V stages seen
   // transposed (MN-major A), P^T [heads, keys] with the keys contiguous.
-  using MmaS =
-      decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<Element, Element, float, TileS>()));
-  using MmaO = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float, TileO, cute::GMMA::Major::MN,
-                                 cute::GMMA::Major::K>()));
+  // With kRegisterA, both A operands come from registers in GMMA's K-major fragment order.
+  static auto mma_s() {
+    if constexpr (kRegisterA) {
+      return cute::GMMA::rs_op_selector<Element, Element, float, TileS>();
+    } else {
+      return cute::GMMA::ss_op_selector<Element, Element, float, TileS>();
+    }
+  }
+  static auto mma_o() {
+    if constexpr (kRegisterA) {
+      return cute::GMMA::rs_op_selector<Element, Element, float, TileO>();
+    } else {
+      return cute::GMMA::ss_op_selector<Element, Element, float, TileO, cute::GMMA::Major::MN,
+                                        cute::GMMA::Major::K>();
+    }
+  }
+  using MmaS = decltype(cute::make_tiled_mma(mma_s()));
+  using MmaO = decltype(cute::make_tiled_mma(mma_o()));
   using Stages = sm90::KVStageLayouts<Element, kHeadDim, kBlockN, kStages>;
   using LayoutK = typename Stages::LayoutK;
   using LayoutVt = typename Stages::LayoutVt;
@@ -73,7 +90,10 @@ struct GatherConsumerBarriers {
 // thread `ct` (0 .. 127) of it. Q [kHeads, 256] is at q, the ring at kv (LayoutK / LayoutVt),
 // P^T's buffer at p, ColumnSoftmax's exchange ([2][4][kHeads] floats) at red. Hooks:
 // - wait_q(): returns once Q is in shared memory (called before the first GEMM, if any);
-// - tile_stage(): the stage the next GEMM reads, once its tile is there (it may widen FP8);
+// - tile_stage(): the stage the next GEMM reads, once its tile is there (shared-memory A), or
+//   (Tr::kRegisterA) tile_stage(a, stage): fills the thread's A fragment of K (a: uint32_t[16][4])
+//   or V^T (a: uint32_t[4][4][4]) from a stage whose tile is there; the stage is released once
+//   every warp has read it, before its GEMM;
 // - mask(s, cs, n): sets to -inf the scores of tile n a column may not see (s and cs are the
 //   thread's scores and their (key in tile, column) coordinates as (rows, columns) views);
 // - epilogue(o, co, cs, inv_sum, lse): once every warp's GEMMs are done, the unnormalised O^T
@@ -102,6 +122,17 @@ __device__ __forceinline__ void gather_consume(const Pipe& pipe, typename Pipe::
   Tensor tSrQ = thr_s.partition_fragment_B(sQ);    // (MMA, 1, MMA_K)
   Tensor tOrVt = thr_o.partition_fragment_A(sVt);  // (MMA, MMA_M, MMA_K, stage)
   Tensor tOrP = thr_o.partition_fragment_B(sP);    // (MMA, 1, MMA_K)
+  // Register A (Tr::kRegisterA): K's and V^T's fragments, ((2, 2, 2), MMA_M, MMA_K) each, as
+  // the 32-bit pairs tile_stage fills (GMMA's register A layout, sm90/gather.h).
+  constexpr int kStepsS = Tr::kHeadDim / 16, kTilesO = Tr::kHeadDim / 64,
+                kStepsO = Tr::kBlockN / 16;
+  uint32_t a_k[Tr::kRegisterA ? kStepsS : 1][4];
+  uint32_t a_v[Tr::kRegisterA ? kStepsO : 1][kTilesO][4];
+  Tensor rK = make_tensor(make_rmem_ptr(reinterpret_cast<Element*>(&a_k[0][0])),
+                          Layout<cute::Shape<cute::Shape<_2, _2, _2>, _1, Int<kStepsS>>>{});
+  Tensor rVt =
+      make_tensor(make_rmem_ptr(reinterpret_cast<Element*>(&a_v[0][0][0])),
+                  Layout<cute::Shape<cute::Shape<_2, _2, _2>, Int<kTilesO>, Int<kStepsO>>>{});
   Tensor tSrS = partition_fragment_C(mma_s, select<0, 1>(typename Tr::TileS{}));
   Tensor tOrO = partition_fragment_C(mma_o, select<0, 1>(typename Tr::TileO{}));
   // (key in tile, column) of each score and (feature, column) of each output this thread holds;
@@ -139,9 +170,23 @@ __device__ __forceinline__ void gather_consume(const Pipe& pipe, typename Pipe::
   for (int n = 0; n < n_tiles; ++n) {
     // ----- S^T = K_n Q^T ----------------------------------------------------------------------
     pipe.consumer_wait(read);
-    sm90::warpgroup_gemm<true, 0>(mma_s, tSrK(_, _, _, tile_stage()), tSrQ, tSrS);
-    pipe.consumer_release(read);
-    ++read;
+    if constexpr (Tr::kRegisterA) {
+      tile_stage(a_k, read.index());
+      __syncwarp();  // the warp's reads of the stage are done before its release
+      pipe.consumer_release(read);
+      ++read;
+      sm90::warpgroup_gemm<true, 0>(mma_s, rK, tSrQ, tSrS);
+      // V_n's fragment now, so that its shared-memory reads overlap the softmax.
+      pipe.consumer_wait(read);
+      tile_stage(a_v, read.index());
+      __syncwarp();
+      pipe.consumer_release(read);
+      ++read;
+    } else {
+      sm90::warpgroup_gemm<true, 0>(mma_s, tSrK(_, _, _, tile_stage()), tSrQ, tSrS);
+      pipe.consumer_release(read);
+      ++read;
+    }
     mask(s_rc, cs_rc, n);
     float rescale[kCols];
     softmax.update(s_rc, cs_rc, rescale);
@@ -166,11 +211,15 @@ __device__ __forceinline__ void gather_consume(const Pipe& pipe, typename Pipe::
     }
     cutlass::arch::fence_view_async_shared();  // generic-proxy stores, then GMMA reads
     cutlass::arch::NamedBarrier::sync(128, bar.p);
-    pipe.consumer_wait(read);
     // Waited for (kWait 0) before the next tile: the single P^T buffer relies on it (LayoutP).
-    sm90::warpgroup_gemm<false, 0>(mma_o, tOrVt(_, _, _, tile_stage()), tOrP, tOrO);
-    pipe.consumer_release(read);
-    ++read;
+    if constexpr (Tr::kRegisterA) {
+      sm90::warpgroup_gemm<false, 0>(mma_o, rVt, tOrP, tOrO);
+    } else {
+      pipe.consumer_wait(read);
+      sm90::warpgroup_gemm<false, 0>(mma_o, tOrVt(_, _, _, tile_stage()), tOrP, tOrO);
+      pipe.consumer_release(read);
+      ++read;
+    }
   }
 
   float inv_sum[kCols], lse[kCols];

@@ -29,17 +29,20 @@
 // (merge_lse_thread): one launch, no workspace, no partials through global memory. (Splits take
 // x.split_cols token ids each on the token path.)
 //
-// FP8 K/V (KV = __nv_fp8_e4m3): the producer copies each FP8 K or V tile into a ring of four
-// 16 KB staging slots, the pipeline's stages, and both warpgroups widen each tile, half the
-// rows each, into one 16-bit tile buffer just before the GEMM that reads it (sm90/gather.h;
-// exact for every finite code): the widening's instructions, not the bytes, bound an FP8 tile,
-// and the producer's warps are otherwise idle. Four tiles stay in flight within the
-// two-CTAs-per-SM budget. k_scale comes folded into scale_log2, v_scale multiplies the output.
+// FP8 K/V (KV = __nv_fp8_e4m3): the producer copies each FP8 K or V tile into a ring of six
+// 16 KB slots (the bytes of the 16-bit kernel's three stages), and each consumer thread widens
+// its own GMMA A fragments out of a slot into registers (sm90/gather.h; exact for every finite
+// code), on permuted features: Q's columns are loaded in K's permuted order, and the output's
+// rows come out in V's (fp8_k_feature, fp8_vt_feature). A slot is free again as soon as the
+// consumer's warps have read it, before the GEMM that uses it, and no CTA-wide barrier stands
+// between a tile and the next. k_scale comes folded into scale_log2, v_scale multiplies the
+// output.
 #pragma once
 
 #include <cooperative_groups.h>
 #include <cuda_fp8.h>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 
 #include <cstdint>
 #include <cute/arch/cluster_sm90.hpp>
@@ -68,6 +71,10 @@ struct QsaGatherConfig {
   static constexpr int kBlockN = 64;    // keys per K/V tile: M of S^T
   static constexpr int kThreads = 256;  // the producer warpgroup, then the consumer's
   static constexpr int kCtasPerSm = 2;  // one CTA's prologue and epilogue in another's shadow
+  static constexpr int kRegisters = 65536 / (kThreads * kCtasPerSm);  // a thread's, launched
+  // FP8's setmaxnreg split: the producer keeps its key queue, the consumer an A fragment more.
+  static constexpr int kFp8ProducerRegisters = 72;
+  static constexpr int kFp8ConsumerRegisters = 2 * kRegisters - kFp8ProducerRegisters;
   // Token slots a split may fill: 4 a block entry (the hint's 512 blocks and the tail), 1 a token.
   static constexpr int kMaxTiles = 33;
   static constexpr int kMaxSlots = kMaxTiles * kBlockN;
@@ -81,19 +88,20 @@ struct QsaGatherConfig {
                 "a split's slots fit the producer's key queue");
 };
 
-// The pipeline's stages: 16-bit K/V tiles (two in flight while one is read), or FP8 tiles in
-// staging slots (kPipeStages) and one 16-bit tile buffer that both warpgroups widen them into
-// (kStages).
+// The pipeline's stages: three 16-bit K/V tiles (two in flight while one is read), or in the same
+// bytes six FP8 tiles, which the consumer's warps release one by one as they have read them.
 template <class Element, bool kFp8>
-struct QsaGatherTraits : GatherMmaTraits<Element, QsaGatherConfig::kHeads, kFp8 ? 1 : 3> {
+struct QsaGatherTraits : GatherMmaTraits<Element, QsaGatherConfig::kHeads, 3, kFp8> {
   using C = QsaGatherConfig;
-  using Base = GatherMmaTraits<Element, C::kHeads, kFp8 ? 1 : 3>;
+  using Base = GatherMmaTraits<Element, C::kHeads, 3, kFp8>;
   using typename Base::LayoutK;
   using typename Base::LayoutP;
   using typename Base::LayoutQ;
-  static constexpr int kStagingSlots = kFp8 ? 4 : 0;
-  static constexpr int kPipeStages = kFp8 ? kStagingSlots : Base::kStages;
-  using Pipeline = sm90::TmaPipeline<kPipeStages, 1, 128>;
+  static constexpr int kPipeStages = kFp8 ? 2 * Base::kStages : Base::kStages;
+  using Pipeline = std::conditional_t<kFp8, sm90::TmaPipeline<kPipeStages, 4, 128, 32>,
+                                      sm90::TmaPipeline<kPipeStages, 1, 128>>;
+  // An FP8 slot, [row][16-byte chunk] (sm90/gather.h's staging layout).
+  using Fp8Slot = cute::uint128_t[C::kBlockN][C::kHeadDim / 16];
   static_assert(Base::kBlockN == C::kBlockN && Base::kHeadDim == C::kHeadDim,
                 "the consumer's tiles are the config's");
 
@@ -103,9 +111,6 @@ struct QsaGatherTraits : GatherMmaTraits<Element, QsaGatherConfig::kHeads, kFp8 
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<LayoutK>> kv;  // O at the end
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<LayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<LayoutP>> p;
-    // FP8 tiles as copied, [slot][row][16-byte chunk] (none for 16-bit K/V).
-    alignas(128)
-        cute::uint128_t staging[kStagingSlots > 0 ? kStagingSlots : 1][kFp8 ? C::kBlockN : 1][16];
     uint32_t slot_valid[C::kMaxSlots / 32];  // bit u: slot u holds a token (else masked)
     int32_t round_counts[C::kTokenRounds][C::kThreads / 32];  // valid entries a warp a round
     float red[2][4][C::kHeads];                               // ColumnSoftmax's exchange
@@ -115,6 +120,9 @@ struct QsaGatherTraits : GatherMmaTraits<Element, QsaGatherConfig::kHeads, kFp8 
     cutlass::arch::ClusterTransactionBarrier barrier_q;
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
+  static_assert(!kFp8 || kPipeStages * sizeof(Fp8Slot) <=
+                             sizeof(cute::array_aligned<Element, cute::cosize_v<LayoutK>>),
+                "the FP8 slots fill the 16-bit stages' bytes");
   static_assert(C::kCtasPerSm * (kSmemBytes + 1024) <= 228 * 1024,
                 "two CTAs (and the 1 KB the system keeps for each) fit an SM's shared memory");
   static_assert(C::kHeads * C::kOutPitch * sizeof(Element) <= C::kBlockN * C::kHeadDim * 2,
@@ -125,16 +133,13 @@ struct QsaGatherTraits : GatherMmaTraits<Element, QsaGatherConfig::kHeads, kFp8 
                 "the slots' keys are staged in one idle stage");
 };
 
-// Named barriers (after CUTLASS's reserved ones): the consumer warpgroup's, then (FP8) the
-// CTA's around each widening.
+// Named barriers (after CUTLASS's reserved ones): the consumer warpgroup's, then the producer's.
 enum class GatherBarrier : uint32_t {
-  kColumns = 0,     // ColumnSoftmax's exchange
-  kP = 1,           // P^T of the tile is in shared memory
-  kOut = 2,         // the O tile is in shared memory
-  kGemmsDone = 3,   // every consumer warp's GEMMs on the first stage are done (the epilogue)
-  kBufferFree = 4,  // 256 threads: the tile buffer's last GEMMs are done
-  kBufferFull = 5,  // 256 threads: the tile buffer is widened
-  kKeysTaken = 6,   // the producer warpgroup's: every thread holds its keys, the ring is free
+  kColumns = 0,    // ColumnSoftmax's exchange
+  kP = 1,          // P^T of the tile is in shared memory
+  kOut = 2,        // the O tile is in shared memory
+  kGemmsDone = 3,  // every consumer warp's GEMMs on the first stage are done (the epilogue)
+  kKeysTaken = 4,  // the producer warpgroup's: every thread holds its keys, the ring is free
 };
 
 // kTokens: the row's entries are token ids (else the block hint's blocks and the tail entry,
@@ -270,32 +275,27 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   // Slot u holds a token: inside the split's slots, and not one its entry lost from its end.
   auto slot_valid = [&](int u) { return ((ss.slot_valid[u / 32] >> (u % 32)) & 1u) != 0; };
   Pipeline pipe{ss.pipeline, 0};
-  // FP8: staging slot st widened into the tile buffer by all 256 threads, 8 rows a warp from
-  // first_row: once every consumer warp's GEMMs on the buffer are done and the slot's copies
-  // have landed; then published to GMMA.
-  auto widen = [&](const typename Pipeline::State& st, int first_row) {
-    sm90::cta_sync<GatherBarrier::kBufferFree, 256>();
-    pipe.consumer_wait(st);
-    sm90::convert_rows_fp8<Element, C::kBlockN, 8>(
-        ss.kv.data(), ss.staging[st.index()], first_row, lane,
-        [](uint32_t w, uint32_t& lo, uint32_t& hi) { fp8x4_to_natural<T>(w, lo, hi); });
-    cutlass::arch::fence_view_async_shared();  // generic stores, then GMMA reads
-    sm90::cta_sync<GatherBarrier::kBufferFull, 256>();
-  };
-
+  // FP8: the ring's bytes as slots.
+  auto* const fp8_slots = reinterpret_cast<typename Tr::Fp8Slot*>(ss.kv.data());
   // ----- producer: Q once, then K_n and V_n of every tile into the ring ----------------------
   auto produce = [&] {
     if (n_tiles == 0) return;  // nothing valid: the consumer writes zeros without waiting
-    using Copy = cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>;
     Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::LayoutQ{});
     const auto* q = static_cast<const Element*>(p.q);
-    for (int c = tid; c < C::kHeads * (C::kHeadDim / 8); c += 128) {
-      const int m = c / (C::kHeadDim / 8), col = (c % (C::kHeadDim / 8)) * 8;
+    // FP8: Q's columns in K's permuted order (sm90::fp8_k_feature), whose pairs of adjacent
+    // columns are pairs of adjacent features: 4-byte copies.
+    constexpr int kPer = kFp8 ? 2 : 8;
+    using Chunk = std::conditional_t<kFp8, uint32_t, cute::uint128_t>;
+    using Copy = std::conditional_t<kFp8, cute::SM80_CP_ASYNC_CACHEALWAYS_ZFILL<Chunk>,
+                                    cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<Chunk>>;
+    for (int c = tid; c < C::kHeads * (C::kHeadDim / kPer); c += 128) {
+      const int m = c / (C::kHeadDim / kPer), col = (c % (C::kHeadDim / kPer)) * kPer;
+      const int feature = kFp8 ? sm90::fp8_k_feature(col) : col;
       const bool live = m < group;  // the padding heads' rows are zeros
       const Element* src =
-          q + (live ? r * p.q_row_stride + (kvh * group + m) * p.q_head_stride + col : 0);
-      Copy::copy(*reinterpret_cast<const cute::uint128_t*>(src),
-                 *reinterpret_cast<cute::uint128_t*>(&sQ(m, col)), live);
+          q + (live ? r * p.q_row_stride + (kvh * group + m) * p.q_head_stride + feature : 0);
+      Copy::copy(*reinterpret_cast<const Chunk*>(src), *reinterpret_cast<Chunk*>(&sQ(m, col)),
+                 live);
     }
     cutlass::arch::cpasync_barrier_arrive_noinc(reinterpret_cast<uint64_t*>(&ss.barrier_q));
     // This thread's queue of keys, one a tile: those of row 16 warp + lane % 16 (-1 where the
@@ -325,7 +325,7 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
     auto copy_tile = [&](const KVStored* base, int64_t off) {
       pipe.producer_wait(state);
       if constexpr (kFp8) {
-        sm90::gather_rows16_fp8<C::kBlockN>(ss.staging[state.index()], base, off, warp, lane);
+        sm90::gather_rows16_fp8<C::kBlockN>(fp8_slots[state.index()], base, off, warp, lane);
       } else {
         sm90::gather_rows16<Element, C::kBlockN>(
             ss.kv.data() + state.index() * (C::kBlockN * C::kHeadDim), base, off, warp, lane);
@@ -333,29 +333,10 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
       pipe.arrive_on_copies(state);
       ++state;
     };
-    if constexpr (kFp8) {
-      // Copy units K_0, V_0, K_1, ... run kPipeStages - 1 ahead of the unit being widened (the
-      // slot a copy waits for is freed by the GEMM after the previous widening).
-      constexpr int kAhead = Tr::kPipeStages - 1;
-      const int n_units = 2 * n_tiles;
-      // Units go out in order, so unit i's tile is the queue's head; a V copy moves it on.
-      auto issue = [&](int i) {
-        copy_tile(i % 2 ? vp : kp, row_offset(i % 2 != 0));
-        if (i % 2) next_tile();
-      };
-      for (int i = 0; i < kAhead && i < n_units; ++i) issue(i);
-      typename Pipeline::State st;
-      for (int i = 0; i < n_units; ++i) {
-        if (i + kAhead < n_units) issue(i + kAhead);
-        widen(st, 8 * warp);
-        ++st;
-      }
-    } else {
-      for (int n = 0; n < n_tiles; ++n) {
-        copy_tile(kp, row_offset(false));
-        copy_tile(vp, row_offset(true));
-        next_tile();
-      }
+    for (int n = 0; n < n_tiles; ++n) {
+      copy_tile(kp, row_offset(false));
+      copy_tile(vp, row_offset(true));
+      next_tile();
     }
   };
 
@@ -363,15 +344,25 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   auto consume = [&] {
     const int ct = tid - 128;
     typename Pipeline::State read;
-    // The 16-bit tile a GEMM reads: a stage of the ring, or (FP8) the tile buffer, widened from
-    // the staging slot (rows 32 .. 63 here, the producer's warps rows 0 .. 31).
-    auto tile_stage = [&]() -> int {
-      if constexpr (kFp8) {
-        widen(read, 32 + 8 * (ct / 32));
-        return 0;
-      } else {
+    // The stage a GEMM reads (16-bit K/V), or (FP8) the thread's A fragment of K or V^T widened
+    // from a slot, by the fragment's shape (sm90/gather.h).
+    auto tile_stage = [&](auto&&... a_and_slot) {
+      if constexpr (sizeof...(a_and_slot) == 0) {
         cutlass::arch::fence_view_async_shared();  // cp.async lands through the generic proxy
         return read.index();
+      } else {
+        auto widen_fragment = [&](auto& a, int slot) {
+          auto to_natural = [](uint32_t w, uint32_t& lo, uint32_t& hi) {
+            fp8x4_to_natural<T>(w, lo, hi);
+          };
+          if constexpr (std::rank_v<std::remove_reference_t<decltype(a)>> == 2) {
+            sm90::fp8_k_fragment(fp8_slots[slot], ct / 32, lane, a, to_natural);
+          } else {
+            sm90::fp8_vt_fragment(fp8_slots[slot], ct / 32, lane, a, to_natural);
+          }
+        };
+        widen_fragment(a_and_slot...);
+        return 0;
       }
     };
     // Slots without a token are masked.
@@ -385,11 +376,13 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
       }
     };
     // ----- epilogue: normalise; O [heads, features] through an idle stage ---------------------
-    // (The first stage holds the O tile: every warp's GEMMs on it, the last V tile's for FP8,
-    // are done before gather_consume calls it.)
+    // (The first stage holds the O tile: every warp's reads of the ring and GEMMs are done
+    // before gather_consume calls it.)
     auto epilogue = [&](auto& o_rc, const auto& co_rc, const auto& cs_rc, const auto& inv_sum,
                         const auto& lse) {
       constexpr int kCols = decltype(size<1>(o_rc))::value;
+      // The feature an output row holds: FP8's V^T fragment permutes them.
+      auto feature = [](int row) { return kFp8 ? sm90::fp8_vt_feature(row) : row; };
       if (merged) {
         // The split's partial, FP32 and normalised, and its LSE (log2 units) stay here for the
         // cluster's merge (every thread holds every head's LSE; four write them).
@@ -398,7 +391,7 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
         for (int i = 0; i < size<0>(o_rc); ++i) {
           CUTE_UNROLL
           for (int j = 0; j < kCols; ++j) {
-            part[get<1>(co_rc(i, j)) * C::kPartPitch + get<0>(co_rc(i, j))] =
+            part[get<1>(co_rc(i, j)) * C::kPartPitch + feature(get<0>(co_rc(i, j)))] =
                 o_rc(i, j) * inv_sum[j];
           }
         }
@@ -415,7 +408,7 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
       for (int i = 0; i < size<0>(o_rc); ++i) {
         CUTE_UNROLL
         for (int j = 0; j < kCols; ++j) {
-          so[get<1>(co_rc(i, j)) * C::kOutPitch + get<0>(co_rc(i, j))] =
+          so[get<1>(co_rc(i, j)) * C::kOutPitch + feature(get<0>(co_rc(i, j)))] =
               Element(o_rc(i, j) * (inv_sum[j] * p.v_scale));
         }
       }
@@ -446,10 +439,17 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
         [&] { ss.barrier_q.wait(0); }, tile_stage, mask, epilogue);
   };
 
+  // FP8: the consumer holds an A fragment (64 registers) beside O^T, so the producer lends it
+  // registers (setmaxnreg) for the tile loop; both are back at the launch's count before the
+  // merge, which every thread runs.
   if (warp < 4) {
+    if constexpr (kFp8) cutlass::arch::warpgroup_reg_dealloc<C::kFp8ProducerRegisters>();
     produce();
+    if constexpr (kFp8) cutlass::arch::warpgroup_reg_alloc<C::kRegisters>();
   } else {
+    if constexpr (kFp8) cutlass::arch::warpgroup_reg_alloc<C::kFp8ConsumerRegisters>();
     consume();
+    if constexpr (kFp8) cutlass::arch::warpgroup_reg_dealloc<C::kRegisters>();
   }
   if (!merged) return;
 
