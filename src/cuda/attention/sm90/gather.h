@@ -45,8 +45,9 @@ __device__ __forceinline__ void gather_rows16(Element* stage, const Element* bas
 // FP8 rows (kHeadDim one-byte features, kHeadDim / 16 chunks of 16 bytes) stay FP8 in shared
 // memory: gather_rows16_fp8 copies them into a staging slot [kBlockN rows][kHeadDim / 16 chunks]
 // (cp.async, zero-filled like gather_rows16; lane l copies chunks 8 j + l % 8, j < kHeadDim / 128,
-// of rows 4 g + l / 8 of its warp's 16), and the consumer widens its own GMMA A fragments out of
-// the slot (fp8_k_fragment, fp8_vt_fragment), so that no 16-bit copy of the tile is written.
+// of rows 4 g + l / 8 of its warp's 16). Then either convert_rows_fp8 widens whole rows into a
+// 16-bit stage (the indexer), or a consumer widens its own GMMA A fragments out of the slot
+// (fp8_k_fragment, fp8_vt_fragment: the gather kernel), so that no 16-bit copy is written.
 // Chunk c of row r sits at slot position c ^ fp8_swizzle(r): the fragment loads of both
 // fragments then hit eight different 16-byte bank groups in each phase (see each loader).
 __device__ __forceinline__ int fp8_swizzle(int row) { return ((row & 1) << 2) ^ (row & 6); }
@@ -67,6 +68,43 @@ __device__ __forceinline__ void gather_rows16_fp8(cute::uint128_t (*staging)[kHe
     for (int j = 0; j < kHeadDim / 128; ++j) {
       Copy::copy(*reinterpret_cast<const cute::uint128_t*>(src + j * 128),
                  staging[row][(8 * j + c) ^ fp8_swizzle(row)], o >= 0);
+    }
+  }
+}
+
+// Widens rows first_row .. first_row + kRows - 1 (a multiple of 4) of a staging slot into a
+// 16-bit stage at gather_rows16's addresses (the indexer's FP8 keys): lane l takes chunks
+// 8 j + l % 8 of rows first_row + 4 g + l / 8. Element is the stage's 16-bit
+// type; to_natural(w, lo, hi) is fp8x4_to_natural<T> (sparse_attention_common.cuh).
+template <class Element, int kBlockN, int kRows, int kHeadDim = 256, class ToNatural>
+__device__ __forceinline__ void convert_rows_fp8(Element* stage,
+                                                 const cute::uint128_t (*staging)[kHeadDim / 16],
+                                                 int first_row, int lane, ToNatural to_natural) {
+  static_assert(kRows % 4 == 0, "8 lanes a row, 4 rows a pass");
+  const int q = lane / 8, c = lane % 8;
+  CUTE_UNROLL
+  for (int g = 0; g < kRows / 4; ++g) {
+    const int row = first_row + 4 * g + q;
+    CUTE_UNROLL
+    for (int j = 0; j < kHeadDim / 128; ++j) {
+      const uint4 w =
+          *reinterpret_cast<const uint4*>(&staging[row][(8 * j + c) ^ fp8_swizzle(row)]);
+      const uint32_t in[4] = {w.x, w.y, w.z, w.w};
+      uint32_t out[8];
+      CUTE_UNROLL
+      for (int k = 0; k < 4; ++k) to_natural(in[k], out[2 * k], out[2 * k + 1]);
+      // 16-bit chunks 2 f and 2 f + 1 of FP8 chunk f = 8 j + c: column block 2j + c / 4,
+      // slots 2c % 8 and 2c % 8 + 1. Lanes c >= 4 store theirs in the other order, so the 8
+      // lanes of a row hit 8 different slots (bank groups) with each store.
+      const uint4 lo = make_uint4(out[0], out[1], out[2], out[3]);
+      const uint4 hi = make_uint4(out[4], out[5], out[6], out[7]);
+      CUTE_UNROLL
+      for (int hh = 0; hh < 2; ++hh) {
+        const int h = c < 4 ? hh : 1 - hh;
+        const int slot = (2 * c + h) % 8, block = 2 * j + (2 * c + h) / 8;
+        *reinterpret_cast<uint4*>(stage + block * (kBlockN * 64) + row * 64 +
+                                  ((slot ^ (row % 8)) * 8)) = h == 0 ? lo : hi;
+      }
     }
   }
 }
