@@ -1,7 +1,9 @@
-// The latency floor of a small decode batch (issue 15's B = 1 and 8 bars): how fast one launch
-// can take a row's selection from HBM to shared memory at all, timed as the decode bench times
-// (CUDA graph of one launch, L2 flushed before each replay, events around the replay), with
-// nothing computed on the data. The chain is the one every paged sparse decode kernel has:
+// The floor of a decode batch: how fast one launch can take a row's selection from HBM to shared
+// memory at all, timed as the decode bench times (CUDA graph of one launch, L2 flushed before
+// each replay, events around the replay), with nothing computed on the data. Small batches
+// (issue 15's B = 1 and 8 bars) show the latency chain; B = 128 at one split shows how much of
+// the DRAM's bandwidth scattered rows of this size reach (bf16 rows of 512 bytes, or FP8 rows of
+// 256, issue 16's bar). The chain is the one every paged sparse decode kernel has:
 //   stage 0: the launch alone (each CTA writes one word);
 //   stage 1: + the row's block ids (the hint, 512 blocks and the tail);
 //   stage 2: + their page-table entries (loads that need the ids);
@@ -12,7 +14,8 @@
 //            This merge is the plain one (one CTA reads every partial, a few loads in flight a
 //            thread), so its column says what such a merge costs, not a floor.
 // CTAs: B rows x 2 KV heads x S splits of the row's 513 entries. The layout is the bench's:
-// K and V pools [pages, 64, 2, 256] bf16, pages scattered, contexts uniform in [8K, 128K].
+// K and V pools [pages, 64, 2, 256] of bf16 or FP8 bytes, pages scattered, contexts uniform in
+// [8K, 128K].
 // What a kernel takes beyond stage 3 at the same S is its compute, its pipeline and its merge.
 //
 // Usage: qsa_decode_floor
@@ -32,7 +35,6 @@ namespace {
 
 constexpr int kBlocks = 512, kEntries = kBlocks + 1, kPage = 64, kHkv = 2, kD = 256;
 constexpr int kThreads = 256;
-constexpr int kRowBytes = kD * 2;     // one token's K (or V) for one KV head
 constexpr int kBufBytes = 64 * 1024;  // copies land here, overwriting each other
 constexpr int kPartFloats = 16 * kD;  // a split's partial: 16 heads x 256
 
@@ -41,8 +43,9 @@ struct Args {
   const int32_t* lens;   // [B]
   const int32_t* table;  // [B, max_pages]
   int max_pages;
-  const char* k;  // [pool, 64, 2, 256] bf16
+  const char* k;  // [pool, 64, 2, 256], row_bytes a (token, KV head)
   const char* v;
+  int row_bytes;    // 512 (bf16) or 256 (FP8)
   float* partials;  // [B * 2, S, 16 * 256]
   int* counters;    // [B * 2], zero between launches
   float* out;       // [B * 2 * S] (stages 0-3), [B * 2, 16 * 256] (stage 4)
@@ -73,17 +76,17 @@ __global__ void __launch_bounds__(kThreads) decode_chain(const Args a) {
     __syncthreads();
   }
   if (a.stage >= 3) {
-    // Chunk t of every entry: K or V (t / 128), token t / 32 % 4, 16 bytes t % 32 of its row.
-    const int which = tid / 128, tok_in = tid / 32 % 4, piece = tid % 32;
-    const char* base = which ? a.v : a.k;
-    const uint32_t dst =
-        static_cast<uint32_t>(__cvta_generic_to_shared(buf)) + (tid * 16) % kBufBytes;
-    for (int e = 0; e < n; ++e) {
+    // Chunk c of an entry: K or V (c / (4 pieces)), token c / pieces % 4, 16 bytes c % pieces
+    // of its row; every chunk of the split's entries in flight at once.
+    const int pieces = a.row_bytes / 16, chunks = 2 * 4 * pieces;
+    const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(buf));
+    for (int i = tid; i < n * chunks; i += kThreads) {
+      const int e = i / chunks, c = i % chunks;
+      const int which = c / (4 * pieces), tok_in = c / pieces % 4, piece = c % pieces;
       const int64_t token =
           static_cast<int64_t>(page_of[e]) * kPage + (first_token[e] + tok_in) % kPage;
-      const char* src = base + (token * kHkv + kvh) * kRowBytes + piece * 16;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + (e * kThreads * 16) %
-                                                                                 kBufBytes),
+      const char* src = (which ? a.v : a.k) + (token * kHkv + kvh) * a.row_bytes + piece * 16;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + (i * 16) % kBufBytes),
                    "l"(src));
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -124,7 +127,13 @@ int run() {
   fmt::print("graph-replayed, L2 flushed, us (median of 15)\n{:8} {:>6} {:>6}", "case", "CTAs", "");
   for (const char* s : {"launch", "+ids", "+pages", "+K/V", "+merge"}) fmt::print(" {:>8}", s);
   fmt::print("\n");
-  for (const int batch : {1, 8, 32}) {
+  // B = 128 at one split, bf16 and FP8 rows: the bandwidth the scattered rows reach.
+  struct Case {
+    int batch, row_bytes;
+  };
+  for (const Case cs :
+       {Case{1, 512}, Case{8, 512}, Case{32, 512}, Case{128, 512}, Case{128, 256}}) {
+    const int batch = cs.batch;
     std::mt19937_64 rng(100 + batch);
     std::uniform_int_distribution<int64_t> ctx(8192, 131072);
     std::vector<int64_t> lens(batch);
@@ -149,7 +158,8 @@ int run() {
     a.lens = upload(std::vector<int32_t>(lens.begin(), lens.end()));
     a.table = upload(pg.table);
     a.max_pages = static_cast<int>(pg.max_pages);
-    const size_t pool_bytes = static_cast<size_t>(pg.pool) * kPage * kHkv * kRowBytes;
+    a.row_bytes = cs.row_bytes;
+    const size_t pool_bytes = static_cast<size_t>(pg.pool) * kPage * kHkv * a.row_bytes;
     char *k = nullptr, *v = nullptr;
     BENCH_CUDA(cudaMalloc(&k, pool_bytes));
     BENCH_CUDA(cudaMalloc(&v, pool_bytes));
@@ -165,7 +175,7 @@ int run() {
     for (const int s : split_counts) {
       if (pairs * s > 2 * 132 * 2) continue;  // past two waves this is no longer a latency case
       a.splits = s;
-      fmt::print("b{}_s{:<5} {:>6} {:>6}", batch, s, pairs * s, "");
+      fmt::print("b{}_s{:<5} {:>6} {:>6}", batch, s, pairs * s, cs.row_bytes == 256 ? "fp8" : "");
       for (int stage = 0; stage <= 4; ++stage) {
         a.stage = stage;
         const Timing t = timer.time_graph([&](cudaStream_t st) {
