@@ -71,7 +71,8 @@ struct QsaGatherConfig {
   static constexpr int kBlockN = 64;    // keys per K/V tile: M of S^T
   static constexpr int kThreads = 256;  // the producer warpgroup, then the consumer's
   static constexpr int kCtasPerSm = 2;  // one CTA's prologue and epilogue in another's shadow
-  static constexpr int kRegisters = 65536 / (kThreads * kCtasPerSm);  // a thread's, launched
+  // A thread's registers as launched: two CTAs' threads share the SM's pool.
+  static constexpr int kRegisters = sm90::launched_registers(kThreads * kCtasPerSm);
   // FP8's setmaxnreg split: the producer keeps its key queue, the consumer an A fragment more.
   static constexpr int kFp8ProducerRegisters = 72;
   static constexpr int kFp8ConsumerRegisters = 2 * kRegisters - kFp8ProducerRegisters;
