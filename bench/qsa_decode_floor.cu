@@ -3,7 +3,9 @@
 // each replay, events around the replay), with nothing computed on the data. Small batches
 // (issue 15's B = 1 and 8 bars) show the latency chain; B = 128 at one split shows how much of
 // the DRAM's bandwidth scattered rows of this size reach (bf16 rows of 512 bytes, or FP8 rows of
-// 256, issue 16's bar). The chain is the one every paged sparse decode kernel has:
+// 256, issue 16's bar), and FP8 with a CTA taking both KV heads of a row (rows named _2h: a
+// token's two 256-byte rows are 512 contiguous bytes). The chain is the one every paged sparse
+// decode kernel has:
 //   stage 0: the launch alone (each CTA writes one word);
 //   stage 1: + the row's block ids (the hint, 512 blocks and the tail);
 //   stage 2: + their page-table entries (loads that need the ids);
@@ -13,10 +15,10 @@
 //            the last CTA of a (row, KV head) to arrive (a counter it resets) reads them all.
 //            This merge is the plain one (one CTA reads every partial, a few loads in flight a
 //            thread), so its column says what such a merge costs, not a floor.
-// CTAs: B rows x 2 KV heads x S splits of the row's 513 entries. The layout is the bench's:
-// K and V pools [pages, 64, 2, 256] of bf16 or FP8 bytes, pages scattered, contexts uniform in
-// [8K, 128K].
-// What a kernel takes beyond stage 3 at the same S is its compute, its pipeline and its merge.
+// CTAs: B rows x 2 KV heads (or one for both, _2h) x S splits of the row's 513 entries. The layout
+// is the bench's: K and V pools [pages, 64, 2, 256] of bf16 or FP8 bytes, pages scattered, contexts
+// uniform in [8K, 128K]. What a kernel takes beyond stage 3 at the same S is its compute, its
+// pipeline and its merge.
 //
 // Usage: qsa_decode_floor
 #include <cuda_runtime.h>
@@ -45,10 +47,11 @@ struct Args {
   int max_pages;
   const char* k;  // [pool, 64, 2, 256], row_bytes a (token, KV head)
   const char* v;
-  int row_bytes;    // 512 (bf16) or 256 (FP8)
-  float* partials;  // [B * 2, S, 16 * 256]
-  int* counters;    // [B * 2], zero between launches
-  float* out;       // [B * 2 * S] (stages 0-3), [B * 2, 16 * 256] (stage 4)
+  int row_bytes;      // 512 (bf16) or 256 (FP8)
+  int heads_per_cta;  // 1, or 2: a CTA copies both KV heads' rows of its tokens
+  float* partials;    // [pairs, S, 16 * 256], pairs = B * 2 / heads_per_cta
+  int* counters;      // [pairs], zero between launches
+  float* out;         // [pairs * S] (stages 0-3), [pairs, 16 * 256] (stage 4)
   int splits;
   int stage;
 };
@@ -59,7 +62,8 @@ __global__ void __launch_bounds__(kThreads) decode_chain(const Args a) {
   __shared__ int32_t page_of[kEntries];
   const int tid = threadIdx.x;
   const int split = blockIdx.x % a.splits, pair = blockIdx.x / a.splits;
-  const int kvh = pair % kHkv, r = pair / kHkv;
+  const int pairs_per_row = kHkv / a.heads_per_cta;
+  const int kvh = pair % pairs_per_row, r = pair / pairs_per_row;
   const int per = (kEntries + a.splits - 1) / a.splits;
   const int e0 = split * per, e1 = min(kEntries, e0 + per), n = max(0, e1 - e0);
   float acc = 0.f;
@@ -78,7 +82,7 @@ __global__ void __launch_bounds__(kThreads) decode_chain(const Args a) {
   if (a.stage >= 3) {
     // Chunk c of an entry: K or V (c / (4 pieces)), token c / pieces % 4, 16 bytes c % pieces
     // of its row; every chunk of the split's entries in flight at once.
-    const int pieces = a.row_bytes / 16, chunks = 2 * 4 * pieces;
+    const int pieces = a.heads_per_cta * a.row_bytes / 16, chunks = 2 * 4 * pieces;
     const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(buf));
     for (int i = tid; i < n * chunks; i += kThreads) {
       const int e = i / chunks, c = i % chunks;
@@ -129,10 +133,10 @@ int run() {
   fmt::print("\n");
   // B = 128 at one split, bf16 and FP8 rows: the bandwidth the scattered rows reach.
   struct Case {
-    int batch, row_bytes;
+    int batch, row_bytes, heads_per_cta = 1;
   };
-  for (const Case cs :
-       {Case{1, 512}, Case{8, 512}, Case{32, 512}, Case{128, 512}, Case{128, 256}}) {
+  for (const Case cs : {Case{1, 512}, Case{8, 512}, Case{32, 512}, Case{128, 512}, Case{128, 256},
+                        Case{128, 256, 2}}) {
     const int batch = cs.batch;
     std::mt19937_64 rng(100 + batch);
     std::uniform_int_distribution<int64_t> ctx(8192, 131072);
@@ -159,6 +163,7 @@ int run() {
     a.table = upload(pg.table);
     a.max_pages = static_cast<int>(pg.max_pages);
     a.row_bytes = cs.row_bytes;
+    a.heads_per_cta = cs.heads_per_cta;
     const size_t pool_bytes = static_cast<size_t>(pg.pool) * kPage * kHkv * a.row_bytes;
     char *k = nullptr, *v = nullptr;
     BENCH_CUDA(cudaMalloc(&k, pool_bytes));
@@ -167,15 +172,16 @@ int run() {
     BENCH_CUDA(cudaMemset(v, 0, pool_bytes));
     a.k = k;
     a.v = v;
-    const int pairs = batch * kHkv;
+    const int pairs = batch * kHkv / cs.heads_per_cta;
     BENCH_CUDA(cudaMalloc(&a.partials, sizeof(float) * pairs * 64 * kPartFloats));
     BENCH_CUDA(cudaMalloc(&a.counters, sizeof(int) * pairs));
     BENCH_CUDA(cudaMemset(a.counters, 0, sizeof(int) * pairs));
     BENCH_CUDA(cudaMalloc(&a.out, sizeof(float) * pairs * std::max(64, kPartFloats)));
-    for (const int s : split_counts) {
+    for (const int s : batch == 128 ? std::vector<int>{1} : split_counts) {
       if (pairs * s > 2 * 132 * 2) continue;  // past two waves this is no longer a latency case
       a.splits = s;
-      fmt::print("b{}_s{:<5} {:>6} {:>6}", batch, s, pairs * s, cs.row_bytes == 256 ? "fp8" : "");
+      fmt::print("b{}_s{:<5} {:>6} {:>6}", batch, s, pairs * s,
+                 cs.row_bytes == 256 ? (cs.heads_per_cta == 2 ? "fp8_2h" : "fp8") : "");
       for (int stage = 0; stage <= 4; ++stage) {
         a.stage = stage;
         const Timing t = timer.time_graph([&](cudaStream_t st) {
