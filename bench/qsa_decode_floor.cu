@@ -81,7 +81,8 @@ __global__ void __launch_bounds__(kThreads) decode_chain(const Args a) {
   }
   if (a.stage >= 3) {
     // Chunk c of an entry: K or V (c / (4 pieces)), token c / pieces % 4, 16 bytes c % pieces
-    // of its row; every chunk of the split's entries in flight at once.
+    // of its row (with _2h, of both heads' adjacent rows); every chunk of the split's entries in
+    // flight at once.
     const int pieces = a.heads_per_cta * a.row_bytes / 16, chunks = 2 * 4 * pieces;
     const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(buf));
     for (int i = tid; i < n * chunks; i += kThreads) {
@@ -131,7 +132,8 @@ int run() {
   fmt::print("graph-replayed, L2 flushed, us (median of 15)\n{:8} {:>6} {:>6}", "case", "CTAs", "");
   for (const char* s : {"launch", "+ids", "+pages", "+K/V", "+merge"}) fmt::print(" {:>8}", s);
   fmt::print("\n");
-  // B = 128 at one split, bf16 and FP8 rows: the bandwidth the scattered rows reach.
+  // B = 128 at one split, bf16 and FP8 rows (and FP8 a CTA for both heads): the bandwidth the
+  // scattered rows reach.
   struct Case {
     int batch, row_bytes, heads_per_cta = 1;
   };
