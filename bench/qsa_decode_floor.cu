@@ -4,7 +4,10 @@
 // (issue 15's B = 1 and 8 bars) show the latency chain; B = 128 at one split shows how much of
 // the DRAM's bandwidth scattered rows of this size reach (bf16 rows of 512 bytes, or FP8 rows of
 // 256, issue 16's bar), and FP8 with a CTA taking both KV heads of a row (rows named _2h: a
-// token's two 256-byte rows are 512 contiguous bytes). The chain is the one every paged sparse
+// token's two 256-byte rows are 512 contiguous bytes), and FP8 with the blocks chosen in adjacent
+// pairs (fp8_pr: 8 contiguous tokens an access, as many bytes as a bf16 block's 4). The two FP8
+// variants test whether request size or the unit of locality is what FP8's rows lack against
+// bf16's (docs/perf-notes.md, issue 16, session 32). The chain is the one every paged sparse
 // decode kernel has:
 //   stage 0: the launch alone (each CTA writes one word);
 //   stage 1: + the row's block ids (the hint, 512 blocks and the tail);
@@ -136,9 +139,10 @@ int run() {
   // scattered rows reach.
   struct Case {
     int batch, row_bytes, heads_per_cta = 1;
+    bool paired = false;  // the blocks come in adjacent pairs: 8 contiguous tokens an access
   };
   for (const Case cs : {Case{1, 512}, Case{8, 512}, Case{32, 512}, Case{128, 512}, Case{128, 256},
-                        Case{128, 256, 2}}) {
+                        Case{128, 256, 2}, Case{128, 256, 1, true}}) {
     const int batch = cs.batch;
     std::mt19937_64 rng(100 + batch);
     std::uniform_int_distribution<int64_t> ctx(8192, 131072);
@@ -147,11 +151,12 @@ int run() {
     const Pages pg = make_pages(lens, kPage, rng);
     std::vector<int32_t> hint(batch * kBlocks);
     for (int b = 0; b < batch; ++b) {
-      std::vector<int32_t> all((lens[b] - 1) / 4);
+      const int unit = cs.paired ? 2 : 1;
+      std::vector<int32_t> all((lens[b] - 1) / (4 * unit));
       std::iota(all.begin(), all.end(), 0);
       std::shuffle(all.begin(), all.end(), rng);
-      std::sort(all.begin(), all.begin() + kBlocks);
-      std::copy(all.begin(), all.begin() + kBlocks, hint.begin() + b * kBlocks);
+      std::sort(all.begin(), all.begin() + kBlocks / unit);
+      for (int i = 0; i < kBlocks; ++i) hint[b * kBlocks + i] = unit * all[i / unit] + i % unit;
     }
     auto upload = [](const std::vector<int32_t>& h) {
       int32_t* d = nullptr;
@@ -183,7 +188,10 @@ int run() {
       if (pairs * s > 2 * 132 * 2) continue;  // past two waves this is no longer a latency case
       a.splits = s;
       fmt::print("b{}_s{:<5} {:>6} {:>6}", batch, s, pairs * s,
-                 cs.row_bytes == 256 ? (cs.heads_per_cta == 2 ? "fp8_2h" : "fp8") : "");
+                 cs.row_bytes == 256 ? (cs.heads_per_cta == 2 ? "fp8_2h"
+                                        : cs.paired           ? "fp8_pr"
+                                                              : "fp8")
+                                     : "");
       for (int stage = 0; stage <= 4; ++stage) {
         a.stage = stage;
         const Timing t = timer.time_graph([&](cudaStream_t st) {

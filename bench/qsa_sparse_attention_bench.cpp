@@ -18,7 +18,8 @@
 //     bytes.
 //     _fp8_f16q rows: FP8 K/V under FP16 queries (the widening's cost against _fp8). _b2b rows
 //     (B = 1, 8): 20 calls back to back in one graph, the time a call (code and metadata in
-//     L2, no launch gap; at these batches the K/V bytes fit L2 too).
+//     L2, no launch gap; at these batches the K/V bytes fit L2 too). decode_b128_fp8_hint_b2b:
+//     the same at B = 128, whose 272 MB of K/V do not fit L2: a layer after layer's steady state.
 //   prefill: one request of 16K, 64K, 128K tokens, every row attending to its 2051-token
 //     structured selection: the 64 most recent complete blocks plus the 448 most important
 //     older ones under a fixed per-block importance, so neighbouring rows share most blocks
@@ -474,6 +475,7 @@ int main(int argc, char** argv) {
   for (int64_t b : {1, 8, 32, 128}) {
     if (!want(fmt::format("decode_b{}_fp8", b))) continue;
     std::vector<DecodeRun> runs = {{0, true, false}, {0, true, false, true}};
+    if (b == 128) runs.push_back({0, false, false, true, true});
     if (sweep) {
       for (int splits : {1, 2, 4, 8, 16, 33}) runs.push_back({splits, false, false});
       for (int splits : {1, 2, 4, 8, 16}) runs.push_back({splits, false, false, true});
