@@ -135,8 +135,8 @@ int run() {
   fmt::print("graph-replayed, L2 flushed, us (median of 15)\n{:8} {:>6} {:>6}", "case", "CTAs", "");
   for (const char* s : {"launch", "+ids", "+pages", "+K/V", "+merge"}) fmt::print(" {:>8}", s);
   fmt::print("\n");
-  // B = 128 at one split, bf16 and FP8 rows (and FP8 a CTA for both heads): the bandwidth the
-  // scattered rows reach.
+  // B = 128 at one split, bf16 and FP8 rows (and FP8 a CTA for both heads, or its blocks in
+  // adjacent pairs): the bandwidth the scattered rows reach.
   struct Case {
     int batch, row_bytes, heads_per_cta = 1;
     bool paired = false;  // the blocks come in adjacent pairs: 8 contiguous tokens an access
