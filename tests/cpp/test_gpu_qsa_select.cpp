@@ -295,7 +295,11 @@ INSTANTIATE_TEST_SUITE_P(
                       ExpandCase{"rows64_k2048", {64, 2048}, true, false},
                       ExpandCase{"b2_q7_k37_strided", {2, 7, 37}, true, true},
                       ExpandCase{"rows33_k100_strided_tokens_only", {33, 100}, false, true},
-                      ExpandCase{"rows70000_k4_many_rows", {70000, 4}, true, false}),
+                      ExpandCase{"rows70000_k4_many_rows", {70000, 4}, true, false},
+                      // More rows than one wave of CTAs (one warp a row), full rounds and a
+                      // partial one.
+                      ExpandCase{"rows5000_k600_many_rows", {5000, 600}, true, false},
+                      ExpandCase{"b40_q100_k37_many_rows_strided", {40, 100, 37}, true, true}),
     [](const auto& info) { return info.param.name; });
 
 // int64 block ids and positions (values past the int32 range among them: positions above
