@@ -1,10 +1,10 @@
 // Native qsa_expand_blocks, bit-exact with the reference (src/reference/qsa_select_ref.cpp). A
 // group of warps takes a row (rows strided over the grid's groups). A round hands each thread of
-// the group an equal share of 512 ids, a warp's lanes adjacent ones; a ballot ranks the kept ids
-// within the warp, and one barrier of the group shares each warp's counts, so every kept id knows
-// its output slot (the kept ids before it): the outputs keep the input order and are compacted,
-// as the reference writes them. A warp's kept blocks then have adjacent slots, so their tokens go
-// out as one 16-byte store a block where the row is contiguous and aligned.
+// the group a few ids, a warp's lanes adjacent ones; a ballot ranks the kept ids within the warp,
+// and one barrier of the group shares each warp's counts, so every kept id knows its output slot
+// (the kept ids before it): the outputs keep the input order and are compacted, as the
+// reference writes them. A warp's kept blocks then have adjacent slots, so their tokens go out
+// as one 16-byte store a block where the row is contiguous and aligned.
 #include <cuda_runtime.h>
 
 #include <algorithm>
