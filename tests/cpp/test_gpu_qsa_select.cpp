@@ -106,14 +106,17 @@ enum class Scores {
   kConstant,   // every score equal: the whole selection is decided by the tie rule
   kBits,       // every 32-bit pattern alike: NaN payloads of both signs, denormals, infinities
   kNarrow,     // distinct values in [1, 1 + 2^-8): one bin of the first radix digit holds them all
+  kTies,       // 65 finite values: bins linear in value hold runs of equal scores
+  kSpecials,   // kQuantised without +-FLT_MAX: a finite range, so rows of it are binned by value
+  kAlternate,  // even rows kDistinct, odd rows kTies
 };
 
-float quantised(std::mt19937_64& rng) {
+float quantised(std::mt19937_64& rng, bool extremes = true) {
   static const float special[] = {-kInf,         kInf,    NAN,     -0.f,     0.f,   FLT_TRUE_MIN,
                                   -FLT_TRUE_MIN, FLT_MIN, FLT_MAX, -FLT_MAX, 0.25f, -1.5f};
   std::uniform_int_distribution<int> pick(0, 3 * 12 - 1);
   const int i = pick(rng);
-  if (i < 12) return special[i];
+  if (i < 12) return extremes || std::fabs(special[i]) != FLT_MAX ? special[i] : 0.5f;
   return static_cast<float>(i % 9 - 4) * 0.125f;
 }
 
@@ -124,14 +127,19 @@ void fill_scores(const TensorView& view, Scores kind, std::mt19937_64& rng) {
   std::uniform_real_distribution<float> uniform(-8.f, 8.f);
   std::uniform_int_distribution<uint32_t> bits;
   std::uniform_real_distribution<float> narrow(0.f, 1.f);
+  std::uniform_int_distribution<int> ties(-32, 32);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t visible = kind == Scores::kCausal ? r * nb / rows : nb;
+    const Scores row_kind =
+        kind == Scores::kAlternate ? (r % 2 ? Scores::kTies : Scores::kDistinct) : kind;
     for (int64_t j = 0; j < nb; ++j) {
-      float s = kind == Scores::kDistinct   ? uniform(rng)
-                : kind == Scores::kConstant ? 1.f
-                : kind == Scores::kBits     ? std::bit_cast<float>(bits(rng))
-                : kind == Scores::kNarrow   ? 1.f + std::ldexp(narrow(rng), -8)
-                                            : quantised(rng);
+      float s = row_kind == Scores::kDistinct   ? uniform(rng)
+                : row_kind == Scores::kSpecials ? quantised(rng, false)
+                : row_kind == Scores::kConstant ? 1.f
+                : row_kind == Scores::kBits     ? std::bit_cast<float>(bits(rng))
+                : row_kind == Scores::kNarrow   ? 1.f + std::ldexp(narrow(rng), -8)
+                : row_kind == Scores::kTies     ? static_cast<float>(ties(rng)) * 0.125f
+                                                : quantised(rng);
       if (j >= visible) s = -kInf;
       if (view.dim() == 3) {
         testing::set(view, {r / q, r % q, j}, s);
@@ -195,6 +203,23 @@ std::vector<TopkCase> topk_cases() {
       {"b3_q5_nb777_k100_strided", {3, 5, 777}, 100, S::kQuantised, true},
       {"rows9_nb2500_k300_strided_distinct", {9, 2500}, 300, S::kDistinct, true},
       {"rows3000_nb64_k8_many_rows", {3000, 64}, 8, S::kQuantised, false},
+      // Rows read once into registers (at most 16 scores a thread), binned linearly in value:
+      // at the boundary (8192 at 512 threads a row), with equal scores in the bins taken (ties),
+      // and in ManyRows CTAs (4096 at 256 threads).
+      {"rows8_nb8192_k512_distinct_registers", {8, 8192}, 512, S::kDistinct, false},
+      {"rows8_nb8193_k512_distinct_past_registers", {8, 8193}, 512, S::kDistinct, false},
+      {"rows8_nb8192_k512_ties_registers", {8, 8192}, 512, S::kTies, false},
+      {"rows8_nb5000_k2048_ties_crowded", {8, 5000}, 2048, S::kTies, false},
+      {"rows1000_nb4096_k512_distinct_many_rows_registers", {1000, 4096}, 512, S::kDistinct, false},
+      // Step 0 with infinities, NaN, -0 / +0 and denormals in its range (every score kept, and
+      // a few), and a CTA's rows alternating between step 0 and its fallback (crowded ties).
+      {"rows64_nb256_k256_specials_registers", {64, 256}, 256, S::kSpecials, false},
+      {"rows64_nb256_k32_specials_registers", {64, 256}, 32, S::kSpecials, false},
+      {"rows1000_nb4096_k2048_alternate_many_rows_registers",
+       {1000, 4096},
+       2048,
+       S::kAlternate,
+       false},
       // ManyRows CTAs (rows past two CTAs an SM) on long rows: the blocks above the threshold
       // bin and the bin's own fit the 4096 candidates (distinct), or do not (narrow, k = 4090:
       // ~4200 of them, so the blocks above the narrowed bin are taken during the row pass).

@@ -6,6 +6,14 @@
 // key, as they compare equal); non-finite scores are never counted or taken. A block's
 // composite (key, ~id) is unique, and its descending order is the reference's (score
 // descending, ties by ascending id). Per row:
+//   0. a row of at most kRegisterScores scores a thread (8192 at 512 threads a row: the decode
+//      rows of contexts up to 32K tokens) is read once, into registers. Its scores are binned
+//      linearly between the row's lowest and highest (4096 bins: a row of dot products holds a few
+//      scores a bin, where the key's first digit below holds ~100), each bin's start from the top
+//      is counted, and every score in the bin of the k-th or above is stored at the next slot of
+//      its bin; its final index is its bin's start plus the larger composites in its bin. One read,
+//      no radix, no sort. A row whose scores do not spread (a crowded bin, or a range float cannot
+//      scale) goes on to step 1;
 //   1. one pass over the row histograms the first 12 bits of the keys; the bin holding the k-th
 //      block is usually a few percent of the row;
 //   2. one more pass copies the blocks of that bin and of the higher ones (the candidates, every
@@ -89,10 +97,12 @@ struct SharedStorage {
   alignas(16) int hist[kMaxBins];
   int warp_sums[2][C::kWarps];
   PassResult result[2];
-  int selected;    // append cursor of the selection
-  int candidates;  // append cursor of the candidates
-  unsigned work;   // the placement's in-bin compares (sum of its bins' sizes^2)
-  int digits[2];   // the first pass's lowest and highest non-empty finite bins
+  int selected;                      // append cursor of the selection
+  int candidates;                    // append cursor of the candidates
+  unsigned work;                     // the placement's in-bin compares (sum of its bins' sizes^2)
+  int digits[2];                     // the first pass's lowest and highest non-empty finite bins
+  uint32_t warp_keys[2][C::kWarps];  // step 0: each warp's lowest and highest finite keys
+  int threshold_bin;                 // step 0: the bin holding the k-th score
 };
 
 // The candidates are ordered by counting (the kernel's comment, step 3) while their in-range
@@ -269,27 +279,31 @@ __device__ int choose_digit(SharedStorage<C>& s, RadixState& st, int& round, int
 
 // Once s.hist holds counts (and a barrier has passed): replaces every bin's count by the
 // number of values in the bins above it (where the bin's values start in descending order),
-// adds the bins' squared sizes to s.work (one atomic a warp: shared 64-bit or contended atomics
-// serialise), and ends with a barrier. Every thread calls it, with the same `round`.
+// adds the squared sizes of the bins that start below `wanted` (the bins of the wanted largest
+// values) to s.work (one atomic a warp: shared 64-bit or contended atomics serialise), sets
+// s.threshold_bin to the bin holding the wanted-th value when there are that many, and ends
+// with a barrier. Every thread calls it, with the same `round`.
 template <typename C>
-__device__ void bin_starts(SharedStorage<C>& s, int& round) {
+__device__ void bin_starts(SharedStorage<C>& s, int& round, int wanted = INT_MAX) {
   constexpr int kBinsPerThread = kMaxBins / C::kThreads;
   int counts[kBinsPerThread] = {};
   int4* const h = read_bins<C>(s, kMaxBins, counts, false);
   int sum = 0;
-  unsigned work = 0;
 #pragma unroll
-  for (int i = 0; i < kBinsPerThread; ++i) {
-    sum += counts[i];
-    const unsigned c = min(static_cast<unsigned>(counts[i]), 1024u);
-    work = min(work + c * c, kWorkCap);
-  }
+  for (int i = 0; i < kBinsPerThread; ++i) sum += counts[i];
   int total = 0;
   int run = block_exclusive_sum<C>(sum, s, round, total);
   int start[kBinsPerThread];
+  unsigned work = 0;
 #pragma unroll
   for (int i = 0; i < kBinsPerThread; ++i) {
     start[i] = run;
+    if (run < wanted) {
+      const unsigned c = min(static_cast<unsigned>(counts[i]), 1024u);
+      work = min(work + c * c, kWorkCap);
+      if (run + counts[i] >= wanted)
+        s.threshold_bin = kMaxBins - 1 - (threadIdx.x * kBinsPerThread + i);
+    }
     run += counts[i];
   }
 #pragma unroll
@@ -560,6 +574,96 @@ __device__ void emit_row(const TopkProblem& p, SharedStorage<C>& s, int& round, 
         static_cast<int32_t>(filled + tail);
 }
 
+// Step 0 of the kernel's comment, for a row of at most kRegisterScores scores a thread
+// (columns [lo, hi)). Returns true with the row's selection in order in buf[0, selected)
+// (selected = min(visible scores, k)) and s.hist still holding the placement's bin ends, to be
+// cleared after a barrier; false, with s.hist and s.work zero again after a barrier, when the
+// row's scores do not spread enough for it. Every thread calls it; the outcome is uniform.
+constexpr int kRegisterScores = 16;
+template <typename C>
+__device__ bool select_in_registers(SharedStorage<C>& s, int& round, const float* row, int64_t cs,
+                                    int lo, int hi, int k, uint64_t* cand, uint64_t* buf,
+                                    int& selected) {
+  constexpr int kThreads = C::kThreads;
+  static_assert(kRegisterScores * kThreads <= C::kCandidates, "every visible score fits cand");
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  float x[kRegisterScores];  // column lo + tid + i * kThreads; NaN past the row
+#pragma unroll
+  for (int i = 0; i < kRegisterScores; ++i) {
+    const int64_t j = int64_t{lo} + tid + i * kThreads;
+    x[i] = j < hi ? row[j * cs] : NAN;
+  }
+  const auto finite = [](float v) { return fabsf(v) <= FLT_MAX; };
+  uint32_t lowest = 0xffffffffu, highest = 0;
+  int visible = 0;
+#pragma unroll
+  for (int i = 0; i < kRegisterScores; ++i) {
+    if (finite(x[i])) {
+      const uint32_t key = raw_key(x[i]);
+      lowest = min(lowest, key);
+      highest = max(highest, key);
+      ++visible;
+    }
+  }
+  lowest = __reduce_min_sync(0xffffffffu, lowest);
+  highest = __reduce_max_sync(0xffffffffu, highest);
+  if (lane == 0) {
+    s.warp_keys[0][warp] = lowest;
+    s.warp_keys[1][warp] = highest;
+  }
+  int total = 0;
+  block_exclusive_sum<C>(visible, s, round, total);  // its barrier publishes warp_keys too
+  visible = total;
+#pragma unroll
+  for (int w = 0; w < C::kWarps; ++w) {
+    lowest = min(lowest, s.warp_keys[0][w]);
+    highest = max(highest, s.warp_keys[1][w]);
+  }
+  // Bins linear in value: rounding keeps bin() monotone (x > y gives bin(x) >= bin(y), equal
+  // scores share a bin), so the descending order is (bin, composite) descending.
+  const float low = key_value(lowest), range = key_value(highest) - low;
+  // Any positive finite scale keeps the bins monotone, so the approximate division will do (an
+  // exact one has a slow path: a call, with every live register spilled around it).
+  const float scale = __fdividef(float{kMaxBins}, range);
+  if (visible == 0 || !(range > 0.0f && range <= FLT_MAX && scale > 0.0f && scale <= FLT_MAX))
+    return false;
+  const auto bin = [&](float v) { return min(kMaxBins - 1, __float2int_rz((v - low) * scale)); };
+#pragma unroll
+  for (int i = 0; i < kRegisterScores; ++i)
+    if (finite(x[i])) atomicAdd(&s.hist[bin(x[i])], 1);
+  __syncthreads();
+  selected = min(visible, k);
+  bin_starts<C>(s, round, selected);
+  if (s.work > kRankComparesPerThread * kThreads) {
+    __syncthreads();  // every thread has read s.work
+    clear_bins(s);
+    if (tid == 0) s.work = 0;
+    __syncthreads();
+    return false;
+  }
+  const int threshold = s.threshold_bin;
+#pragma unroll
+  for (int i = 0; i < kRegisterScores; ++i) {
+    if (finite(x[i]) && bin(x[i]) >= threshold) {
+      const auto j = static_cast<uint32_t>(int64_t{lo} + tid + i * kThreads);
+      cand[atomicAdd(&s.hist[bin(x[i])], 1)] = composite(raw_key(x[i]), j);
+    }
+  }
+  __syncthreads();
+  // Bin d now spans [hist[d + 1], hist[d]) (the top bin from 0), and the candidates are
+  // cand[0, hist[threshold]).
+  const int placed = s.hist[threshold];
+  for (int c = tid; c < placed; c += kThreads) {
+    const uint64_t candidate = cand[c];
+    const int d = bin(key_value(static_cast<uint32_t>(candidate >> 32)));
+    const int end = s.hist[d];
+    int index = d + 1 < kMaxBins ? s.hist[d + 1] : 0;
+    for (int e = index; e < end; ++e) index += cand[e] > candidate;
+    if (index < k) buf[index] = candidate;
+  }
+  return true;
+}
+
 // kSharedSort: the selection is sorted in dynamic shared memory (then global_sort is null),
 // otherwise in the CTA's part of global_sort (sort_capacity composites a CTA).
 template <typename C, bool kSharedSort>
@@ -612,8 +716,18 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
       s.work = 0;
     }
 
-    RadixState st;
     const int k = static_cast<int>(std::min<int64_t>(p.k, INT_MAX));
+    int register_selected = 0;
+    if (hi - lo <= kRegisterScores * kThreads &&
+        select_in_registers<C>(s, round, row, cs, lo, hi, k, cand, buf, register_selected)) {
+      __syncthreads();
+      clear_bins(s);  // the placement's bin ends; the next barrier is the row's last
+      emit_row<C>(p, s, round, buf, register_selected, r, pos);
+      __syncthreads();
+      continue;
+    }
+
+    RadixState st;
     st.remaining = k;
     // The first pass leaves s.hist zero and s.digits the range of the first digits present.
     const int visible = first_pass<C>(s, st, round, row, cs, lo, hi);
