@@ -315,6 +315,23 @@ __device__ void bin_starts(SharedStorage<C>& s, int& round, int wanted = INT_MAX
   __syncthreads();
 }
 
+// Once the candidates placed[0, n) sit in their bins, bin d spanning [hist[d + 1], hist[d])
+// (the top bin from 0) with bin(x) its bin: stores each at its index in descending order (its
+// bin's start plus the larger composites in its bin) where that index is below k. Every thread
+// calls it.
+template <typename C, typename Bin>
+__device__ __forceinline__ void store_ranked(const SharedStorage<C>& s, const uint64_t* placed,
+                                             int n, int k, uint64_t* buf, Bin&& bin) {
+  for (int c = threadIdx.x; c < n; c += C::kThreads) {
+    const uint64_t x = placed[c];
+    const int d = bin(x);
+    const int end = s.hist[d];
+    int index = d + 1 < kMaxBins ? s.hist[d + 1] : 0;
+    for (int e = index; e < end; ++e) index += placed[e] > x;
+    if (index < k) buf[index] = x;
+  }
+}
+
 // One radix pass: histograms the next digit of the values visit(f) yields (f(value) per value,
 // from every thread) that carry the state's prefix, then chooses the digit.
 template <typename C, typename Visit>
@@ -650,17 +667,10 @@ __device__ bool select_in_registers(SharedStorage<C>& s, int& round, const float
     }
   }
   __syncthreads();
-  // Bin d now spans [hist[d + 1], hist[d]) (the top bin from 0), and the candidates are
-  // cand[0, hist[threshold]).
-  const int placed = s.hist[threshold];
-  for (int c = tid; c < placed; c += kThreads) {
-    const uint64_t candidate = cand[c];
-    const int d = bin(key_value(static_cast<uint32_t>(candidate >> 32)));
-    const int end = s.hist[d];
-    int index = d + 1 < kMaxBins ? s.hist[d + 1] : 0;
-    for (int e = index; e < end; ++e) index += cand[e] > candidate;
-    if (index < k) buf[index] = candidate;
-  }
+  // The candidates are cand[0, hist[threshold]); a candidate's bin is its score's, which its
+  // key gives back exactly.
+  store_ranked<C>(s, cand, s.hist[threshold], k, buf,
+                  [&](uint64_t x) { return bin(key_value(static_cast<uint32_t>(x >> 32))); });
   return true;
 }
 
@@ -786,15 +796,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
           placed[atomicAdd(&s.hist[range(cand[c])], 1)] = cand[c];
         __syncthreads();
         if (s.work <= kRankComparesPerThread * kThreads) {
-          // Range d now spans [hist[d + 1], hist[d]) (the top range from 0).
-          for (int c = tid; c < nc; c += kThreads) {
-            const uint64_t x = placed[c];
-            const int d = range(x);
-            const int end = s.hist[d];
-            int index = d + 1 < kMaxBins ? s.hist[d + 1] : 0;
-            for (int e = index; e < end; ++e) index += placed[e] > x;
-            if (index < k) buf[index] = x;
-          }
+          store_ranked<C>(s, placed, nc, k, buf, range);
         } else {
           // A crowded range (many equal or nearly equal scores): select and sort instead.
           sorted = false;
