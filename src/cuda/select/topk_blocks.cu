@@ -544,51 +544,71 @@ __device__ void bitonic_sort_descending(uint64_t* buf, Index n) {
   }
 }
 
+// Quotient of a >= 0 by b > 0, and the remainder in `rem`: in 32 bits when both fit, since a
+// 64-bit division is a call of some 70 instructions on the row's critical path.
+__device__ __forceinline__ int64_t div_rem(int64_t a, int64_t b, int64_t& rem) {
+  if ((a | b) <= INT32_MAX) {
+    const uint32_t q = static_cast<uint32_t>(a) / static_cast<uint32_t>(b);
+    rem = static_cast<uint32_t>(a) - q * static_cast<uint32_t>(b);
+    return q;
+  }
+  rem = a % b;
+  return a / b;
+}
+
 // Writes the sorted selection buf[0..selected) as block ids (then -1), and, when asked, its
 // expansion to token ids at position `pos` and their count (qsa_expand_blocks' rule: block b is
-// kept iff 4b + 3 <= pos, in order, then the tail of the current block, then -1).
+// kept iff 4b + 3 <= pos, in order, then the tail of the current block, then -1). k is at most
+// INT32_MAX, and 4k + 3 fits 32 bits where there are tokens (both checked at the API), so the
+// loops count in 32 bits: the row's last phase is a chain of dependent instructions, and 64-bit
+// counters doubled it.
 template <typename C>
 __device__ void emit_row(const TopkProblem& p, SharedStorage<C>& s, int& round, const uint64_t* buf,
-                         int64_t selected, int64_t r, int32_t pos) {
+                         int selected, int64_t r, int32_t pos) {
   constexpr int kThreads = C::kThreads;
   const int tid = threadIdx.x;
-  const auto id_at = [&](int64_t j) {
+  const auto id_at = [&](int j) {
     return static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(buf[j]));
   };
-  const int64_t b = r / p.rows, i = r % p.rows;
-  int32_t* out = p.out + b * p.out_batch_stride + i * p.out_row_stride;
-  for (int64_t j = tid; j < p.k; j += kThreads)
-    out[j * p.out_col_stride] = j < selected ? id_at(j) : -1;
+  int64_t i = 0;
+  const int64_t b = div_rem(r, p.rows, i);
+  const auto k = static_cast<uint32_t>(p.k);
+  {
+    const int64_t cs = p.out_col_stride;
+    int32_t* o = p.out + b * p.out_batch_stride + i * p.out_row_stride + tid * cs;
+    for (uint32_t j = tid; j < k; j += kThreads, o += kThreads * cs)
+      *o = j < static_cast<uint32_t>(selected) ? id_at(static_cast<int>(j)) : -1;
+  }
   if (!p.tokens && !p.counts) return;
-  int32_t* tokens =
-      p.tokens ? p.tokens + b * p.tokens_batch_stride + i * p.tokens_row_stride : nullptr;
   const int64_t tcs = p.tokens_col_stride;
-  int64_t kept = 0;  // uniform: block totals
-  for (int64_t base = 0; base < selected; base += kThreads) {
-    const int64_t j = base + tid;
+  int32_t* const tokens =
+      p.tokens ? p.tokens + b * p.tokens_batch_stride + i * p.tokens_row_stride : nullptr;
+  // Block id is kept iff 4 id + 3 <= pos, i.e. id < (pos + 1) / 4 (pos >= -1).
+  const auto kept_below = static_cast<int32_t>((int64_t{pos} + 1) / kBlockTokens);
+  int kept = 0;  // uniform: block totals
+  for (int base = 0; base < selected; base += kThreads) {
+    const int j = base + tid;
     const int32_t id = j < selected ? id_at(j) : -1;
-    const bool keep = id >= 0 && kBlockTokens * id + kBlockTokens - 1 <= pos;
+    const bool keep = id >= 0 && id < kept_below;
     int total = 0;
     const int before = block_exclusive_sum<C>(keep, s, round, total);
     if (keep && tokens) {
-      const int64_t slot = kept + before;
+      int32_t* t = tokens + int64_t{kBlockTokens} * (kept + before) * tcs;
 #pragma unroll
-      for (int t = 0; t < kBlockTokens; ++t)
-        tokens[(kBlockTokens * slot + t) * tcs] = static_cast<int32_t>(kBlockTokens * id + t);
+      for (int e = 0; e < kBlockTokens; ++e) t[e * tcs] = kBlockTokens * id + e;
     }
     kept += total;
   }
-  const int64_t tail_start = kBlockTokens * ((int64_t{pos} + 1) / kBlockTokens);
-  const int64_t tail = pos >= 0 ? pos - tail_start + 1 : 0;
-  const int64_t filled = kBlockTokens * kept;
+  const int64_t tail_start = int64_t{kBlockTokens} * kept_below;
+  const int tail = pos >= 0 ? static_cast<int>(pos - tail_start + 1) : 0;
+  const int filled = kBlockTokens * kept;
   if (tokens) {
-    const int64_t width = kBlockTokens * p.k + kBlockTokens - 1;
+    const int width = kBlockTokens * static_cast<int>(k) + kBlockTokens - 1;
     if (tid < tail) tokens[(filled + tid) * tcs] = static_cast<int32_t>(tail_start + tid);
-    for (int64_t j = filled + tail + tid; j < width; j += kThreads) tokens[j * tcs] = -1;
+    for (int j = filled + tail + tid; j < width; j += kThreads) tokens[j * tcs] = -1;
   }
   if (p.counts && tid == 0)
-    p.counts[b * p.counts_batch_stride + i * p.counts_row_stride] =
-        static_cast<int32_t>(filled + tail);
+    p.counts[b * p.counts_batch_stride + i * p.counts_row_stride] = filled + tail;
 }
 
 // Step 0 of the kernel's comment, for a row of at most kRegisterScores scores a thread
@@ -604,26 +624,37 @@ __device__ bool select_in_registers(SharedStorage<C>& s, int& round, const float
   constexpr int kThreads = C::kThreads;
   static_assert(kRegisterScores * kThreads <= C::kCandidates, "every visible score fits cand");
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  float x[kRegisterScores];  // column lo + tid + i * kThreads; NaN past the row
+  // Column lo + tid + i * kThreads; NaN past the row. The row's columns are few enough for
+  // 32-bit offsets, and a unit stride makes them immediates of one base: the index arithmetic
+  // of 16 64-bit column offsets was a quarter of the row's instructions.
+  float x[kRegisterScores];
+  const int n = hi - lo;
+  if (cs == 1) {
+    const float* const base = row + lo + tid;
 #pragma unroll
-  for (int i = 0; i < kRegisterScores; ++i) {
-    const int64_t j = int64_t{lo} + tid + i * kThreads;
-    x[i] = j < hi ? row[j * cs] : NAN;
+    for (int i = 0; i < kRegisterScores; ++i)
+      x[i] = tid + i * kThreads < n ? base[i * kThreads] : NAN;
+  } else {
+    const float* const base = row + (int64_t{lo} + tid) * cs;
+    const int64_t step = kThreads * cs;
+#pragma unroll
+    for (int i = 0; i < kRegisterScores; ++i) x[i] = tid + i * kThreads < n ? base[i * step] : NAN;
   }
   const auto finite = [](float v) { return fabsf(v) <= FLT_MAX; };
-  uint32_t lowest = 0xffffffffu, highest = 0;
+  // The thread's lowest and highest finite scores as floats (-0 and +0 may come out either way:
+  // they share a key), then as keys for the warp's integer reductions; +inf and -inf, the
+  // identities, have keys above and below every finite one.
+  float low_f = INFINITY, high_f = -INFINITY;
   int visible = 0;
 #pragma unroll
   for (int i = 0; i < kRegisterScores; ++i) {
-    if (finite(x[i])) {
-      const uint32_t key = raw_key(x[i]);
-      lowest = min(lowest, key);
-      highest = max(highest, key);
-      ++visible;
-    }
+    const bool f = finite(x[i]);
+    low_f = fminf(low_f, f ? x[i] : INFINITY);
+    high_f = fmaxf(high_f, f ? x[i] : -INFINITY);
+    visible += f;
   }
-  lowest = __reduce_min_sync(0xffffffffu, lowest);
-  highest = __reduce_max_sync(0xffffffffu, highest);
+  uint32_t lowest = __reduce_min_sync(0xffffffffu, raw_key(low_f));
+  uint32_t highest = __reduce_max_sync(0xffffffffu, raw_key(high_f));
   if (lane == 0) {
     s.warp_keys[0][warp] = lowest;
     s.warp_keys[1][warp] = highest;
@@ -645,9 +676,12 @@ __device__ bool select_in_registers(SharedStorage<C>& s, int& round, const float
   if (visible == 0 || !(range > 0.0f && range <= FLT_MAX && scale > 0.0f && scale <= FLT_MAX))
     return false;
   const auto bin = [&](float v) { return min(kMaxBins - 1, __float2int_rz((v - low) * scale)); };
+  // No branch a score: a non-finite one adds 0, to a bin of its own thread's (no conflicts).
 #pragma unroll
-  for (int i = 0; i < kRegisterScores; ++i)
-    if (finite(x[i])) atomicAdd(&s.hist[bin(x[i])], 1);
+  for (int i = 0; i < kRegisterScores; ++i) {
+    const bool f = finite(x[i]);
+    atomicAdd(&s.hist[f ? bin(x[i]) : tid % kMaxBins], int{f});
+  }
   __syncthreads();
   selected = min(visible, k);
   bin_starts<C>(s, round, selected);
@@ -662,7 +696,7 @@ __device__ bool select_in_registers(SharedStorage<C>& s, int& round, const float
 #pragma unroll
   for (int i = 0; i < kRegisterScores; ++i) {
     if (finite(x[i]) && bin(x[i]) >= threshold) {
-      const auto j = static_cast<uint32_t>(int64_t{lo} + tid + i * kThreads);
+      const auto j = static_cast<uint32_t>(lo + tid + i * kThreads);
       cand[atomicAdd(&s.hist[bin(x[i])], 1)] = composite(raw_key(x[i]), j);
     }
   }
@@ -703,8 +737,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
 
   for (int64_t r = p.row_begin + blockIdx.x; r < p.row_end; r += gridDim.x) {
     const int64_t l = r - p.row_begin;
-    const float* row = p.scores + (l / p.score_rows) * p.scores_batch_stride +
-                       (l % p.score_rows) * p.scores_row_stride;
+    int64_t score_row = 0;
+    const int64_t score_batch = div_rem(l, p.score_rows, score_row);
+    const float* row =
+        p.scores + score_batch * p.scores_batch_stride + score_row * p.scores_row_stride;
     int lo = 0, hi = static_cast<int>(p.num_blocks);
     int32_t pos = -1;
     if (p.windows) {
