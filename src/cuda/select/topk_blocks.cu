@@ -561,7 +561,7 @@ __device__ __forceinline__ int64_t div_rem(int64_t a, int64_t b, int64_t& rem) {
 // kept iff 4b + 3 <= pos, in order, then the tail of the current block, then -1). k is at most
 // INT32_MAX, and 4k + 3 fits 32 bits where there are tokens (both checked at the API), so the
 // loops count in 32 bits: the row's last phase is a chain of dependent instructions, and 64-bit
-// counters doubled it.
+// counters lengthened it.
 template <typename C>
 __device__ void emit_row(const TopkProblem& p, SharedStorage<C>& s, int& round, const uint64_t* buf,
                          int selected, int64_t r, int32_t pos) {
