@@ -281,7 +281,7 @@ def malformed_params():
             yield pytest.param(name, family, marks=marks, id=f"{name}-{family}")
 
 
-@pytest.mark.parametrize("name,family", malformed_params())
+@pytest.mark.parametrize("name,family", list(malformed_params()))
 @profile(20)
 @given(data=st.data())
 def test_malformed_calls_raise_an_error_naming_an_argument(name, family, data):
