@@ -544,18 +544,6 @@ __device__ void bitonic_sort_descending(uint64_t* buf, Index n) {
   }
 }
 
-// Quotient of a >= 0 by b > 0, and the remainder in `rem`: in 32 bits when both fit, since a
-// 64-bit division is a call of some 70 instructions on the row's critical path.
-__device__ __forceinline__ int64_t div_rem(int64_t a, int64_t b, int64_t& rem) {
-  if ((a | b) <= INT32_MAX) {
-    const uint32_t q = static_cast<uint32_t>(a) / static_cast<uint32_t>(b);
-    rem = static_cast<uint32_t>(a) - q * static_cast<uint32_t>(b);
-    return q;
-  }
-  rem = a % b;
-  return a / b;
-}
-
 // Writes the sorted selection buf[0..selected) as block ids (then -1), and, when asked, its
 // expansion to token ids at position `pos` and their count (qsa_expand_blocks' rule: block b is
 // kept iff 4b + 3 <= pos, in order, then the tail of the current block, then -1). k is at most
@@ -570,8 +558,7 @@ __device__ void emit_row(const TopkProblem& p, SharedStorage<C>& s, int& round, 
   const auto id_at = [&](int j) {
     return static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(buf[j]));
   };
-  int64_t i = 0;
-  const int64_t b = div_rem(r, p.rows, i);
+  const int64_t b = r / p.rows, i = r % p.rows;
   const auto k = static_cast<uint32_t>(p.k);
   {
     const int64_t cs = p.out_col_stride;
@@ -737,8 +724,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
 
   for (int64_t r = p.row_begin + blockIdx.x; r < p.row_end; r += gridDim.x) {
     const int64_t l = r - p.row_begin;
-    int64_t score_row = 0;
-    const int64_t score_batch = div_rem(l, p.score_rows, score_row);
+    const int64_t score_batch = l / p.score_rows, score_row = l % p.score_rows;
     const float* row =
         p.scores + score_batch * p.scores_batch_stride + score_row * p.scores_row_stride;
     int lo = 0, hi = static_cast<int>(p.num_blocks);
