@@ -549,10 +549,10 @@ __device__ void bitonic_sort_descending(uint64_t* buf, Index n) {
 // kept iff 4b + 3 <= pos, in order, then the tail of the current block, then -1). k is at most
 // INT32_MAX, and 4k + 3 fits 32 bits where there are tokens (both checked at the API), so the
 // loops count in 32 bits: the row's last phase is a chain of dependent instructions, and 64-bit
-// counters lengthened it.
+// counters lengthened it. The selection's ids are below `hi` (the row's columns end).
 template <typename C>
 __device__ void emit_row(const TopkProblem& p, SharedStorage<C>& s, int& round, const uint64_t* buf,
-                         int selected, int64_t r, int32_t pos) {
+                         int selected, int64_t r, int32_t pos, int hi) {
   constexpr int kThreads = C::kThreads;
   const int tid = threadIdx.x;
   const auto id_at = [&](int j) {
@@ -573,7 +573,20 @@ __device__ void emit_row(const TopkProblem& p, SharedStorage<C>& s, int& round, 
   // Block id is kept iff 4 id + 3 <= pos, i.e. id < (pos + 1) / 4 (pos >= -1).
   const auto kept_below = static_cast<int32_t>((int64_t{pos} + 1) / kBlockTokens);
   int kept = 0;  // uniform: block totals
-  for (int base = 0; base < selected; base += kThreads) {
+  if (hi <= kept_below) {
+    // Every column is a complete block in the past (a decode row's usual window): the whole
+    // selection is kept, block j's tokens at 4 j, with no scan and its barrier.
+    if (tokens) {
+      for (int j = tid; j < selected; j += kThreads) {
+        const int32_t id = id_at(j);
+        int32_t* t = tokens + int64_t{kBlockTokens} * j * tcs;
+#pragma unroll
+        for (int e = 0; e < kBlockTokens; ++e) t[e * tcs] = kBlockTokens * id + e;
+      }
+    }
+    kept = selected;
+  }
+  for (int base = kept; base < selected; base += kThreads) {
     const int j = base + tid;
     const int32_t id = j < selected ? id_at(j) : -1;
     const bool keep = id >= 0 && id < kept_below;
@@ -754,7 +767,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
         select_in_registers<C>(s, round, row, cs, lo, hi, k, cand, buf, register_selected)) {
       __syncthreads();
       clear_bins(s);  // the placement's bin ends; the next barrier is the row's last
-      emit_row<C>(p, s, round, buf, register_selected, r, pos);
+      emit_row<C>(p, s, round, buf, register_selected, r, pos, hi);
       __syncthreads();
       continue;
     }
@@ -888,7 +901,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kCtasPerSm)
       __syncthreads();
       bitonic_sort_descending<C>(buf, n);
     }
-    emit_row<C>(p, s, round, buf, selected, r, pos);
+    emit_row<C>(p, s, round, buf, selected, r, pos, hi);
     __syncthreads();
   }
 }
