@@ -14,6 +14,7 @@
 #include "cuda/common/check.h"
 #include "cuda/common/device_guard.h"
 #include "cuda/common/device_props.h"
+#include "cuda/select/expand_rule.cuh"
 
 namespace sparse_attn {
 namespace cuda::select {
@@ -21,7 +22,6 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int64_t kBlockTokens = 4;  // block b covers tokens 4b .. 4b + 3
 
 // Warps a row, chosen once per launch (measured, docs/perf-notes.md, issue 17): while the rows
 // fit one wave of CTAs, a row's latency is the launch's, and four warps share its serial work;
@@ -122,12 +122,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm<kGroupWarps>)
       kept += before;
     }
 
-    // The tail of the incomplete block holding the query (none for p < 0), then padding.
-    const int64_t tail_start = kBlockTokens * ((pos + 1) / kBlockTokens);
-    const int64_t tail = pos >= 0 ? pos - tail_start + 1 : 0;
-    const int64_t filled = kBlockTokens * kept;
-    if (thread < tail) tokens[(filled + thread) * tcs] = static_cast<int32_t>(tail_start + thread);
-    for (int64_t j = filled + tail + thread; j < width; j += kGroupThreads) tokens[j * tcs] = -1;
+    write_tail<int64_t>(tokens, tcs, pos, kBlockTokens * kept, width, thread, kGroupThreads);
     if (blocks) {
       for (int64_t j = kept + thread; j < p.k; j += kGroupThreads)
         blocks[j * p.block_indices_col_stride] = -1;

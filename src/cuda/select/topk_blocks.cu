@@ -46,6 +46,7 @@
 #include "cuda/common/device_guard.h"
 #include "cuda/common/device_props.h"
 #include "cuda/common/kernel_attributes.h"
+#include "cuda/select/expand_rule.cuh"
 #include "cuda/select/topk_problem.h"
 
 namespace sparse_attn {
@@ -71,7 +72,6 @@ constexpr int kMaxBins = 1 << 12;
 // Global sort buffers (selections above kTopkMaxSharedSort) are capped at this many bytes in
 // all, by running fewer CTAs.
 constexpr int64_t kMaxGlobalSortBytes = int64_t{1} << 30;
-constexpr int64_t kBlockTokens = 4;
 // A warp's share of the sort in registers (two elements a lane); the sorted length is a power of
 // two of at least this.
 constexpr int kSortChunk = 64;
@@ -599,14 +599,10 @@ __device__ void emit_row(const TopkProblem& p, SharedStorage<C>& s, int& round, 
     }
     kept += total;
   }
-  const int64_t tail_start = int64_t{kBlockTokens} * kept_below;
-  const int tail = pos >= 0 ? static_cast<int>(pos - tail_start + 1) : 0;
   const int filled = kBlockTokens * kept;
-  if (tokens) {
-    const int width = kBlockTokens * static_cast<int>(k) + kBlockTokens - 1;
-    if (tid < tail) tokens[(filled + tid) * tcs] = static_cast<int32_t>(tail_start + tid);
-    for (int j = filled + tail + tid; j < width; j += kThreads) tokens[j * tcs] = -1;
-  }
+  const int tail =
+      write_tail<int>(tokens, tcs, pos, filled,
+                      kBlockTokens * static_cast<int>(k) + kBlockTokens - 1, tid, kThreads);
   if (p.counts && tid == 0)
     p.counts[b * p.counts_batch_stride + i * p.counts_row_stride] = filled + tail;
 }
