@@ -210,6 +210,10 @@ std::vector<TopkCase> topk_cases() {
       {"rows8_nb8193_k512_distinct_past_registers", {8, 8193}, 512, S::kDistinct, false},
       {"rows8_nb8192_k512_ties_registers", {8, 8192}, 512, S::kTies, false},
       {"rows8_nb5000_k2048_ties_crowded", {8, 5000}, 2048, S::kTies, false},
+      // Between one and two rows an SM (132 SMs on an H100 or H200): FewRows CTAs, two an SM,
+      // where fewer rows take RowPerSm's (the same code at more registers).
+      {"rows200_nb8192_k512_distinct_two_an_sm", {200, 8192}, 512, S::kDistinct, false},
+      {"rows200_nb8192_k512_alternate_two_an_sm", {200, 8192}, 512, S::kAlternate, false},
       {"rows1000_nb4096_k512_distinct_many_rows_registers", {1000, 4096}, 512, S::kDistinct, false},
       // Step 0 with infinities, NaN, -0 / +0 and denormals in its range (every score kept, and
       // a few), and a CTA's rows alternating between step 0 and its fallback (crowded ties).

@@ -67,6 +67,9 @@ struct Config {
 };
 using ManyRows = Config<256, 4, 4096>;
 using FewRows = Config<512, 2, 8192>;
+// At most a row an SM (a decode batch): the same CTA, given all the registers it wants (step 0's
+// 16 scores a thread spill at FewRows' 64).
+using RowPerSm = Config<512, 1, 8192>;
 
 constexpr int kMaxBins = 1 << 12;
 // Global sort buffers (selections above kTopkMaxSharedSort) are capped at this many bytes in
@@ -919,13 +922,17 @@ int64_t topk_grid(const TopkProblem& p, int device) {
   return std::clamp<int64_t>(kMaxGlobalSortBytes / (capacity * int64_t{sizeof(uint64_t)}), 1, grid);
 }
 
-// The one choice of CTA shape: ManyRows once the rows fill more than one wave of FewRows.
+// The one choice of CTA shape: RowPerSm for at most a row an SM, ManyRows once the rows fill
+// more than one wave of FewRows.
 template <typename F>
 void with_config(const TopkProblem& p, int device, F&& f) {
-  if (p.row_end - p.row_begin > int64_t{sm_count(device)} * FewRows::kCtasPerSm) {
+  const int64_t rows = p.row_end - p.row_begin, sms = sm_count(device);
+  if (rows > sms * FewRows::kCtasPerSm) {
     f(ManyRows{});
-  } else {
+  } else if (rows > sms) {
     f(FewRows{});
+  } else {
+    f(RowPerSm{});
   }
 }
 
