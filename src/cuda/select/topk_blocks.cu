@@ -53,10 +53,10 @@ namespace sparse_attn {
 namespace cuda::select {
 namespace {
 
-// Two shapes of CTA, measured (docs/perf-notes.md, issue 17): with rows for several waves,
+// Three shapes of CTA, measured (docs/perf-notes.md, issue 17): with rows for several waves,
 // four 256-thread CTAs an SM hide each other's barrier and load latency (a row's fixed work is
-// dozens of barriers); with fewer rows than the SMs hold, 512 threads a row finish each sooner,
-// and at most one row an SM also lifts the register cap that two CTAs an SM impose. The
+// dozens of barriers); with fewer rows than the SMs hold, 512 threads a row finish each sooner;
+// and with at most a row an SM, one CTA an SM lifts the register cap that two impose. The
 // candidate buffer is what the CTA's share of shared memory allows.
 template <int Threads, int CtasPerSm, int Candidates>
 struct Config {
