@@ -749,7 +749,7 @@ std::vector<Case> row_tile_cases() {
 INSTANTIATE_TEST_SUITE_P(RowTiles, GpuSparseAttention, ::testing::ValuesIn(row_tile_cases()),
                          case_name);
 
-// FP8 K/V (the per-row kernel, sparse_attention_kernel.cuh): every form above with FP8 caches,
+// FP8 K/V: every form above with FP8 caches (on whichever kernel the schedule picks),
 // under a power-of-two pair of scales and a pair that is not.
 std::vector<Case> fp8_cases() {
   std::vector<Case> v;

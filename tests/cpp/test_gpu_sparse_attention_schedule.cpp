@@ -60,13 +60,14 @@ SparseAttentionParams params(const Shape& s) {
   return p;
 }
 
-// The gather kernel's splits of the docs' worked examples: 8 / 4 / 2 / 1 at B = 1 / 8 / 32 /
-// 128 with the hint (whole tiles of 16 blocks: 64, 128, 256, 512 blocks a split), without a
-// workspace; 2051 token ids at B = 1 in 7 splits of 320 (five tiles each).
+// The gather kernel's splits of the docs' worked examples: 16 / 16 / 8 / 4 / 2 / 2 / 1 / 1 at
+// B = 1 / 2 / 4 / 8 / 16 / 32 / 64 / 128 with the hint (whole tiles of 16 blocks: 32 to 512
+// blocks a split), without a workspace; 2051 token ids at B = 1 in 11 splits of 192 (three
+// tiles each).
 TEST(SparseAttentionSchedule, DecodeTakesTheGatherKernelsSplits) {
-  const int64_t batches[] = {1, 8, 32, 128};
-  const int splits[] = {8, 4, 2, 1};
-  for (int i = 0; i < 4; ++i) {
+  const int64_t batches[] = {1, 2, 4, 8, 16, 32, 64, 128};
+  const int splits[] = {16, 16, 8, 4, 2, 2, 1, 1};
+  for (int i = 0; i < 8; ++i) {
     for (bool hint : {true, false}) {
       Shape shape;
       shape.batch = batches[i];
@@ -85,8 +86,12 @@ TEST(SparseAttentionSchedule, DecodeTakesTheGatherKernelsSplits) {
   }
   Shape tokens;
   const Schedule s = schedule(params(tokens), kH200);
-  EXPECT_EQ(s.launch.num_splits, 7);
-  EXPECT_EQ(s.launch.split_cols, 320);
+  EXPECT_EQ(s.launch.num_splits, 11);
+  EXPECT_EQ(s.launch.split_cols, 192);
+  // Where clusters of 16 do not run, the portable 8.
+  Shape one;
+  one.hint_blocks = 512;
+  EXPECT_EQ(schedule(params(one), ScheduleDevice{132, 8}).launch.num_splits, 8);
 }
 
 // Past the gather kernel's 2112 ids (33 tiles), the per-row kernel with its SplitKV partials in
@@ -104,18 +109,20 @@ TEST(SparseAttentionSchedule, WiderTokenRowsTakeThePerRowKernel) {
   EXPECT_GE(s.workspace.bytes, s.partial_slots * (256 + 1) * sizeof(float));
 }
 
-// FP8 decode batches that the heuristic gives four or more splits stay on the per-row kernel
-// (B = 1 and 8 at Hkv = 2); from B = 32 the gather kernel; an explicit count is honoured.
-TEST(SparseAttentionSchedule, SmallFp8BatchesTakeThePerRowKernel) {
+// FP8 decode takes the gather kernel at every batch, with the bf16 rule's counts (16 / 4 / 2 at
+// B = 1 / 8 / 32); an explicit count is honoured.
+TEST(SparseAttentionSchedule, Fp8DecodeTakesTheGatherKernel) {
   Shape shape;
   shape.hint_blocks = 512;
   shape.kv_dtype = DType::kF8E4M3;
-  for (int64_t b : {1, 8}) {
-    shape.batch = b;
-    EXPECT_FALSE(schedule(params(shape), kH200).gather_rows) << "B = " << b;
+  const int64_t batches[] = {1, 8, 32};
+  const int splits[] = {16, 4, 2};
+  for (int i = 0; i < 3; ++i) {
+    shape.batch = batches[i];
+    const Schedule s = schedule(params(shape), kH200);
+    EXPECT_TRUE(s.gather_rows) << "B = " << batches[i];
+    EXPECT_EQ(s.launch.num_splits, splits[i]) << "B = " << batches[i];
   }
-  shape.batch = 32;
-  EXPECT_TRUE(schedule(params(shape), kH200).gather_rows);
   shape.batch = 1;
   shape.num_splits = 8;
   const Schedule s = schedule(params(shape), kH200);
@@ -227,7 +234,7 @@ TEST(SparseAttentionSchedule, GatherSplitsFitTheKeyQueue) {
         }
         shape.num_splits = splits;
         const Schedule s = schedule(params(shape), kH200);
-        if (!s.gather_rows) continue;  // FP8 or explicit counts past the limit: not these
+        if (!s.gather_rows) continue;  // explicit counts past the limit: not these
         const SparseAttentionLaunch& x = s.launch;
         const int64_t entries = hint ? n + 1 : n;
         const int64_t largest = x.num_splits == 1 ? entries : x.split_cols + (hint ? 1 : 0);

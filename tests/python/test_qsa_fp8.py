@@ -211,7 +211,7 @@ def test_fp8_workspace_size_on_the_host_is_zero():
 def test_native_cuda_fp8_attention_matches_the_reference(form, dtype, shape):
     # The engine layout: K and V strided views of one [pages, page, Hkv, 2 * D] FP8 cache, page
     # 64, a gate and the LSE; decode and prefill rows with the block hint, with the heuristic's
-    # SplitKV (the per-row kernel) and with one split (the gather kernel).
+    # SplitKV and with one split.
     dev, d, page = "cuda", 256, 64
     lens_k = [3000, 700, 1500]
     lens_q = [1, 1, 1] if shape.startswith("decode") else [40, 3, 9]

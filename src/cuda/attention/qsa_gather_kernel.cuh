@@ -455,10 +455,11 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   if (!merged) return;
 
   // ----- SplitKV: the cluster's merge ---------------------------------------------------------
-  // Every CTA's partial is written (release / acquire across the cluster); then thread t of CTA
-  // s merges 8-feature chunks s * kThreads + t, s * kThreads + t + splits * kThreads, ... of the
-  // (head, feature) outputs from every CTA's shared memory, and the CTAs stay until all reads of
-  // their shared memory are done.
+  // Every CTA's partial is written (release / acquire across the cluster); then CTA s merges
+  // the s-th of `splits` contiguous shares of the (head, 8-feature chunk) outputs, one chunk a
+  // thread, from every CTA's shared memory, and the CTAs stay until all reads of their shared
+  // memory are done. Every CTA takes a share so that no SM's remote reads carry the whole
+  // output (12 heads x 256 features x splits FP32).
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
@@ -470,8 +471,13 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   __syncthreads();
   constexpr int kChunks = C::kHeadDim / 8;
   const float* part = reinterpret_cast<const float*>(ss.kv.data());
-  for (int c = split * C::kThreads + tid; c < group * kChunks; c += splits * C::kThreads) {
+  const int n_chunks = group * kChunks, share = (n_chunks + splits - 1) / splits;
+  const int c_end = min(n_chunks, (split + 1) * share);
+  for (int c = split * share + tid; c < c_end; c += C::kThreads) {
     const int h = c / kChunks, col = (c % kChunks) * 8;
+    const int64_t hq = static_cast<int64_t>(kvh) * group + h;
+    // The gate's load goes out before the partials' remote reads, whose latency covers it.
+    const uint4 gate = load_gate8<T>(p, r, hq, col);
     float o[8];
     const float lse2 = merge_lse_thread<C::kMaxSplits, 8, 4>(
         splits, [&](int s) { return ss.cluster_lse2[s][h]; },
@@ -483,12 +489,11 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
           v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
         },
         o);
-    const int64_t hq = static_cast<int64_t>(kvh) * group + h;
     uint4 out;
     auto* e = reinterpret_cast<T*>(&out);
     CUTE_UNROLL
     for (int i = 0; i < 8; ++i) e[i] = ElementTraits<T>::from_float(o[i] * p.v_scale);
-    store_gated8<T>(p, r, hq, col, out);
+    store_gated8<T>(p, r, hq, col, out, gate);
     if (col == 0 && p.lse != nullptr) {
       p.lse[r * p.lse_row_stride + hq * p.lse_head_stride] = lse2 * 0.69314718055994531f;
     }

@@ -261,15 +261,15 @@ __device__ inline T gated_output(const SparseAttentionParams& p, int64_t r, int6
   return o;
 }
 
-// Gates the 8 rounded outputs out[r, h, d .. d + 7] held in o. The gate is read-only for the
-// kernel's lifetime (ld.global.nc); a contiguous, 16-byte aligned element-wise gate is read in
-// one load, as the outputs are stored.
+// The gate of outputs out[r, h, d .. d + 7] (8 elements; unread, and left unspecified, without a
+// gate). The gate is read-only for the kernel's lifetime (ld.global.nc); a contiguous, 16-byte
+// aligned element-wise gate is read in one load. A caller loads it before work whose latency
+// the load can hide (the gather kernel's cluster merge).
 template <typename T>
-__device__ inline void gate_outputs8(const SparseAttentionParams& p, int64_t r, int64_t h, int d,
-                                     uint4& o) {
-  if (p.gate_kind == GateKind::kNone) return;
+__device__ inline uint4 load_gate8(const SparseAttentionParams& p, int64_t r, int64_t h, int d) {
+  uint4 gv{};
+  if (p.gate_kind == GateKind::kNone) return gv;
   const T* g = static_cast<const T*>(p.gate) + r * p.gate_row_stride + h * p.gate_head_stride;
-  uint4 gv;
   auto* gate = reinterpret_cast<T*>(&gv);
   if (p.gate_kind == GateKind::kElementwise && p.gate_dim_stride == 1 &&
       reinterpret_cast<uintptr_t>(g + d) % 16 == 0) {
@@ -281,19 +281,22 @@ __device__ inline void gate_outputs8(const SparseAttentionParams& p, int64_t r, 
       gate[i] = __ldg(at);
     }
   }
-  auto* e = reinterpret_cast<T*>(&o);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) e[i] = apply_gate(e[i], gate[i]);
+  return gv;
 }
 
-// out[r, h, col .. col + 7] = the 8 rounded outputs in o, gated (gate_outputs8): one 16-byte
-// store where out's features are contiguous and 16-byte aligned there, else element by element.
-// Any out layout then takes the same kernels, so the schedule (and the workspace size, which
-// is decided without out) does not depend on it.
+// out[r, h, col .. col + 7] = the 8 rounded outputs in o, gated by gv (load_gate8's): one
+// 16-byte store where out's features are contiguous and 16-byte aligned there, else element by
+// element. Any out layout then takes the same kernels, so the schedule (and the workspace size,
+// which is decided without out) does not depend on it.
 template <typename T>
 __device__ inline void store_gated8(const SparseAttentionParams& p, int64_t r, int64_t h, int col,
-                                    uint4 o) {
-  gate_outputs8<T>(p, r, h, col, o);
+                                    uint4 o, uint4 gv) {
+  if (p.gate_kind != GateKind::kNone) {
+    auto* e = reinterpret_cast<T*>(&o);
+    const auto* gate = reinterpret_cast<const T*>(&gv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) e[i] = apply_gate(e[i], gate[i]);
+  }
   T* dst = static_cast<T*>(p.out) + r * p.out_row_stride + h * p.out_head_stride;
   if (p.out_dim_stride == 1 && reinterpret_cast<uintptr_t>(dst + col) % 16 == 0) {
     *reinterpret_cast<uint4*>(dst + col) = o;
@@ -302,6 +305,13 @@ __device__ inline void store_gated8(const SparseAttentionParams& p, int64_t r, i
   const auto* e = reinterpret_cast<const T*>(&o);
 #pragma unroll
   for (int i = 0; i < 8; ++i) dst[(col + i) * p.out_dim_stride] = e[i];
+}
+
+// store_gated8 with the gate loaded as the outputs are stored.
+template <typename T>
+__device__ inline void store_gated8(const SparseAttentionParams& p, int64_t r, int64_t h, int col,
+                                    uint4 o) {
+  store_gated8<T>(p, r, h, col, o, load_gate8<T>(p, r, h, col));
 }
 
 // Pulls the 128-byte line at `at` into L2 (a hint: no fault, no register).

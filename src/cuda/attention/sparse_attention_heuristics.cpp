@@ -48,20 +48,24 @@ int choose_num_splits(int64_t rows, int64_t kv_heads, int64_t width, int num_sms
 
 // The gather kernel's splits of a (row, KV head) pair merge inside their cluster, so a split
 // costs no launch and no workspace, but each adds a CTA's fixed latency chain (metadata, page
-// table, first gather) and a member to the cluster's barrier. Measured on the H200 (session 22,
-// 2051 tokens, bf16, graph-replayed split sweeps): the best counts were 8 / 4 / 2 / 1 at
-// B = 1 / 8 / 32 / 128 (Hkv = 2: 2 / 16 / 64 / 256 pairs), i.e. splits ~ sqrt(256 / pairs),
-// the balance of fewer tiles a CTA against more CTAs (at B = 8, 16 splits took 44.7 us against
-// 25.8 with 4: past ~14 clusters of 16 the grid takes two waves); rounded down to a power of two,
-// capped at 8 and at one split per 16 blocks (a 64-token tile). Worked examples (512 blocks):
-// B = 1 -> sqrt(128) = 11.3 -> 8; B = 8 -> 4; B = 16 -> sqrt(8) = 2.8 -> 2; B = 32 -> 2;
-// B = 64 -> 1.4 -> 1; B >= 128 -> 1.
-int choose_gather_splits(int64_t pairs, int64_t blocks, int max_splits) {
-  constexpr int64_t kMinBlocks = 16, kBalance = 256, kCap = 8;
+// table, first gather) and its share of the merge's remote reads. Measured on an H100 (session
+// 36, 2051 tokens at Hkv = 2, graph-replayed split sweeps of bf16 and FP8, token ids and the
+// hint), the best counts were 16 / 16 / 8 / 4-8 / 2-8 / 2 / 1-2 at B = 1 / 2 / 4 / 8 / 16 / 32 /
+// 64 (2 / 4 / 8 / 16 / 32 / 64 / 128 pairs): about SMs / 2 CTAs in all while that gives more
+// than one split, the balance of fewer tiles a CTA against more CTAs and a longer merge, and 2
+// splits while they still fit one CTA an SM. So: the largest power of two S <= 16 with
+// pairs * S <= SMs / 2, at least 2 where 2 * pairs <= SMs, capped at one split per 16 blocks
+// (a 64-token tile) and at the device's cluster limit. Every pick is within 8% of its row's
+// best. Worked examples (132 SMs, 512 blocks): B = 1 -> 66 / 2 = 33 -> 16; B = 2 -> 16.5 -> 16;
+// B = 4 -> 8; B = 8 -> 4; B = 16 -> 2; B = 32 -> 1, raised to 2 (128 <= 132); B >= 64 -> 1.
+int choose_gather_splits(int64_t pairs, int64_t blocks, int max_splits, int num_sms) {
+  constexpr int64_t kMinBlocks = 16, kCap = 16;
+  pairs = std::max<int64_t>(1, pairs);
   int64_t splits = 1;
-  while (2 * splits * 2 * splits * std::max<int64_t>(1, pairs) <= kBalance) splits *= 2;
+  while (2 * splits <= kCap && pairs * 2 * splits <= num_sms / 2) splits *= 2;
+  if (splits == 1 && 2 * pairs <= num_sms) splits = 2;
   const int64_t by_blocks = std::max<int64_t>(1, blocks / kMinBlocks);
-  return static_cast<int>(std::clamp<int64_t>(std::min({splits, by_blocks, kCap}), 1, max_splits));
+  return static_cast<int>(std::clamp<int64_t>(std::min(splits, by_blocks), 1, max_splits));
 }
 
 }  // namespace sparse_attn::cuda

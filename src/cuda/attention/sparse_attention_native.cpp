@@ -174,19 +174,16 @@ Schedule schedule(const SparseAttentionParams& p, const ScheduleDevice& device) 
   // token-path rows the row-tile kernel does not take (the same, without the hint). The
   // gather kernel keeps more bytes in flight than the per-row one (two CTAs an SM, each with a
   // producer warpgroup), and its SplitKV merges inside a cluster (no workspace, no merge
-  // launch); split counts past its cluster limit stay on the per-row kernel, and so do FP8
-  // batches of four or more splits by the heuristic (B <= 8 at Hkv = 2), where the gather
-  // kernel's widening made them slower than the per-row kernel (session 22: B = 1 22.1 against
-  // 20.7 us, B = 8 33.7 against 30.3).
+  // launch); split counts past its cluster limit stay on the per-row kernel.
   if (s.union_rows == 0 && (x.block_hint || !s.row_tiles) && gather_fits(p, x)) {
     const int64_t pairs = p.rows * p.num_kv_heads;
     const int max_splits = device.max_gather_splits;
     // The split rule counts 4-token blocks; a token row of width W has about W / 4.
     const int64_t blocks = x.block_hint ? p.num_blocks : p.width / 4;
     const int64_t gather_splits =
-        p.num_splits > 0 ? p.num_splits : choose_gather_splits(pairs, blocks, max_splits);
-    const bool small_fp8 = p.kv_dtype != p.dtype && p.num_splits <= 0 && gather_splits >= 4;
-    if (!small_fp8 && gather_splits <= max_splits &&
+        p.num_splits > 0 ? p.num_splits
+                         : choose_gather_splits(pairs, blocks, max_splits, device.sm_count);
+    if (gather_splits <= max_splits &&
         pairs * gather_splits <= std::numeric_limits<int32_t>::max()) {
       s.gather_rows = true;
       s.row_tiles = false;
