@@ -574,6 +574,12 @@ __device__ void emit_row(const TopkProblem& p, SharedStorage<C>& s, int& round, 
   const int64_t tcs = p.tokens_col_stride;
   int32_t* const tokens =
       p.tokens ? p.tokens + b * p.tokens_batch_stride + i * p.tokens_row_stride : nullptr;
+  // Block id's 4 tokens, as the slot-th kept block: the row's tokens 4 slot .. 4 slot + 3.
+  const auto write_block = [&](int slot, int32_t id) {
+    int32_t* t = tokens + int64_t{kBlockTokens} * slot * tcs;
+#pragma unroll
+    for (int e = 0; e < kBlockTokens; ++e) t[e * tcs] = kBlockTokens * id + e;
+  };
   // Block id is kept iff 4 id + 3 <= pos, i.e. id < (pos + 1) / 4 (pos >= -1).
   const auto kept_below = static_cast<int32_t>((int64_t{pos} + 1) / kBlockTokens);
   int kept = 0;  // uniform: block totals
@@ -581,12 +587,7 @@ __device__ void emit_row(const TopkProblem& p, SharedStorage<C>& s, int& round, 
     // Every column is a complete block in the past (a decode row's usual window): the whole
     // selection is kept, block j's tokens at 4 j, with no scan and its barrier.
     if (tokens) {
-      for (int j = tid; j < selected; j += kThreads) {
-        const int32_t id = id_at(j);
-        int32_t* t = tokens + int64_t{kBlockTokens} * j * tcs;
-#pragma unroll
-        for (int e = 0; e < kBlockTokens; ++e) t[e * tcs] = kBlockTokens * id + e;
-      }
+      for (int j = tid; j < selected; j += kThreads) write_block(j, id_at(j));
     }
     kept = selected;
   }
@@ -596,11 +597,7 @@ __device__ void emit_row(const TopkProblem& p, SharedStorage<C>& s, int& round, 
     const bool keep = id >= 0 && id < kept_below;
     int total = 0;
     const int before = block_exclusive_sum<C>(keep, s, round, total);
-    if (keep && tokens) {
-      int32_t* t = tokens + int64_t{kBlockTokens} * (kept + before) * tcs;
-#pragma unroll
-      for (int e = 0; e < kBlockTokens; ++e) t[e * tcs] = kBlockTokens * id + e;
-    }
+    if (keep && tokens) write_block(kept + before, id);
     kept += total;
   }
   const int filled = kBlockTokens * kept;
