@@ -1,7 +1,9 @@
 // Benchmarks of native qsa_sparse_attention (issue 7, item 5), canonical 24/2/256 BF16, paged
 // K/V with page size 64, pages scattered over the pool:
 //   decode: B = 1, 8, 32, 128 requests, contexts uniform in [8K, 128K], one query row each,
-//     2051-token selections (512 four-token blocks among the visible ones, plus the tail).
+//     2051-token selections (512 four-token blocks among the visible ones, plus the tail);
+//     _32k rows: every request 32K tokens long (issue 15's comparison); _page1600 rows: pages
+//     of 1600 tokens (an engine's large pages).
 //     Floor: the selected K/V rows read once, plus Q, O, the element-wise gate and the
 //     indices, at the copy ceiling measured in the same run. Each decode row is timed twice:
 //     eager (the call between the two events, host work included: validation, workspace,
@@ -124,15 +126,24 @@ struct DecodeRun {
 // drawn from the blocks it sees that row 0 did not pick. The floor counts the union of a
 // request's selected tokens once (a kernel that shares them reads no more).
 // qdtype: the query's (and out's, gate's) type; FP16 rows are named _f16q.
+// The K/V geometry: `page` tokens a page, and every request `context` tokens long (0: uniform
+// in [8K, 128K]); `shape` names rows of another geometry than the default's.
+struct DecodeGeometry {
+  std::string shape;
+  int64_t page = kPage;
+  int64_t context = 0;
+};
+
 void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
                   const std::vector<DecodeRun>& runs, const std::function<void(Result)>& add,
-                  int64_t rows_per_request = 1, DType qdtype = DType::kBF16) {
-  const int64_t R = rows_per_request, rows = batch * R;
+                  int64_t rows_per_request = 1, DType qdtype = DType::kBF16,
+                  const DecodeGeometry& geometry = {}) {
+  const int64_t R = rows_per_request, rows = batch * R, page = geometry.page;
   std::mt19937_64 rng(100 + batch);
   std::uniform_int_distribution<int64_t> ctx(8192, 131072);
   std::vector<int64_t> lens(batch);
-  for (auto& l : lens) l = ctx(rng);
-  const Pages pg = make_pages(lens, kPage, rng);
+  for (auto& l : lens) l = geometry.context > 0 ? geometry.context : ctx(rng);
+  const Pages pg = make_pages(lens, page, rng);
   std::vector<int32_t> ids(rows * kWidth), hint(rows * kBlocks, -1), pos(rows);
   int64_t valid = 0, distinct = 0;
   for (int64_t b = 0; b < batch; ++b) {
@@ -169,8 +180,8 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
   for (int64_t b = 0; b <= batch; ++b) cu[b] = static_cast<int32_t>(b * R);
   Tensor q = random_device({rows, kHq, kD}, qdtype, 1);
   Tensor gate = random_device({rows, kHq, kD}, qdtype, 2);
-  Tensor k = random_pool({pg.pool, kPage, kHkv, kD}, 3, kv);
-  Tensor v = random_pool({pg.pool, kPage, kHkv, kD}, 4, kv);
+  Tensor k = random_pool({pg.pool, page, kHkv, kD}, 3, kv);
+  Tensor v = random_pool({pg.pool, page, kHkv, kD}, 4, kv);
   Tensor idx = int32_device(ids, {rows, kWidth});
   Tensor blocks = int32_device(hint, {rows, kBlocks});
   Tensor table = int32_device(pg.table, {batch, pg.max_pages});
@@ -210,9 +221,10 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
     const double graph_ms = run.back_to_back ? timer.time_graph_back_to_back(call).median_ms
                                              : timer.time_graph(call).median_ms;
     const double sec = graph_ms * 1e-3;
-    add({fmt::format("decode_b{}{}{}{}{}{}{}{}", batch, R > 1 ? fmt::format("_r{}", R) : "",
-                     fp8 ? "_fp8" : "", qdtype == DType::kF16 ? "_f16q" : "",
-                     run.hint ? "_hint" : "", run.splits > 0 ? fmt::format("_s{}", run.splits) : "",
+    add({fmt::format("decode_b{}{}{}{}{}{}{}{}{}", batch, geometry.shape,
+                     R > 1 ? fmt::format("_r{}", R) : "", fp8 ? "_fp8" : "",
+                     qdtype == DType::kF16 ? "_f16q" : "", run.hint ? "_hint" : "",
+                     run.splits > 0 ? fmt::format("_s{}", run.splits) : "",
                      run.workspace ? "_ws" : "", run.back_to_back ? "_b2b" : ""),
          eager_ms, graph_ms, 4.0 * valid * kHq * kD / sec / 1e12, bytes / sec / 1e12, floor_ms,
          fmt::format("{} splits, gate, lse{}",
@@ -481,6 +493,17 @@ int main(int argc, char** argv) {
       for (int splits : {1, 2, 4, 8, 16}) runs.push_back({splits, false, false, true});
     }
     bench_decode(timer, c, b, DType::kF8E4M3, runs, add);
+  }
+  // The 32K case of issue 15's comparison (every request at position 32767) and an engine's
+  // large pages (1600 tokens, contexts as the default rows'), token ids and the hint.
+  for (int64_t b : {1, 8, 32, 128}) {
+    const std::vector<DecodeRun> runs = {{0, true, false}, {0, true, false, true}};
+    if (want(fmt::format("decode_b{}_32k", b))) {
+      bench_decode(timer, c, b, DType::kBF16, runs, add, 1, DType::kBF16, {"_32k", kPage, 32768});
+    }
+    if (want(fmt::format("decode_b{}_page1600", b))) {
+      bench_decode(timer, c, b, DType::kBF16, runs, add, 1, DType::kBF16, {"_page1600", 1600});
+    }
   }
   // FP8 K/V under FP16 queries: the gather kernel widens e4m3 to FP16 in one conversion a code
   // pair, against four instructions a pair to BF16 (cuda/common/fp8.cuh), so these rows against
