@@ -261,10 +261,10 @@ __device__ inline T gated_output(const SparseAttentionParams& p, int64_t r, int6
   return o;
 }
 
-// The gate of outputs out[r, h, d .. d + 7] (8 elements; unread, and left unspecified, without a
-// gate). The gate is read-only for the kernel's lifetime (ld.global.nc); a contiguous, 16-byte
-// aligned element-wise gate is read in one load. A caller loads it before work whose latency
-// the load can hide (the gather kernel's cluster merge).
+// The gate of outputs out[r, h, d .. d + 7] (8 elements; zeros, which store_gated8 ignores,
+// without a gate). The gate is read-only for the kernel's lifetime (ld.global.nc); a contiguous,
+// 16-byte aligned element-wise gate is read in one load. A caller loads it before work whose
+// latency the load can hide (the gather kernel's cluster merge).
 template <typename T>
 __device__ inline uint4 load_gate8(const SparseAttentionParams& p, int64_t r, int64_t h, int d) {
   uint4 gv{};
