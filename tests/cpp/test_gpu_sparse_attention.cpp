@@ -525,6 +525,12 @@ std::vector<Case> cases() {
     c.k_lens = {33000};
     c.gate = Gate::kElementwise;
     v.push_back(c);
+    // A group of 13 heads at the heuristic's 11 splits of 2051 token ids: the cluster merge's
+    // 416 output chunks in shares of 38, the last one 36.
+    c = decode("decode_b1_group13_heuristic", 1);
+    c.hq = 26;
+    c.k_lens = {33000};
+    v.push_back(c);
     c = decode("decode_b3_width2048_splits16", 3);
     c.width = 2048;
     c.num_splits = 16;
