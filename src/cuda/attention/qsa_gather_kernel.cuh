@@ -458,8 +458,11 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   // Every CTA's partial is written (release / acquire across the cluster); then CTA s merges
   // the s-th of `splits` contiguous shares of the (head, 8-feature chunk) outputs, one chunk a
   // thread, from every CTA's shared memory, and the CTAs stay until all reads of their shared
-  // memory are done. Every CTA takes a share so that no SM's remote reads carry the whole
-  // output (12 heads x 256 features x splits FP32).
+  // memory are done. Every CTA takes a share, so that the merge's remote reads (12 heads x 256
+  // features x splits FP32) and its stores are spread over the cluster's SMs instead of queued
+  // on one; docs/perf-notes.md (session 36) has what that gained and where the time still goes.
+  // (Shares pushed by bulk copies instead were faster at B = 1, but memcheck cannot follow a
+  // bulk copy into a peer's shared memory: session 37 there.)
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
