@@ -14,10 +14,12 @@
 //     call or the graph), and with explicit split counts (_s<N>, graph-timed), for the
 //     heuristic. The _fp8 rows repeat the batches with FP8 e4m3 K/V (half the bytes); _hint
 //     rows pass the blocks as block_indices too (the gather kernel, its SplitKV in clusters;
-//     _hint_s<N> rows with explicit split counts). _r2 and _r4 rows: multi-token decode steps,
-//     2 or 4 query rows a request at consecutive positions whose selections share 90% of their
-//     blocks (token path and _hint), graph-timed and eager with the heuristic; floor: the union's
-//     bytes.
+//     _hint_s<N> rows with explicit split counts). _phys rows pass the ids as physical rows of
+//     the flattened cache (selected_kv_indices: an engine that expands its selection into
+//     cache slots), with no request or page-table lookups and no gate. _r2 and _r4 rows:
+//     multi-token decode steps, 2 or 4 query rows a request at consecutive positions whose
+//     selections share 90% of their blocks (token path and _hint), graph-timed and eager with
+//     the heuristic; floor: the union's bytes.
 //     _fp8_f16q rows: FP8 K/V under FP16 queries (the widening's cost against _fp8). _b2b rows
 //     (B = 1, 8): 20 calls back to back in one graph, the time a call (code and metadata in
 //     L2, no launch gap; at these batches the K/V bytes fit L2 too). decode_b128_fp8_hint_b2b:
@@ -118,6 +120,10 @@ struct DecodeRun {
   // named _b2b): the call's cost with its code, metadata and (small batches) K/V in L2 and no
   // launch gap, against the flushed single replay's.
   bool back_to_back = false;
+  // Pass the token ids as physical rows of the flattened cache (selected_kv_indices), the form
+  // an engine that expands its selection into cache slots holds (rows named _phys): no request,
+  // page-table or gate reads, so no gate in the output or the floor.
+  bool physical = false;
 };
 
 // kv: K/V element type, bfloat16 or FP8 e4m3 (k_scale 1/64, v_scale 1/128; rows named _fp8).
@@ -183,6 +189,16 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
   Tensor k = random_pool({pg.pool, page, kHkv, kD}, 3, kv);
   Tensor v = random_pool({pg.pool, page, kHkv, kD}, 4, kv);
   Tensor idx = int32_device(ids, {rows, kWidth});
+  std::vector<int32_t> phys(ids.size(), -1);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t* table_row = pg.table.data() + (r / R) * pg.max_pages;
+    for (int64_t j = 0; j < kWidth; ++j) {
+      const int32_t t = ids[r * kWidth + j];
+      if (t >= 0)
+        phys[r * kWidth + j] = static_cast<int32_t>(table_row[t / page] * page + t % page);
+    }
+  }
+  Tensor phys_idx = int32_device(phys, {rows, kWidth});
   Tensor blocks = int32_device(hint, {rows, kBlocks});
   Tensor table = int32_device(pg.table, {batch, pg.max_pages});
   Tensor dl = int32_device(lens32, {batch}), dcu = int32_device(cu, {batch + 1});
@@ -192,14 +208,23 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
   const bool fp8 = kv == DType::kF8E4M3;
   const double bytes = 2.0 * distinct * kHkv * kD * dtype_size(kv) + 3.0 * rows * kHq * kD * 2 +
                        4.0 * rows * kWidth + 4.0 * rows * kHq;
-  const double floor_ms = bytes / (c.copy_tbps * 1e12) * 1e3;
+  const TensorView k_rows(k.view().data(), kv, Device::cuda(), {pg.pool * page, kHkv, kD});
+  const TensorView v_rows(v.view().data(), kv, Device::cuda(), {pg.pool * page, kHkv, kD});
   for (const DecodeRun& run : runs) {
     SparseAttentionOptions o;
-    o.block_table = table.view();
-    o.seq_lens_k = dl.view();
-    o.cu_seqlens_q = dcu.view();
-    if (R > 1) o.query_positions = dpos.view();
-    o.gate = gate.view();
+    if (run.physical) {
+      o.selected_kv_indices = phys_idx.view();
+    } else {
+      o.block_table = table.view();
+      o.seq_lens_k = dl.view();
+      o.cu_seqlens_q = dcu.view();
+      if (R > 1) o.query_positions = dpos.view();
+      o.gate = gate.view();
+    }
+    const TensorView& kc = run.physical ? k_rows : k.view();
+    const TensorView& vc = run.physical ? v_rows : v.view();
+    const std::optional<TensorView> token_ids =
+        run.physical ? std::nullopt : std::optional<TensorView>(idx.view());
     if (fp8) {
       o.k_scale = 1.0 / 64;
       o.v_scale = 1.0 / 128;
@@ -208,27 +233,31 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
     if (run.hint) o.block_indices = blocks.view();
     Tensor workspace;
     if (run.workspace) {
-      const size_t ws = qsa_sparse_attention_workspace_size(q, k, v, idx.view(), o);
+      const size_t ws = qsa_sparse_attention_workspace_size(q, kc, vc, token_ids, o);
       workspace = Tensor::empty({std::max<int64_t>(1, static_cast<int64_t>(ws))}, DType::kU8,
                                 Device::cuda());
       if (ws > 0) o.workspace = workspace.view();
     }
     auto call = [&](cudaStream_t s) {
       o.stream = s;
-      qsa_sparse_attention(q, k, v, idx.view(), out, lse.view(), o);
+      qsa_sparse_attention(q, kc, vc, token_ids, out, lse.view(), o);
     };
     const double eager_ms = run.eager ? timer.time(call).median_ms : 0.0;
     const double graph_ms = run.back_to_back ? timer.time_graph_back_to_back(call).median_ms
                                              : timer.time_graph(call).median_ms;
     const double sec = graph_ms * 1e-3;
-    add({fmt::format("decode_b{}{}{}{}{}{}{}{}{}", batch, geometry.shape,
+    const double run_bytes = bytes - (run.physical ? 2.0 * rows * kHq * kD * 2 : 0.0);
+    add({fmt::format("decode_b{}{}{}{}{}{}{}{}{}{}", batch, geometry.shape,
                      R > 1 ? fmt::format("_r{}", R) : "", fp8 ? "_fp8" : "",
                      qdtype == DType::kF16 ? "_f16q" : "", run.hint ? "_hint" : "",
                      run.splits > 0 ? fmt::format("_s{}", run.splits) : "",
-                     run.workspace ? "_ws" : "", run.back_to_back ? "_b2b" : ""),
-         eager_ms, graph_ms, 4.0 * valid * kHq * kD / sec / 1e12, bytes / sec / 1e12, floor_ms,
-         fmt::format("{} splits, gate, lse{}",
+                     run.physical ? "_phys" : "", run.workspace ? "_ws" : "",
+                     run.back_to_back ? "_b2b" : ""),
+         eager_ms, graph_ms, 4.0 * valid * kHq * kD / sec / 1e12, run_bytes / sec / 1e12,
+         run_bytes / (c.copy_tbps * 1e12) * 1e3,
+         fmt::format("{} splits, {}lse{}",
                      run.splits > 0 ? fmt::format("{}", run.splits) : "heuristic",
+                     run.physical ? "physical ids, " : "gate, ",
                      run.workspace ? ", caller workspace" : "")});
   }
 }
@@ -465,7 +494,10 @@ int main(int argc, char** argv) {
   const bool sweep = sweep_env == nullptr || std::string(sweep_env) != "0";
   for (int64_t b : {1, 8, 32, 128}) {
     if (!want(fmt::format("decode_b{}", b))) continue;
-    std::vector<DecodeRun> runs = {{0, true, false}, {0, false, true}, {0, true, false, true}};
+    std::vector<DecodeRun> runs = {{0, true, false},
+                                   {0, false, true},
+                                   {0, true, false, true},
+                                   {0, true, false, false, false, true}};
     if (b <= 8) {
       runs.push_back({0, false, false, false, true});
       runs.push_back({0, false, false, true, true});
