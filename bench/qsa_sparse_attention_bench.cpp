@@ -246,7 +246,7 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
     const double graph_ms = run.back_to_back ? timer.time_graph_back_to_back(call).median_ms
                                              : timer.time_graph(call).median_ms;
     const double sec = graph_ms * 1e-3;
-    const double run_bytes = bytes - (run.physical ? 2.0 * rows * kHq * kD * 2 : 0.0);
+    const double run_bytes = bytes - (run.physical ? 2.0 * rows * kHq * kD : 0.0);  // less the gate
     add({fmt::format("decode_b{}{}{}{}{}{}{}{}{}{}", batch, geometry.shape,
                      R > 1 ? fmt::format("_r{}", R) : "", fp8 ? "_fp8" : "",
                      qdtype == DType::kF16 ? "_f16q" : "", run.hint ? "_hint" : "",
