@@ -37,6 +37,9 @@
 //     on the device: the structured workload's indexer inputs, native qsa_mqa_prefill, native
 //     top-512 and native expansion (their times are in the note; only the attention call is
 //     the row's time). 128K runs twice: token path and block hint (_hint).
+//   phys_prefill_<n>k_structured: the structured selections at 1K, 4K and 16K rows passed as
+//     physical rows of the flattened cache (selected_kv_indices), the form an engine holds
+//     after expanding its selection into cache slots; no page table, no hint.
 // Usage: qsa_sparse_attention_bench [results.csv]. Prints each row as it is measured.
 // BENCH_ONLY=<prefix> runs the rows whose name starts with it (for a profiler run);
 // BENCH_SWEEP=0 leaves out the explicit split-count rows.
@@ -108,6 +111,19 @@ int64_t expand(const std::vector<int32_t>& blocks, int64_t p, int32_t* row) {
   for (int64_t t = 4 * ((p + 1) / 4); t <= p; ++t) row[n++] = static_cast<int32_t>(t);
   std::fill(row + n, row + kWidth, -1);
   return n;
+}
+
+// The physical rows of the flattened cache [pool * page] that a [rows, kWidth] token-id matrix
+// names (-1 stays -1); row r belongs to request r / rows_per_request of the page table.
+std::vector<int32_t> physical_ids(const std::vector<int32_t>& ids, const Pages& pg, int64_t page,
+                                  int64_t rows_per_request) {
+  std::vector<int32_t> phys(ids.size(), -1);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const int32_t* table_row = pg.table.data() + (i / kWidth / rows_per_request) * pg.max_pages;
+    const int32_t t = ids[i];
+    if (t >= 0) phys[i] = static_cast<int32_t>(table_row[t / page] * page + t % page);
+  }
+  return phys;
 }
 
 // Decode runs of one batch: split counts, 0 = the heuristic's count.
@@ -189,16 +205,7 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
   Tensor k = random_pool({pg.pool, page, kHkv, kD}, 3, kv);
   Tensor v = random_pool({pg.pool, page, kHkv, kD}, 4, kv);
   Tensor idx = int32_device(ids, {rows, kWidth});
-  std::vector<int32_t> phys(ids.size(), -1);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int32_t* table_row = pg.table.data() + (r / R) * pg.max_pages;
-    for (int64_t j = 0; j < kWidth; ++j) {
-      const int32_t t = ids[r * kWidth + j];
-      if (t >= 0)
-        phys[r * kWidth + j] = static_cast<int32_t>(table_row[t / page] * page + t % page);
-    }
-  }
-  Tensor phys_idx = int32_device(phys, {rows, kWidth});
+  Tensor phys_idx = int32_device(physical_ids(ids, pg, page, R), {rows, kWidth});
   Tensor blocks = int32_device(hint, {rows, kBlocks});
   Tensor table = int32_device(pg.table, {batch, pg.max_pages});
   Tensor dl = int32_device(lens32, {batch}), dcu = int32_device(cu, {batch + 1});
@@ -422,9 +429,10 @@ PrefillSelection indexer_selection(Timer& timer, int64_t tokens) {
   return sel;
 }
 
-// Times qsa_sparse_attention alone over a selection (token path, or with the block hint).
+// Times qsa_sparse_attention alone over a selection: token path, with the block hint, or as
+// physical rows of the flattened cache.
 Result time_prefill(Timer& timer, int64_t tokens, const PrefillSelection& sel, bool hint,
-                    const std::string& name) {
+                    const std::string& name, bool physical = false) {
   std::mt19937_64 rng(11 + tokens);
   const std::vector<int64_t> lens{tokens};
   const Pages pg = make_pages(lens, kPage, rng);
@@ -434,12 +442,30 @@ Result time_prefill(Timer& timer, int64_t tokens, const PrefillSelection& sel, b
   Tensor table = int32_device(pg.table, {1, pg.max_pages});
   Tensor out = Tensor::empty({tokens, kHq, kD}, DType::kBF16, Device::cuda());
   SparseAttentionOptions o;
-  o.block_table = table.view();
-  if (hint) o.block_indices = sel.blocks.view();
+  // Physical: the same ids as rows of the flattened cache (the decode rows' _phys).
+  Tensor phys_idx;
+  const TensorView k_rows(k.view().data(), DType::kBF16, Device::cuda(),
+                          {pg.pool * kPage, kHkv, kD});
+  const TensorView v_rows(v.view().data(), DType::kBF16, Device::cuda(),
+                          {pg.pool * kPage, kHkv, kD});
+  if (physical) {
+    const Tensor host = Tensor::to_host(sel.idx.view());
+    const int32_t* ids = host.data_as<int32_t>();
+    phys_idx = int32_device(physical_ids({ids, ids + tokens * kWidth}, pg, kPage, tokens),
+                            {tokens, kWidth});
+    o.selected_kv_indices = phys_idx.view();
+  } else {
+    o.block_table = table.view();
+    if (hint) o.block_indices = sel.blocks.view();
+  }
   const Timing t = timer.time(
       [&](cudaStream_t s) {
         o.stream = s;
-        qsa_sparse_attention(q, k, v, sel.idx.view(), out, std::nullopt, o);
+        if (physical) {
+          qsa_sparse_attention(q, k_rows, v_rows, std::nullopt, out, std::nullopt, o);
+        } else {
+          qsa_sparse_attention(q, k, v, sel.idx.view(), out, std::nullopt, o);
+        }
       },
       1, 5);
   const double sec = t.median_ms * 1e-3;
@@ -555,6 +581,12 @@ int main(int argc, char** argv) {
                 [&] { return bench_prefill(timer, n, true, false); });
   }
   prefill_row("prefill_16k_random", [&] { return bench_prefill(timer, 16384, false, false); });
+  for (int64_t n : {1024, 4096, 16384}) {
+    const std::string name = fmt::format("phys_prefill_{}k_structured", n / 1024);
+    if (!want(name)) continue;
+    const PrefillSelection sel = synthetic_selection(n, true);
+    prefill_row(name, [&] { return time_prefill(timer, n, sel, false, name, true); });
+  }
   prefill_row("prefill_128k_structured_hint",
               [&] { return bench_prefill(timer, 131072, true, true); });
   for (int64_t n : {16384, 65536, 131072}) {

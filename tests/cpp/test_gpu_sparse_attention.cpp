@@ -1398,39 +1398,43 @@ TEST(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
 
 // Physical ids into flattened K/V: no requests, no causal mask, duplicates counted, ids < 0
 // or >= total_kv masked, the lse buffer written; rows with nothing valid give 0 and -inf.
-// With the heuristic's splits the gather kernel runs (token ids, 2 splits in a cluster: 18
-// (row, KV head) pairs); with one split the row-tile kernel.
+// 2051 ids a row take the gather kernel at the heuristic's splits (2 in a cluster for 20
+// (row, KV head) pairs) and at one split; 2200 ids (past its 2112) take the per-row kernel's
+// SplitKV at the heuristic's splits and the row-tile kernel at one split (10 rows).
 TEST(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = testing::make_rng();
-  const int64_t rows = 9, hq = 24, hkv = 2, total = 3000, width = 2051;
+  const int64_t rows = 10, hq = 24, hkv = 2, total = 3000;
   Tensor q = testing::random_tensor({rows, hq, kD}, DType::kBF16, rng, -2.f, 2.f);
   Tensor k = testing::random_tensor({total, hkv, kD}, DType::kBF16, rng, -2.f, 2.f);
   Tensor v = testing::random_tensor({total, hkv, kD}, DType::kBF16, rng);
-  std::vector<int32_t> ids(rows * width);
-  std::uniform_int_distribution<int32_t> any(-3, total + 3), some(0, 40);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t w = 0; w < width; ++w) {
-      ids[r * width + w] = r == 4 ? -1 : (r == 2 ? some(rng) : any(rng));  // 2: duplicates
+  Tensor dq = to_device(q), dk = to_device(k), dv = to_device(v);
+  for (int64_t width : {2051, 2200}) {
+    std::vector<int32_t> ids(rows * width);
+    std::uniform_int_distribution<int32_t> any(-3, total + 3), some(0, 40);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t w = 0; w < width; ++w) {
+        ids[r * width + w] = r == 4 ? -1 : (r == 2 ? some(rng) : any(rng));  // 2: duplicates
+      }
     }
-  }
-  Tensor idx = testing::int32_tensor({rows, width}, ids);
-  Tensor dq = to_device(q), dk = to_device(k), dv = to_device(v), didx = to_device(idx);
-  Tensor out = testing::poisoned_device({rows, hq, kD}, DType::kBF16);
-  Tensor lse = testing::poisoned_device({rows, hq}, DType::kF32);
-  const testing::AttentionExpectation e =
-      testing::expected_physical_attention(q.view(), k.view(), v.view(), ids, width, 1.0 / 16.0);
-  for (std::optional<int64_t> splits : {std::optional<int64_t>{}, std::optional<int64_t>{1}}) {
-    SparseAttentionOptions o;
-    o.selected_kv_indices = didx.view();
-    o.num_splits = splits;
-    poison_device(out.view());
-    poison_device(lse.view());
-    qsa_sparse_attention(dq, dk, dv, std::nullopt, out, lse.view(), o);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    EXPECT_TRUE(testing::all_close(Tensor::to_host(out.view()).view(), e.out, 1e-2, 1e-2))
-        << (splits ? "one split (row tiles)" : "heuristic splits");
-    EXPECT_TRUE(testing::all_close(Tensor::to_host(lse.view()).view(), e.lse, 2e-3, 2e-3));
+    Tensor didx = to_device(testing::int32_tensor({rows, width}, ids));
+    Tensor out = testing::poisoned_device({rows, hq, kD}, DType::kBF16);
+    Tensor lse = testing::poisoned_device({rows, hq}, DType::kF32);
+    const testing::AttentionExpectation e =
+        testing::expected_physical_attention(q.view(), k.view(), v.view(), ids, width, 1.0 / 16.0);
+    for (std::optional<int64_t> splits : {std::optional<int64_t>{}, std::optional<int64_t>{1}}) {
+      SCOPED_TRACE(::testing::Message()
+                   << width << " ids, " << (splits ? "one split" : "heuristic"));
+      SparseAttentionOptions o;
+      o.selected_kv_indices = didx.view();
+      o.num_splits = splits;
+      poison_device(out.view());
+      poison_device(lse.view());
+      qsa_sparse_attention(dq, dk, dv, std::nullopt, out, lse.view(), o);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_TRUE(testing::all_close(Tensor::to_host(out.view()).view(), e.out, 1e-2, 1e-2));
+      EXPECT_TRUE(testing::all_close(Tensor::to_host(lse.view()).view(), e.lse, 2e-3, 2e-3));
+    }
   }
 }
 

@@ -161,6 +161,43 @@ TEST(SparseAttentionSchedule, PrefillTakesTheUnionOrRowTileKernel) {
   EXPECT_EQ(s.workspace.bytes, 0u);
 }
 
+// Physical calls (selected_kv_indices: no requests, no page table) take the gather kernel at
+// any row count where it fits: a decode batch of 128 unrelated rows and a 16K-row prefill chunk
+// alike (session 39). Past its 2112 ids a row, the row-tile kernel still takes calls of 10 rows
+// or more at one split.
+TEST(SparseAttentionSchedule, PhysicalCallsTakeTheGatherKernel) {
+  const auto physical = [](int64_t rows, int64_t width) {
+    SparseAttentionParams p = params(Shape{});
+    p.rows = rows;
+    p.batch = 0;
+    p.width = width;
+    p.kv_layout = KVLayout::kPhysical;
+    p.page_size = p.max_pages = p.num_pages = p.kv_capacity = 0;
+    p.total_kv = 1 << 20;
+    p.row_mapping = RowMapping::kNone;
+    return p;
+  };
+  for (int64_t rows : {1, 8, 32, 128, 1024, 16384}) {
+    const Schedule s = schedule(physical(rows, 2051), kH200);
+    SCOPED_TRACE(testing::Message() << rows << " rows");
+    EXPECT_TRUE(s.gather_rows);
+    EXPECT_FALSE(s.row_tiles);
+    EXPECT_EQ(s.union_rows, 0);
+    EXPECT_EQ(s.workspace.bytes, 0u);
+  }
+  EXPECT_EQ(schedule(physical(128, 2051), kH200).launch.num_splits, 1);
+  const Schedule wide = schedule(physical(16384, 2113), kH200);
+  EXPECT_FALSE(wide.gather_rows);
+  EXPECT_TRUE(wide.row_tiles);
+  // The GPU suite's physical case: 10 rows of 2200 ids, per-row SplitKV or row tiles.
+  SparseAttentionParams ten = physical(10, 2200);
+  const Schedule split = schedule(ten, kH200);
+  EXPECT_FALSE(split.gather_rows || split.row_tiles);
+  EXPECT_GT(split.launch.num_splits, 1);
+  ten.num_splits = 1;
+  EXPECT_TRUE(schedule(ten, kH200).row_tiles);
+}
+
 // Multi-token decode steps with the hint: a request's 2 to 4 rows are one step-kernel CTA (both
 // KV heads) once the requests' CTAs fill the SMs (B * Hkv >= 132), the gather kernel after it at
 // one split for the steps it leaves; 6 rows are union tiles; below the SM count, and for FP8, an

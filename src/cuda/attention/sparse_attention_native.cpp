@@ -44,22 +44,6 @@ bool keys_fit_int32(const SparseAttentionParams& p) {
   }
 }
 
-// Rows a request has on average from which its rows share K/V tiles through the row-tile or
-// the union kernel (prefill); below, decode steps of up to 9 rows a request run row by row on
-// the gather kernel, their shared tokens from L2 (session 24, 4 rows a request: 81 us at B = 32
-// with token ids against the row-tile kernel's 235; 77 with the hint against 91 through the
-// union kernel's build, whose tiles of 10 rows spanned requests).
-constexpr int64_t kRowTileMinRows = 10;
-
-// Whether the row-tile kernel runs: one split, and on average at least kRowTileMinRows rows
-// per request, because only rows of one request share tokens (decode batches go to the
-// per-row or the gather kernel). It reads 16-bit K/V only.
-bool use_row_tiles(const SparseAttentionParams& p, int num_splits) {
-  if (p.kv_dtype != p.dtype) return false;
-  if (num_splits != 1 || p.rows < kRowTileMinRows * std::max<int64_t>(p.batch, 1)) return false;
-  return keys_fit_int32(p);
-}
-
 // Whether the gather kernel can take the call's rows (at any split count): the block hint (never
 // in physical mode) with at most the seed's 512 hint columns, or token ids of at most
 // kQsaGatherMaxTokens columns; K/V keys that fit int32, (row, KV head) pairs numbered in int32,
@@ -81,6 +65,27 @@ bool gather_fits(const SparseAttentionParams& p, const SparseAttentionLaunch& x)
   return entries_fit && keys_fit_int32(p) && p.group >= 12 && p.group <= 16 &&
          p.rows * p.num_kv_heads <= kMaxInt && p.q_dim_stride == 1 &&
          aligned(p.q, {p.q_row_stride, p.q_head_stride});
+}
+
+// Rows a request has on average from which its rows share K/V tiles through the row-tile or
+// the union kernel (prefill); below, decode steps of up to 9 rows a request run row by row on
+// the gather kernel, their shared tokens from L2 (session 24, 4 rows a request: 81 us at B = 32
+// with token ids against the row-tile kernel's 235; 77 with the hint against 91 through the
+// union kernel's build, whose tiles of 10 rows spanned requests).
+constexpr int64_t kRowTileMinRows = 10;
+
+// Whether the row-tile kernel runs: one split, and on average at least kRowTileMinRows rows
+// per request, because only rows of one request share tokens (decode batches go to the
+// per-row or the gather kernel). It reads 16-bit K/V only. Physical calls have no requests (a
+// decode batch and a prefill chunk look alike) and take the gather kernel wherever it fits: it
+// won at every size measured (session 39, H100: 196 us against 416 for 128 unrelated rows,
+// 0.17 / 1.58 / 7.9 ms against 0.38 / 2.14 / 9.3 for 1K / 4K / 16K prefill rows that share most
+// of their blocks, which it reads again from L2).
+bool use_row_tiles(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
+  if (p.kv_dtype != p.dtype) return false;
+  if (p.kv_layout == KVLayout::kPhysical && gather_fits(p, x)) return false;
+  if (x.num_splits != 1 || p.rows < kRowTileMinRows * std::max<int64_t>(p.batch, 1)) return false;
+  return keys_fit_int32(p);
 }
 
 // Whether the union prefill kernel runs, and the gather kernel after it on the rows it leaves
@@ -141,7 +146,7 @@ Schedule schedule(const SparseAttentionParams& p, const ScheduleDevice& device) 
                   ? p.num_splits
                   : choose_num_splits(p.rows, p.num_kv_heads, p.width, device.sm_count));
 
-  s.row_tiles = use_row_tiles(p, x.num_splits);
+  s.row_tiles = use_row_tiles(p, x);
   // A multi-token decode step of R = rows / batch rows a request, 2 <= R <= 4, goes to the step
   // kernel where the requests' CTAs fill the GPU (use_step). Otherwise a union tile is
   // 2 * (64 / G) consecutive rows (10 at 24/2) where the row-tile kernel would run, or, on a
