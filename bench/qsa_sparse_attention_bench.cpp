@@ -29,8 +29,8 @@
 //     older ones under a fixed per-block importance, so neighbouring rows share most blocks
 //     (the mean Jaccard of consecutive rows' block sets is printed). The useful FLOP rate
 //     counts valid selected tokens only: 4 * tokens * Hq * D per row. 128K runs twice: token
-//     path, and structured path (block_indices hint). The token path runs the row-tile kernel,
-//     the hint the union kernel (tiles whose union it cannot hold: the row-tile kernel). Dense
+//     path, and structured path (block_indices hint). The token path runs the gather kernel,
+//     the hint the union kernel (tiles whose union it cannot hold: the gather kernel). Dense
 //     cuDNN causal attention of the same shape is bench/sdpa_baseline.py's (same device call);
 //     bench/qsa_prefill_bench.py times issue 13's selections against it in one process.
 //   prefill_<n>k_indexer: the same timing over selections made the way an engine makes them,

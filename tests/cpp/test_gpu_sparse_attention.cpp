@@ -729,8 +729,10 @@ std::vector<Case> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Forms, GpuSparseAttention, ::testing::ValuesIn(cases()), case_name);
 
-// The row-tile kernel runs when there is one split and at least 4 rows per request on average
-// (sparse_attention_native.cpp): every form above that has the rows, with one split, on its
+// The row-tile kernel runs on token ids the gather kernel does not take (more than 2112 a
+// row) when there is one split and at least 10 rows per request on average
+// (sparse_attention_native.cpp): every form above with 4 rows a request or more, at one split
+// and at least 2200 ids a row (those below 10 rows a request take the per-row kernel), on its
 // random selections (little sharing between rows) and on shared ones (mostly the same tokens,
 // the case the kernel is for).
 std::vector<Case> row_tile_cases() {
@@ -744,6 +746,10 @@ std::vector<Case> row_tile_cases() {
     for (bool shared : {false, true}) {
       Case c = base;
       c.num_splits = 1;
+      if (c.width < 2200) {
+        c.width = 2200;
+        c.name += "_widened";
+      }
       c.shared = shared;
       c.name += shared ? "_rowtiles_shared" : "_rowtiles";
       v.push_back(c);
@@ -1371,14 +1377,16 @@ TEST(GpuSparseAttentionRows, MoreThan65535Rows) {
 TEST(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = testing::make_rng();
-  // Decode with one and six splits (per-row kernel), and prefill rows with shared selections
-  // (row-tile kernel, 0: its hash-table insertions race, its union order must not).
+  // Decode with one and six splits (gather kernel at 2051 ids), and prefill rows with shared
+  // selections of 2200 ids (row-tile kernel, 0: its hash-table insertions race, its union order
+  // must not).
   for (int64_t splits : {1, 6, 0}) {
     Case c = decode("det", 4);
     c.num_splits = splits == 0 ? 1 : splits;
     if (splits == 0) {
       c.q_rows = {70, 45};
       c.k_lens = {3000, 2100};
+      c.width = 2200;
       c.shared = true;
     }
     c.gate = Gate::kElementwise;
@@ -1690,10 +1698,10 @@ TEST(GpuSparseAttentionUnionCounts, BlockListed300TimesCountsEveryTime) {
 }
 
 // More row tiles than one build + attention launch pair takes (QsaUnionConfig::kChunkTiles
-// tiles of 10 rows): every chunk, the last one partial, gives what the row-tile kernel gives
+// tiles of 10 rows): every chunk, the last one partial, gives what the gather kernel gives
 // for the same token ids without the hint (the oracle's cost at 20K rows is left to the
 // smaller cases above, which check both kernels against it).
-TEST(GpuSparseAttentionUnionChunks, RowsPastOneChunkMatchTheRowTileKernel) {
+TEST(GpuSparseAttentionUnionChunks, RowsPastOneChunkMatchTheTokenPath) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = testing::make_rng();
   const UnionCase uc{"chunks", DType::kBF16, 64, {20500}, {21000}, 16, Gate::kElementwise, false};
@@ -1701,14 +1709,14 @@ TEST(GpuSparseAttentionUnionChunks, RowsPastOneChunkMatchTheRowTileKernel) {
   const Tensor blocks = selection_hint(pb, uc.nb, false, rng);
   DeviceProblem dp = to_device_problem(pb, rng);
   qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, std::nullopt, dp.opts);
-  const std::vector<double> row_tiles = to_vector(Tensor::to_host(dp.out).view());
+  const std::vector<double> token_path = to_vector(Tensor::to_host(dp.out).view());
   Tensor db = to_device(blocks);
   dp.opts.block_indices = db.view();
   poison_device(dp.out);
   qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, std::nullopt, dp.opts);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   // Each side is within the oracle tolerance of the exact result.
-  EXPECT_TRUE(testing::all_close(Tensor::to_host(dp.out).view(), row_tiles,
+  EXPECT_TRUE(testing::all_close(Tensor::to_host(dp.out).view(), token_path,
                                  2 * testing::default_atol(uc.dtype),
                                  2 * testing::default_rtol(uc.dtype)));
 }

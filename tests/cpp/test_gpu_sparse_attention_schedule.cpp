@@ -143,8 +143,9 @@ TEST(SparseAttentionSchedule, SplitsPastTheClusterLimitTakeThePerRowKernel) {
 }
 
 // Prefill with the hint: tiles of 10 rows on the union kernel (its flags and records in the
-// workspace), the gather kernel after it at one split; without the hint the row-tile kernel.
-TEST(SparseAttentionSchedule, PrefillTakesTheUnionOrRowTileKernel) {
+// workspace), the gather kernel after it at one split; token ids on the gather kernel at one
+// split, and past its 2112 ids a row on the row-tile kernel.
+TEST(SparseAttentionSchedule, PrefillTakesTheUnionGatherOrRowTileKernel) {
   Shape shape;
   shape.rows_per_request = 150;
   shape.hint_blocks = 512;
@@ -156,15 +157,21 @@ TEST(SparseAttentionSchedule, PrefillTakesTheUnionOrRowTileKernel) {
   shape.hint_blocks.reset();
   s = schedule(params(shape), kH200);
   EXPECT_EQ(s.union_rows, 0);
+  EXPECT_FALSE(s.row_tiles);
+  EXPECT_TRUE(s.gather_rows);
+  EXPECT_EQ(s.launch.num_splits, 1);
+  EXPECT_EQ(s.workspace.bytes, 0u);
+  shape.width = 2113;
+  s = schedule(params(shape), kH200);
   EXPECT_TRUE(s.row_tiles);
   EXPECT_FALSE(s.gather_rows);
   EXPECT_EQ(s.workspace.bytes, 0u);
 }
 
 // Physical calls (selected_kv_indices: no requests, no page table) take the gather kernel at
-// any row count where it fits: a decode batch of 128 unrelated rows and a 16K-row prefill chunk
-// alike (session 39). Past its 2112 ids a row, the row-tile kernel still takes calls of 10 rows
-// or more at one split.
+// any row count where it fits, as token ids do: a decode batch of 128 unrelated rows and a
+// 16K-row prefill chunk alike (session 39). Past its 2112 ids a row, the row-tile kernel takes
+// calls of 10 rows or more at one split.
 TEST(SparseAttentionSchedule, PhysicalCallsTakeTheGatherKernel) {
   const auto physical = [](int64_t rows, int64_t width) {
     SparseAttentionParams p = params(Shape{});

@@ -444,7 +444,7 @@ def test_simulated_qsa_attention_on_the_gpu(name, kind, gate, seq_lens, paged, c
 def test_simulated_qsa_prefill_rows(device, world):
     # Every rank's piece of the context-parallel prefill (its zigzag rows against the whole
     # K/V) gives the single-process pipeline's rows: bitwise on the CPU; on the GPU within
-    # rounding (the row-tile kernel's tiles group other rows).
+    # rounding (which kernel and how many splits run follows the call's row count).
     total, topk = 600, 16
     case = _on(cp_qsa_case(31, total, d=32 if device == "cpu" else 256), device)
     want, want_lse = cp_qsa_single_process(case, topk, "native")

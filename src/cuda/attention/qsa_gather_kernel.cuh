@@ -1,6 +1,8 @@
-// QSA sparse attention for rows that share no K/V with their neighbours: decode rows, and the
-// prefill row tiles the union kernel leaves (independent selections, qsa_union_problem.cuh).
-// A CTA attends one query row for one KV head, gathering the row's own selected tokens.
+// QSA sparse attention one row at a time: decode rows, the prefill row tiles the union kernel
+// leaves (independent selections, qsa_union_problem.cuh), and token-id prefill rows, whose
+// shared blocks it reads again from L2 (that beat sharing them in the row-tile kernel:
+// docs/perf-notes.md, session 39). A CTA attends one query row for one KV head, gathering the
+// row's own selected tokens.
 //
 // Such a row's cost is its bytes (2051 tokens x 1 KB of K and V per KV head at the seed's
 // shape), so the kernel is built to keep the gather going: a producer warpgroup copies each

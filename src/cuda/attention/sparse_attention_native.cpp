@@ -76,14 +76,17 @@ constexpr int64_t kRowTileMinRows = 10;
 
 // Whether the row-tile kernel runs: one split, and on average at least kRowTileMinRows rows
 // per request, because only rows of one request share tokens (decode batches go to the
-// per-row or the gather kernel). It reads 16-bit K/V only. Physical calls have no requests (a
-// decode batch and a prefill chunk look alike) and take the gather kernel wherever it fits: it
-// won at every size measured (session 39, H100: 196 us against 416 for 128 unrelated rows,
-// 0.17 / 1.58 / 7.9 ms against 0.38 / 2.14 / 9.3 for 1K / 4K / 16K prefill rows that share most
-// of their blocks, which it reads again from L2).
+// per-row or the gather kernel). It reads 16-bit K/V only. With the hint this is the gate to
+// the union kernel (use_union). Token ids, physical or not, take the gather kernel wherever it
+// fits instead: rows one by one, each (row, KV head) a CTA, read a shared block's repeats from
+// L2, and that won at every size measured (session 39, H100; ms at 16K prefill rows, row tiles
+// against the gather kernel: 10.0 / 8.0 structured, 17.1 / 8.0 random, 15.1 / 7.9 on the
+// indexer's selections; physical: 0.38 / 0.17 at 1K rows, and 416 / 196 us for a decode
+// batch of 128 unrelated rows, which physical mode cannot tell from a prefill chunk). The
+// row-tile kernel keeps token ids the gather kernel does not take (more than 2112 a row,
+// groups outside 12..16, unaligned Q).
 bool use_row_tiles(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
-  if (p.kv_dtype != p.dtype) return false;
-  if (p.kv_layout == KVLayout::kPhysical && gather_fits(p, x)) return false;
+  if (p.kv_dtype != p.dtype || (!x.block_hint && gather_fits(p, x))) return false;
   if (x.num_splits != 1 || p.rows < kRowTileMinRows * std::max<int64_t>(p.batch, 1)) return false;
   return keys_fit_int32(p);
 }
@@ -176,11 +179,11 @@ Schedule schedule(const SparseAttentionParams& p, const ScheduleDevice& device) 
     s.union_chunk = std::min(s.union_row_tiles, QsaUnionConfig::kChunkTiles);
   }
   // Rows the union kernel does not take, with the hint (decode batches and FP8 prefill), and
-  // token-path rows the row-tile kernel does not take (the same, without the hint). The
-  // gather kernel keeps more bytes in flight than the per-row one (two CTAs an SM, each with a
-  // producer warpgroup), and its SplitKV merges inside a cluster (no workspace, no merge
-  // launch); split counts past its cluster limit stay on the per-row kernel.
-  if (s.union_rows == 0 && (x.block_hint || !s.row_tiles) && gather_fits(p, x)) {
+  // every token-id call it fits (use_row_tiles). The gather kernel keeps more bytes in flight
+  // than the per-row one (two CTAs an SM, each with a producer warpgroup), and its SplitKV
+  // merges inside a cluster (no workspace, no merge launch); split counts past its cluster
+  // limit stay on the per-row kernel.
+  if (s.union_rows == 0 && gather_fits(p, x)) {
     const int64_t pairs = p.rows * p.num_kv_heads;
     const int max_splits = device.max_gather_splits;
     // The split rule counts 4-token blocks; a token row of width W has about W / 4.

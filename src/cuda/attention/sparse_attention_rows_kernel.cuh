@@ -1,5 +1,7 @@
 // sm90 sparse attention, row-tile kernel for prefill: one CTA attends kRows consecutive query
-// rows for one KV head, and gathers each K/V tile once for all of them.
+// rows for one KV head, and gathers each K/V tile once for all of them. It runs where the
+// gather kernel does not fit (more than 2112 token ids a row, groups outside 12..16, unaligned
+// Q), which wins wherever it does (sparse_attention_native.cpp, use_row_tiles).
 //
 // Why: neighbouring prefill rows select almost the same tokens (the structured workload's
 // consecutive-row Jaccard is 0.999), so the per-row kernel (sparse_attention_kernel.cuh) pulls
