@@ -3,7 +3,8 @@
 //   decode: B = 1, 8, 32, 128 requests, contexts uniform in [8K, 128K], one query row each,
 //     2051-token selections (512 four-token blocks among the visible ones, plus the tail);
 //     _32k rows: every request 32K tokens long (issue 15's comparison); _page1600 rows: pages
-//     of 1600 tokens (an engine's large pages).
+//     of 1600 tokens (an engine's large pages); _32k_nb1024 / _32k_nb2048 rows: top-1024 and
+//     top-2048 selections (4099 / 8195 token ids) at 32K.
 //     Floor: the selected K/V rows read once, plus Q, O, the element-wise gate and the
 //     indices, at the copy ceiling measured in the same run. Each decode row is timed twice:
 //     eager (the call between the two events, host work included: validation, workspace,
@@ -102,24 +103,25 @@ Tensor random_pool(const Shape& shape, uint64_t seed, DType dtype = DType::kBF16
   return t;
 }
 
-// Writes the token row of a block selection: 4b..4b+3 per block, the tail 4*((p+1)/4)..p,
-// valid ids first, -1 after. Returns the number of valid ids.
-int64_t expand(const std::vector<int32_t>& blocks, int64_t p, int32_t* row) {
+// Writes the token row (`width` ids) of a block selection: 4b..4b+3 per block, the tail
+// 4*((p+1)/4)..p, valid ids first, -1 after. Returns the number of valid ids.
+int64_t expand(const std::vector<int32_t>& blocks, int64_t p, int32_t* row,
+               int64_t width = kWidth) {
   int64_t n = 0;
   for (int32_t b : blocks)
     for (int j = 0; j < 4; ++j) row[n++] = 4 * b + j;
   for (int64_t t = 4 * ((p + 1) / 4); t <= p; ++t) row[n++] = static_cast<int32_t>(t);
-  std::fill(row + n, row + kWidth, -1);
+  std::fill(row + n, row + width, -1);
   return n;
 }
 
-// The physical rows of the flattened cache [pool * page] that a [rows, kWidth] token-id matrix
+// The physical rows of the flattened cache [pool * page] that a [rows, width] token-id matrix
 // names (-1 stays -1); row r belongs to request r / rows_per_request of the page table.
 std::vector<int32_t> physical_ids(const std::vector<int32_t>& ids, const Pages& pg, int64_t page,
-                                  int64_t rows_per_request) {
+                                  int64_t rows_per_request, int64_t width = kWidth) {
   std::vector<int32_t> phys(ids.size(), -1);
   for (size_t i = 0; i < ids.size(); ++i) {
-    const int32_t* table_row = pg.table.data() + (i / kWidth / rows_per_request) * pg.max_pages;
+    const int32_t* table_row = pg.table.data() + (i / width / rows_per_request) * pg.max_pages;
     const int32_t t = ids[i];
     if (t >= 0) phys[i] = static_cast<int32_t>(table_row[t / page] * page + t % page);
   }
@@ -149,11 +151,13 @@ struct DecodeRun {
 // request's selected tokens once (a kernel that shares them reads no more).
 // qdtype: the query's (and out's, gate's) type; FP16 rows are named _f16q.
 // The K/V geometry: `page` tokens a page, and every request `context` tokens long (0: uniform
-// in [8K, 128K]); `shape` names rows of another geometry than the default's.
+// in [8K, 128K]); `blocks` selected a row (top-k, 4 * blocks + 3 token ids); `shape` names
+// rows of another geometry than the default's.
 struct DecodeGeometry {
   std::string shape;
   int64_t page = kPage;
   int64_t context = 0;
+  int64_t blocks = kBlocks;
 };
 
 void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
@@ -161,20 +165,21 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
                   int64_t rows_per_request = 1, DType qdtype = DType::kBF16,
                   const DecodeGeometry& geometry = {}) {
   const int64_t R = rows_per_request, rows = batch * R, page = geometry.page;
+  const int64_t nb = geometry.blocks, width = 4 * nb + 3;
   std::mt19937_64 rng(100 + batch);
   std::uniform_int_distribution<int64_t> ctx(8192, 131072);
   std::vector<int64_t> lens(batch);
   for (auto& l : lens) l = geometry.context > 0 ? geometry.context : ctx(rng);
   const Pages pg = make_pages(lens, page, rng);
-  std::vector<int32_t> ids(rows * kWidth), hint(rows * kBlocks, -1), pos(rows);
+  std::vector<int32_t> ids(rows * width), hint(rows * nb, -1), pos(rows);
   int64_t valid = 0, distinct = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t p = lens[b] - R, visible = (p + 1) / 4;
     std::vector<int32_t> all(visible);
     std::iota(all.begin(), all.end(), 0);
     std::shuffle(all.begin(), all.end(), rng);
-    const std::vector<int32_t> rest(all.begin() + std::min<int64_t>(kBlocks, visible), all.end());
-    all.resize(std::min<int64_t>(kBlocks, visible));
+    const std::vector<int32_t> rest(all.begin() + std::min<int64_t>(nb, visible), all.end());
+    all.resize(std::min<int64_t>(nb, visible));
     std::vector<int32_t> tokens;  // the request's selected tokens, every row's
     for (int64_t i = 0; i < R; ++i) {
       std::vector<int32_t> mine = all;
@@ -190,10 +195,10 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
       std::sort(mine.begin(), mine.end());
       const int64_t r = b * R + i;
       pos[r] = static_cast<int32_t>(p + i);
-      std::copy(mine.begin(), mine.end(), hint.begin() + r * kBlocks);
-      const int64_t n = expand(mine, p + i, &ids[r * kWidth]);
+      std::copy(mine.begin(), mine.end(), hint.begin() + r * nb);
+      const int64_t n = expand(mine, p + i, &ids[r * width], width);
       valid += n;
-      tokens.insert(tokens.end(), ids.begin() + r * kWidth, ids.begin() + r * kWidth + n);
+      tokens.insert(tokens.end(), ids.begin() + r * width, ids.begin() + r * width + n);
     }
     std::sort(tokens.begin(), tokens.end());
     distinct += std::unique(tokens.begin(), tokens.end()) - tokens.begin();
@@ -204,9 +209,9 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
   Tensor gate = random_device({rows, kHq, kD}, qdtype, 2);
   Tensor k = random_pool({pg.pool, page, kHkv, kD}, 3, kv);
   Tensor v = random_pool({pg.pool, page, kHkv, kD}, 4, kv);
-  Tensor idx = int32_device(ids, {rows, kWidth});
-  Tensor phys_idx = int32_device(physical_ids(ids, pg, page, R), {rows, kWidth});
-  Tensor blocks = int32_device(hint, {rows, kBlocks});
+  Tensor idx = int32_device(ids, {rows, width});
+  Tensor phys_idx = int32_device(physical_ids(ids, pg, page, R, width), {rows, width});
+  Tensor blocks = int32_device(hint, {rows, nb});
   Tensor table = int32_device(pg.table, {batch, pg.max_pages});
   Tensor dl = int32_device(lens32, {batch}), dcu = int32_device(cu, {batch + 1});
   Tensor dpos = int32_device(pos, {rows});
@@ -214,7 +219,7 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
   Tensor lse = Tensor::empty({rows, kHq}, DType::kF32, Device::cuda());
   const bool fp8 = kv == DType::kF8E4M3;
   const double bytes = 2.0 * distinct * kHkv * kD * dtype_size(kv) + 3.0 * rows * kHq * kD * 2 +
-                       4.0 * rows * kWidth + 4.0 * rows * kHq;
+                       4.0 * rows * width + 4.0 * rows * kHq;
   const TensorView k_rows(k.view().data(), kv, Device::cuda(), {pg.pool * page, kHkv, kD});
   const TensorView v_rows(v.view().data(), kv, Device::cuda(), {pg.pool * page, kHkv, kD});
   for (const DecodeRun& run : runs) {
@@ -561,6 +566,16 @@ int main(int argc, char** argv) {
     }
     if (want(fmt::format("decode_b{}_page1600", b))) {
       bench_decode(timer, c, b, DType::kBF16, runs, add, 1, DType::kBF16, {"_page1600", 1600});
+    }
+  }
+  // Wider top-k than the seed's 512 (the selection ops return up to 2048 blocks), token ids and
+  // the hint, at 32K contexts.
+  for (int64_t b : {1, 32, 128}) {
+    for (int64_t nb : {1024, 2048}) {
+      const std::string shape = fmt::format("_32k_nb{}", nb);
+      if (!want(fmt::format("decode_b{}{}", b, shape))) continue;
+      bench_decode(timer, c, b, DType::kBF16, {{0, true, false}, {0, true, false, true}}, add, 1,
+                   DType::kBF16, {shape, kPage, 32768, nb});
     }
   }
   // FP8 K/V under FP16 queries: the gather kernel widens e4m3 to FP16 in one conversion a code
