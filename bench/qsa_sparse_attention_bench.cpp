@@ -151,13 +151,14 @@ struct DecodeRun {
 // request's selected tokens once (a kernel that shares them reads no more).
 // qdtype: the query's (and out's, gate's) type; FP16 rows are named _f16q.
 // The K/V geometry: `page` tokens a page, and every request `context` tokens long (0: uniform
-// in [8K, 128K]); `blocks` selected a row (top-k, 4 * blocks + 3 token ids); `shape` names
-// rows of another geometry than the default's.
+// in [8K, 128K]); `blocks` selected a row (top-k, 4 * blocks + 3 token ids); `hq` query heads
+// over the kHkv KV heads; `shape` names rows of another geometry than the default's.
 struct DecodeGeometry {
   std::string shape;
   int64_t page = kPage;
   int64_t context = 0;
   int64_t blocks = kBlocks;
+  int64_t hq = kHq;
 };
 
 void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
@@ -165,7 +166,7 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
                   int64_t rows_per_request = 1, DType qdtype = DType::kBF16,
                   const DecodeGeometry& geometry = {}) {
   const int64_t R = rows_per_request, rows = batch * R, page = geometry.page;
-  const int64_t nb = geometry.blocks, width = 4 * nb + 3;
+  const int64_t nb = geometry.blocks, width = 4 * nb + 3, hq = geometry.hq;
   std::mt19937_64 rng(100 + batch);
   std::uniform_int_distribution<int64_t> ctx(8192, 131072);
   std::vector<int64_t> lens(batch);
@@ -205,8 +206,8 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
   }
   std::vector<int32_t> lens32(lens.begin(), lens.end()), cu(batch + 1);
   for (int64_t b = 0; b <= batch; ++b) cu[b] = static_cast<int32_t>(b * R);
-  Tensor q = random_device({rows, kHq, kD}, qdtype, 1);
-  Tensor gate = random_device({rows, kHq, kD}, qdtype, 2);
+  Tensor q = random_device({rows, hq, kD}, qdtype, 1);
+  Tensor gate = random_device({rows, hq, kD}, qdtype, 2);
   Tensor k = random_pool({pg.pool, page, kHkv, kD}, 3, kv);
   Tensor v = random_pool({pg.pool, page, kHkv, kD}, 4, kv);
   Tensor idx = int32_device(ids, {rows, width});
@@ -215,11 +216,11 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
   Tensor table = int32_device(pg.table, {batch, pg.max_pages});
   Tensor dl = int32_device(lens32, {batch}), dcu = int32_device(cu, {batch + 1});
   Tensor dpos = int32_device(pos, {rows});
-  Tensor out = Tensor::empty({rows, kHq, kD}, qdtype, Device::cuda());
-  Tensor lse = Tensor::empty({rows, kHq}, DType::kF32, Device::cuda());
+  Tensor out = Tensor::empty({rows, hq, kD}, qdtype, Device::cuda());
+  Tensor lse = Tensor::empty({rows, hq}, DType::kF32, Device::cuda());
   const bool fp8 = kv == DType::kF8E4M3;
-  const double bytes = 2.0 * distinct * kHkv * kD * dtype_size(kv) + 3.0 * rows * kHq * kD * 2 +
-                       4.0 * rows * width + 4.0 * rows * kHq;
+  const double bytes = 2.0 * distinct * kHkv * kD * dtype_size(kv) + 3.0 * rows * hq * kD * 2 +
+                       4.0 * rows * width + 4.0 * rows * hq;
   const TensorView k_rows(k.view().data(), kv, Device::cuda(), {pg.pool * page, kHkv, kD});
   const TensorView v_rows(v.view().data(), kv, Device::cuda(), {pg.pool * page, kHkv, kD});
   for (const DecodeRun& run : runs) {
@@ -258,14 +259,14 @@ void bench_decode(Timer& timer, const Ceilings& c, int64_t batch, DType kv,
     const double graph_ms = run.back_to_back ? timer.time_graph_back_to_back(call).median_ms
                                              : timer.time_graph(call).median_ms;
     const double sec = graph_ms * 1e-3;
-    const double run_bytes = bytes - (run.physical ? 2.0 * rows * kHq * kD : 0.0);  // less the gate
+    const double run_bytes = bytes - (run.physical ? 2.0 * rows * hq * kD : 0.0);  // less the gate
     add({fmt::format("decode_b{}{}{}{}{}{}{}{}{}{}", batch, geometry.shape,
                      R > 1 ? fmt::format("_r{}", R) : "", fp8 ? "_fp8" : "",
                      qdtype == DType::kF16 ? "_f16q" : "", run.hint ? "_hint" : "",
                      run.splits > 0 ? fmt::format("_s{}", run.splits) : "",
                      run.physical ? "_phys" : "", run.workspace ? "_ws" : "",
                      run.back_to_back ? "_b2b" : ""),
-         eager_ms, graph_ms, 4.0 * valid * kHq * kD / sec / 1e12, run_bytes / sec / 1e12,
+         eager_ms, graph_ms, 4.0 * valid * hq * kD / sec / 1e12, run_bytes / sec / 1e12,
          run_bytes / (c.copy_tbps * 1e12) * 1e3,
          fmt::format("{} splits, {}lse{}",
                      run.splits > 0 ? fmt::format("{}", run.splits) : "heuristic",
@@ -437,15 +438,15 @@ PrefillSelection indexer_selection(Timer& timer, int64_t tokens) {
 // Times qsa_sparse_attention alone over a selection: token path, with the block hint, or as
 // physical rows of the flattened cache.
 Result time_prefill(Timer& timer, int64_t tokens, const PrefillSelection& sel, bool hint,
-                    const std::string& name, bool physical = false) {
+                    const std::string& name, bool physical = false, int64_t hq = kHq) {
   std::mt19937_64 rng(11 + tokens);
   const std::vector<int64_t> lens{tokens};
   const Pages pg = make_pages(lens, kPage, rng);
-  Tensor q = random_pool({tokens, kHq, kD}, 5);
+  Tensor q = random_pool({tokens, hq, kD}, 5);
   Tensor k = random_pool({pg.pool, kPage, kHkv, kD}, 6);
   Tensor v = random_pool({pg.pool, kPage, kHkv, kD}, 7);
   Tensor table = int32_device(pg.table, {1, pg.max_pages});
-  Tensor out = Tensor::empty({tokens, kHq, kD}, DType::kBF16, Device::cuda());
+  Tensor out = Tensor::empty({tokens, hq, kD}, DType::kBF16, Device::cuda());
   SparseAttentionOptions o;
   // Physical: the same ids as rows of the flattened cache (the decode rows' _phys).
   Tensor phys_idx;
@@ -474,21 +475,22 @@ Result time_prefill(Timer& timer, int64_t tokens, const PrefillSelection& sel, b
       },
       1, 5);
   const double sec = t.median_ms * 1e-3;
-  const double bytes = 2.0 * sel.valid * kHkv * kD * 2 + 2.0 * tokens * kHq * kD * 2;
+  const double bytes = 2.0 * sel.valid * kHkv * kD * 2 + 2.0 * tokens * hq * kD * 2;
   return {name,
           t.median_ms,
           0.0,
-          4.0 * sel.valid * kHq * kD / sec / 1e12,
+          4.0 * sel.valid * hq * kD / sec / 1e12,
           bytes / sec / 1e12,
           0.0,
           fmt::format("{}, mean valid {:.0f}/row, consecutive-row Jaccard {:.3f}", sel.note,
                       sel.valid / tokens, sel.jaccard)};
 }
 
-Result bench_prefill(Timer& timer, int64_t tokens, bool structured, bool hint) {
+Result bench_prefill(Timer& timer, int64_t tokens, bool structured, bool hint, int64_t hq = kHq) {
   return time_prefill(timer, tokens, synthetic_selection(tokens, structured), hint,
                       fmt::format("prefill_{}k_{}{}", tokens / 1024,
-                                  structured ? "structured" : "random", hint ? "_hint" : ""));
+                                  structured ? "structured" : "random", hint ? "_hint" : ""),
+                      false, hq);
 }
 
 }  // namespace
@@ -578,6 +580,13 @@ int main(int argc, char** argv) {
                    DType::kBF16, {shape, kPage, 32768, nb});
     }
   }
+  // A group of 8 query heads a KV head (16/2), which the kernels' 16 head columns hold with 8 of
+  // padding, at 32K contexts and in prefill.
+  for (int64_t b : {1, 32, 128}) {
+    if (!want(fmt::format("decode_b{}_32k_g8", b))) continue;
+    bench_decode(timer, c, b, DType::kBF16, {{0, true, false}, {0, true, false, true}}, add, 1,
+                 DType::kBF16, {"_32k_g8", kPage, 32768, kBlocks, 16});
+  }
   // FP8 K/V under FP16 queries: the gather kernel widens e4m3 to FP16 in one conversion a code
   // pair, against four instructions a pair to BF16 (cuda/common/fp8.cuh), so these rows against
   // the bf16 _fp8 rows measure what the widening costs.
@@ -596,6 +605,10 @@ int main(int argc, char** argv) {
                 [&] { return bench_prefill(timer, n, true, false); });
   }
   prefill_row("prefill_16k_random", [&] { return bench_prefill(timer, 16384, false, false); });
+  for (const bool structured : {true, false}) {
+    prefill_row(fmt::format("prefill_16k_{}_g8", structured ? "structured" : "random"),
+                [&] { return bench_prefill(timer, 16384, structured, false, 16); });
+  }
   for (int64_t n : {1024, 4096, 16384}) {
     const std::string name = fmt::format("phys_prefill_{}k_structured", n / 1024);
     if (!want(name)) continue;
