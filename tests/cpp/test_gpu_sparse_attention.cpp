@@ -521,6 +521,17 @@ std::vector<Case> cases() {
     c.width = 2113;
     c.num_splits = 1;
     v.push_back(c);
+    // Top-2048 selections as token ids (8195 a row; block_indices stops at 512 blocks): the
+    // gather kernel in at least 4 splits of 2112 ids, at the heuristic's count and at exactly 4,
+    // FP8 too.
+    c = decode("decode_b3_width8195_heuristic", 3);
+    c.k_lens = {40000, 9001, 8300};
+    c.width = 8195;
+    c.num_splits.reset();
+    v.push_back(c);
+    c.name = "decode_b3_width8195_splits4";
+    c.num_splits = 4;
+    v.push_back(c);
     c = decode("decode_b1_heuristic_gate_elementwise", 1);
     c.k_lens = {33000};
     c.gate = Gate::kElementwise;
@@ -1407,8 +1418,8 @@ TEST(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
 // Physical ids into flattened K/V: no requests, no causal mask, duplicates counted, ids < 0
 // or >= total_kv masked, the lse buffer written; rows with nothing valid give 0 and -inf.
 // 2051 ids a row take the gather kernel at the heuristic's splits (2 in a cluster for 20
-// (row, KV head) pairs) and at one split; 2200 ids (past its 2112) take the per-row kernel's
-// SplitKV at the heuristic's splits and the row-tile kernel at one split (10 rows).
+// (row, KV head) pairs) and at one split; 2200 ids (past one split's 2112) take it in at least
+// 2 splits, and the row-tile kernel where one split is asked for (10 rows).
 TEST(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = testing::make_rng();
@@ -1508,10 +1519,11 @@ TEST_P(GpuSparseAttentionWorkspace, PoisonedCallerWorkspaceMatchesOracle) {
 }
 
 // SplitKV partials are the per-row kernel's: the cases that need them select more token ids
-// than the gather kernel takes (kQsaGatherMaxTokens), whose SplitKV merges in a cluster.
+// than the gather kernel takes in its 16 splits (2112 a split), whose SplitKV merges in a
+// cluster.
 Case wide_decode(int64_t b) {
   Case c = decode("w", b);
-  c.width = 4103;
+  c.width = 16 * 2112 + 1;
   return c;
 }
 
@@ -1550,7 +1562,7 @@ std::vector<WorkspaceCase> workspace_cases() {
     c.token_to_req = true;
     c.q_rows = {2, 1};
     c.k_lens = {3000, 2500};
-    c.width = 4103;
+    c.width = 6337;  // 4 splits of 2112 at the fewest: 3 asked for run on the per-row kernel
     c.num_splits = 3;
     c.int64_metadata = true;
     v.push_back({"token_to_req_splits3_partials_int64", c, true});
@@ -1590,8 +1602,7 @@ testing::CapturedGraph capture(DeviceProblem& dp) {
 TEST(GpuSparseAttentionWorkspaceGraph, CapturedWithCallerWorkspace) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = testing::make_rng();
-  Case c = decode("graph_workspace", 2);
-  c.width = 4103;  // the per-row kernel's SplitKV partials (wide_decode)
+  Case c = wide_decode(2);  // the per-row kernel's SplitKV partials
   c.positions = true;
   Problem pb = make_problem(c, rng);
   DeviceProblem dp = to_device_problem(pb, rng);

@@ -94,19 +94,46 @@ TEST(SparseAttentionSchedule, DecodeTakesTheGatherKernelsSplits) {
   EXPECT_EQ(schedule(params(one), ScheduleDevice{132, 8}).launch.num_splits, 8);
 }
 
-// Past the gather kernel's 2112 ids (33 tiles), the per-row kernel with its SplitKV partials in
-// the workspace; at 2112 still the gather kernel.
-TEST(SparseAttentionSchedule, WiderTokenRowsTakeThePerRowKernel) {
+// Rows wider than a split's key queue (2112 token ids; the hint's 512 blocks always fit one)
+// take the gather kernel in enough splits: 2113 ids at B = 1 and a top-2048 selection's 8195
+// (the widest the selection ops return) at B = 128 too. Past 16 splits' worth, or with an
+// explicit count below the fewest, the per-row kernel with its SplitKV partials in the
+// workspace.
+TEST(SparseAttentionSchedule, WideRowsTakeTheGatherKernelInEnoughSplits) {
   Shape shape;
   shape.width = 2112;
-  EXPECT_TRUE(schedule(params(shape), kH200).gather_rows);
+  Schedule s = schedule(params(shape), kH200);
+  EXPECT_TRUE(s.gather_rows);
   shape.width = 2113;
-  const Schedule s = schedule(params(shape), kH200);
+  s = schedule(params(shape), kH200);
+  EXPECT_TRUE(s.gather_rows);
+  EXPECT_GE(s.launch.num_splits, 2);
+  Shape wide;
+  wide.batch = 128;
+  wide.width = 4 * 2048 + 3;
+  s = schedule(params(wide), kH200);
+  EXPECT_TRUE(s.gather_rows);
+  EXPECT_EQ(s.launch.num_splits, 4);
+  EXPECT_EQ(s.launch.split_cols, 2112);
+  EXPECT_EQ(s.workspace.bytes, 0u);
+  wide.width = 4 * 2112 + 1;
+  EXPECT_EQ(schedule(params(wide), kH200).launch.num_splits, 5);
+  // Where only clusters of 8 run, 8 splits' worth.
+  wide.width = 8 * 2112 + 1;
+  EXPECT_TRUE(schedule(params(wide), kH200).gather_rows);
+  EXPECT_FALSE(schedule(params(wide), ScheduleDevice{132, 8}).gather_rows);
+  shape.width = 16 * 2112 + 1;
+  s = schedule(params(shape), kH200);
   EXPECT_FALSE(s.gather_rows);
   EXPECT_FALSE(s.row_tiles);
   EXPECT_GT(s.launch.num_splits, 1);
   EXPECT_EQ(s.partial_slots, static_cast<size_t>(s.launch.num_splits) * 24);
   EXPECT_GE(s.workspace.bytes, s.partial_slots * (256 + 1) * sizeof(float));
+  shape.width = 2113;
+  shape.num_splits = 1;
+  s = schedule(params(shape), kH200);
+  EXPECT_FALSE(s.gather_rows);
+  EXPECT_EQ(s.launch.num_splits, 1);
 }
 
 // FP8 decode takes the gather kernel at every batch, with the bf16 rule's counts (16 / 4 / 2 at
@@ -144,7 +171,8 @@ TEST(SparseAttentionSchedule, SplitsPastTheClusterLimitTakeThePerRowKernel) {
 
 // Prefill with the hint: tiles of 10 rows on the union kernel (its flags and records in the
 // workspace), the gather kernel after it at one split; token ids on the gather kernel at one
-// split, and past its 2112 ids a row on the row-tile kernel.
+// split, at two past its 2112 ids a row, and on the row-tile kernel where one split is asked
+// for.
 TEST(SparseAttentionSchedule, PrefillTakesTheUnionGatherOrRowTileKernel) {
   Shape shape;
   shape.rows_per_request = 150;
@@ -163,6 +191,10 @@ TEST(SparseAttentionSchedule, PrefillTakesTheUnionGatherOrRowTileKernel) {
   EXPECT_EQ(s.workspace.bytes, 0u);
   shape.width = 2113;
   s = schedule(params(shape), kH200);
+  EXPECT_TRUE(s.gather_rows);
+  EXPECT_EQ(s.launch.num_splits, 2);
+  shape.num_splits = 1;
+  s = schedule(params(shape), kH200);
   EXPECT_TRUE(s.row_tiles);
   EXPECT_FALSE(s.gather_rows);
   EXPECT_EQ(s.workspace.bytes, 0u);
@@ -170,8 +202,8 @@ TEST(SparseAttentionSchedule, PrefillTakesTheUnionGatherOrRowTileKernel) {
 
 // Physical calls (selected_kv_indices: no requests, no page table) take the gather kernel at
 // any row count where it fits, as token ids do: a decode batch of 128 unrelated rows and a
-// 16K-row prefill chunk alike (session 39). Past its 2112 ids a row, the row-tile kernel takes
-// calls of 10 rows or more at one split.
+// 16K-row prefill chunk alike (session 39), and rows past 2112 ids in two splits. The row-tile
+// kernel takes 10 rows or more past 2112 ids where one split is asked for.
 TEST(SparseAttentionSchedule, PhysicalCallsTakeTheGatherKernel) {
   const auto physical = [](int64_t rows, int64_t width) {
     SparseAttentionParams p = params(Shape{});
@@ -194,13 +226,13 @@ TEST(SparseAttentionSchedule, PhysicalCallsTakeTheGatherKernel) {
   }
   EXPECT_EQ(schedule(physical(128, 2051), kH200).launch.num_splits, 1);
   const Schedule wide = schedule(physical(16384, 2113), kH200);
-  EXPECT_FALSE(wide.gather_rows);
-  EXPECT_TRUE(wide.row_tiles);
-  // The GPU suite's physical case: 10 rows of 2200 ids, per-row SplitKV or row tiles.
+  EXPECT_TRUE(wide.gather_rows);
+  EXPECT_EQ(wide.launch.num_splits, 2);
+  // The GPU suite's physical case: 10 rows of 2200 ids, the gather kernel's splits or row tiles.
   SparseAttentionParams ten = physical(10, 2200);
   const Schedule split = schedule(ten, kH200);
-  EXPECT_FALSE(split.gather_rows || split.row_tiles);
-  EXPECT_GT(split.launch.num_splits, 1);
+  EXPECT_TRUE(split.gather_rows);
+  EXPECT_GE(split.launch.num_splits, 2);
   ten.num_splits = 1;
   EXPECT_TRUE(schedule(ten, kH200).row_tiles);
 }
@@ -260,14 +292,14 @@ TEST(SparseAttentionSchedule, MultiTokenStepsTakeTheStepKernel) {
   EXPECT_TRUE(tokens.gather_rows);
 }
 
-// Every width the gather kernel takes, at every split count, fits its key queue: the largest
-// split (the last: split_cols entries, with the hint also the tail) holds at most 2112 token
-// slots (the launcher's check), the splits cover the row's entries, and their count is within
-// the cluster limit.
+// Every width the gather kernel takes (up to 16 splits of a key queue each), at every split
+// count, fits its key queue: the largest split (the last: split_cols entries, with the hint
+// also the tail) holds at most 2112 token slots (the launcher's check), the splits cover the
+// row's entries, and their count is within the cluster limit.
 TEST(SparseAttentionSchedule, GatherSplitsFitTheKeyQueue) {
   for (bool hint : {true, false}) {
-    const int64_t max_entries = hint ? kQsaGatherMaxEntries - 1 : kQsaGatherMaxTokens;
-    for (int64_t n = 0; n <= max_entries; ++n) {
+    const int64_t max_entries = 16 * (hint ? kQsaGatherMaxEntries - 1 : kQsaGatherMaxTokens);
+    for (int64_t n = 0; n <= max_entries + 64; n += n < 2200 ? 1 : 7) {
       for (int splits = 0; splits <= 16; ++splits) {
         Shape shape;
         shape.batch = 3;
@@ -278,7 +310,10 @@ TEST(SparseAttentionSchedule, GatherSplitsFitTheKeyQueue) {
         }
         shape.num_splits = splits;
         const Schedule s = schedule(params(shape), kH200);
-        if (!s.gather_rows) continue;  // explicit counts past the limit: not these
+        // The heuristic's count takes every width up to 16 splits' worth to the gather kernel;
+        // explicit counts past the limit, or too few for the width, go elsewhere.
+        if (splits == 0 && n <= max_entries) ASSERT_TRUE(s.gather_rows) << n << " entries";
+        if (!s.gather_rows) continue;
         const SparseAttentionLaunch& x = s.launch;
         const int64_t entries = hint ? n + 1 : n;
         const int64_t largest = x.num_splits == 1 ? entries : x.split_cols + (hint ? 1 : 0);

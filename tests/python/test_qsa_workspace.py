@@ -20,11 +20,12 @@ def small_call(device="cpu"):
 
 
 def decode_call(device, batch=2, token_to_req=False):
-    """A decode step in the canonical geometry (24/2/256, paged K/V in pages of 64) with 4103
-    selected ids per row, past the 2112 the gather kernel takes (its SplitKV merges in a
-    cluster, without workspace): the per-row kernel's SplitKV partials with the default split
-    heuristic; token_to_req (int64, with the positions it needs) adds nothing to them."""
-    page, pages_per_req, width = 64, 64, 4103  # capacity 4096 tokens per request
+    """A decode step in the canonical geometry (24/2/256, paged K/V in pages of 64) with 33793
+    selected ids per row, past the 16 splits of 2112 the gather kernel takes (its SplitKV
+    merges in a cluster, without workspace): the per-row kernel's SplitKV partials with the
+    default split heuristic; token_to_req (int64, with the positions it needs) adds nothing to
+    them."""
+    page, pages_per_req, width = 64, 64, 16 * 2112 + 1  # capacity 4096 tokens per request
     lens = [2500 + 577 * b for b in range(batch)]
     query = randn((batch, 24, 256), torch.bfloat16, device)
     key = randn((batch * pages_per_req, page, 2, 256), torch.bfloat16, device)

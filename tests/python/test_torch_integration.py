@@ -154,7 +154,8 @@ def test_compiled_out_argument_is_written():
 def paged_decode_inputs(device, token_to_req, width=2051):
     """Two decode rows, canonical geometry, paged K/V: the split heuristic picks SplitKV (4
     CTAs per split on a GPU of 100+ SMs), merged inside clusters on the gather kernel, or with
-    more than its 2112 ids (width 4103) in the per-row kernel's partials (the workspace)."""
+    more ids than its 16 splits of 2112 take (width 33793) in the per-row kernel's partials
+    (the workspace)."""
     page, pages = 64, 12
     lens = torch.tensor([700, 431], dtype=torch.int32, device=device)
     query = randn((2, 24, 256), torch.bfloat16, device)
@@ -219,8 +220,8 @@ def native_calls():
         pytest.param(attention_padded, run_attention_padded, 2, id="attention_padded_one_split"),
         pytest.param(lambda: paged_decode_inputs("cuda", False), run_attention_splitkv, 2,
                      id="attention_paged_splitkv"),
-        pytest.param(lambda: paged_decode_inputs("cuda", False, 4103), run_attention_splitkv, 2,
-                     id="attention_paged_splitkv_partials"),
+        pytest.param(lambda: paged_decode_inputs("cuda", False, 16 * 2112 + 1),
+                     run_attention_splitkv, 2, id="attention_paged_splitkv_partials"),
         pytest.param(lambda: paged_decode_inputs("cuda", True), run_attention_token_to_req, 2,
                      id="attention_token_to_req_int64"),
         pytest.param(lambda: decode_inputs("cuda", "native")[:4], run_decode, 1,

@@ -42,9 +42,10 @@ struct QsaUnionParams;
 template <typename T>
 void launch_qsa_union(const QsaUnionParams& params, cudaStream_t stream);
 
-// Index entries a row may have on the gather kernel (qsa_gather_kernel.cuh): the seed's 512
+// Index entries a split may have on the gather kernel (qsa_gather_kernel.cuh): the seed's 512
 // block hint columns and the tail entry, or (without the hint) 2112 token ids, 33 tiles of 64:
-// the seed's 2051 selected tokens and room for an engine's rounding of the width.
+// the seed's 2051 selected tokens and room for an engine's rounding of the width. Wider rows
+// take several splits.
 inline constexpr int kQsaGatherMaxEntries = 513;
 inline constexpr int kQsaGatherMaxTokens = 2112;
 
@@ -52,8 +53,8 @@ inline constexpr int kQsaGatherMaxTokens = 2112;
 // rows whose tile x.union_handled marks are left alone. With x.num_splits > 1 (at most
 // qsa_gather_max_splits(); no union kernel before it) the splits of a (row, KV head) run as one
 // thread-block cluster and merge in it, without workspace. Needs at most kQsaGatherMaxEntries
-// entries a row with the block hint (blocks and the tail) or kQsaGatherMaxTokens token ids
-// without it, group <= 16, K/V keys that fit
+// entries a split with the block hint (blocks, and the tail on the last split) or
+// kQsaGatherMaxTokens token ids without it, group <= 16, K/V keys that fit
 // int32, rows * Hkv * splits that fit int32, and the union kernel's 16-byte Q rows
 // (sparse_attention_native.cpp decides). KV is T or __nv_fp8_e4m3 (FP8 K/V, with k_scale folded
 // into p.scale_log2).

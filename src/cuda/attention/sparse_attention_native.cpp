@@ -44,14 +44,25 @@ bool keys_fit_int32(const SparseAttentionParams& p) {
   }
 }
 
-// Whether the gather kernel can take the call's rows (at any split count): the block hint (never
-// in physical mode) with at most the seed's 512 hint columns, or token ids of at most
-// kQsaGatherMaxTokens columns; K/V keys that fit int32, (row, KV head) pairs numbered in int32,
-// 16-byte rows and strides for its copies of Q (K and V have them already: check_native's
-// vector-load rule; out takes any layout, store_gated8), and a group of 12 to 16 heads (the
-// groups its tests cover; it computes 16 heads a KV head). Host-side facts of the inputs only:
-// qsa_sparse_attention_workspace_size decides the same without out.
-bool gather_fits(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
+// The fewest splits in which the gather kernel takes a row's entries: each split's fit its key
+// queue, 512 blocks (32 tiles of 16) and the tail entry with the hint (always one split: the
+// API takes at most 512 hint blocks), or 2112 token ids (33 tiles of 64; a top-2048 selection's
+// 8195 ids need 4). schedule's partition in whole tiles then gives no split more: at S of
+// these, ceil(tiles / S) is at most a split's tiles.
+int64_t gather_min_splits(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
+  const int64_t per_split = x.block_hint ? kQsaGatherMaxEntries - 1 : kQsaGatherMaxTokens;
+  const int64_t entries = x.block_hint ? p.num_blocks : p.width;
+  return std::max<int64_t>(1, (entries + per_split - 1) / per_split);
+}
+
+// Whether the gather kernel can take the call's rows in at most max_splits splits (1 where a
+// kernel hands it rows at one split: the union and step kernels' leftovers): the row's entries
+// in that many splits (gather_min_splits), K/V keys that fit int32, (row, KV head) pairs
+// numbered in int32, 16-byte rows and strides for its copies of Q (K and V have them already:
+// check_native's vector-load rule; out takes any layout, store_gated8), and a group of 12 to
+// 16 heads (the groups its tests cover; it computes 16 heads a KV head). Host-side facts of
+// the inputs only: qsa_sparse_attention_workspace_size decides the same without out.
+bool gather_fits(const SparseAttentionParams& p, const SparseAttentionLaunch& x, int max_splits) {
   const auto aligned = [](const void* ptr, std::initializer_list<int64_t> strides) {
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
     for (int64_t s : strides) {
@@ -60,10 +71,8 @@ bool gather_fits(const SparseAttentionParams& p, const SparseAttentionLaunch& x)
     return true;
   };
   constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
-  const bool entries_fit =
-      x.block_hint ? p.num_blocks <= kQsaGatherMaxEntries - 1 : p.width <= kQsaGatherMaxTokens;
-  return entries_fit && keys_fit_int32(p) && p.group >= 12 && p.group <= 16 &&
-         p.rows * p.num_kv_heads <= kMaxInt && p.q_dim_stride == 1 &&
+  return gather_min_splits(p, x) <= max_splits && keys_fit_int32(p) && p.group >= 12 &&
+         p.group <= 16 && p.rows * p.num_kv_heads <= kMaxInt && p.q_dim_stride == 1 &&
          aligned(p.q, {p.q_row_stride, p.q_head_stride});
 }
 
@@ -83,10 +92,13 @@ constexpr int64_t kRowTileMinRows = 10;
 // against the gather kernel: 10.0 / 8.0 structured, 17.1 / 8.0 random, 15.1 / 7.9 on the
 // indexer's selections; physical: 0.38 / 0.17 at 1K rows, and 416 / 196 us for a decode
 // batch of 128 unrelated rows, which physical mode cannot tell from a prefill chunk). The
-// row-tile kernel keeps token ids the gather kernel does not take (more than 2112 a row,
-// groups outside 12..16, unaligned Q).
-bool use_row_tiles(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
-  if (p.kv_dtype != p.dtype || (!x.block_hint && gather_fits(p, x))) return false;
+// row-tile kernel keeps token ids the gather kernel does not take (more than 16 splits of 2112,
+// or an explicit split count too small for the row, groups outside 12..16, unaligned Q).
+bool use_row_tiles(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
+                   int max_gather_splits) {
+  if (p.kv_dtype != p.dtype || (!x.block_hint && gather_fits(p, x, max_gather_splits))) {
+    return false;
+  }
   if (x.num_splits != 1 || p.rows < kRowTileMinRows * std::max<int64_t>(p.batch, 1)) return false;
   return keys_fit_int32(p);
 }
@@ -97,7 +109,7 @@ bool use_row_tiles(const SparseAttentionParams& p, const SparseAttentionLaunch& 
 // rule is the gather kernel's: 4 or 5 rows of 12 to 16 heads fill each warpgroup's 64 M rows).
 bool use_union(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
   static_assert(QsaUnionConfig::kMaxEntries <= kQsaGatherMaxEntries);
-  return p.kv_dtype == p.dtype && x.num_splits == 1 && x.block_hint && gather_fits(p, x) &&
+  return p.kv_dtype == p.dtype && x.num_splits == 1 && x.block_hint && gather_fits(p, x, 1) &&
          p.num_blocks <= QsaUnionConfig::kMaxEntries - 1;
 }
 
@@ -116,7 +128,7 @@ bool use_step(const SparseAttentionParams& p, const SparseAttentionLaunch& x, in
   return x.block_hint && p.num_kv_heads % QsaStepConfig::kHeadsPerCta == 0 && per_request >= 2 &&
          per_request <= QsaStepConfig::kRows && p.kv_dtype == p.dtype && p.num_splits <= 1 &&
          p.row_mapping != RowMapping::kNone && p.batch * p.num_kv_heads >= sm_count &&
-         p.kv_capacity <= max_context && gather_fits(p, x);
+         p.kv_capacity <= max_context && gather_fits(p, x, 1);
 }
 
 }  // namespace
@@ -149,7 +161,11 @@ Schedule schedule(const SparseAttentionParams& p, const ScheduleDevice& device) 
                   ? p.num_splits
                   : choose_num_splits(p.rows, p.num_kv_heads, p.width, device.sm_count));
 
-  s.row_tiles = use_row_tiles(p, x);
+  // The gather kernel's split counts: up to the device's cluster limit, or the count asked for.
+  const int max_splits =
+      p.num_splits > 0 ? static_cast<int>(std::min<int64_t>(p.num_splits, device.max_gather_splits))
+                       : device.max_gather_splits;
+  s.row_tiles = use_row_tiles(p, x, max_splits);
   // A multi-token decode step of R = rows / batch rows a request, 2 <= R <= 4, goes to the step
   // kernel where the requests' CTAs fill the GPU (use_step). Otherwise a union tile is
   // 2 * (64 / G) consecutive rows (10 at 24/2) where the row-tile kernel would run, or, on a
@@ -183,15 +199,19 @@ Schedule schedule(const SparseAttentionParams& p, const ScheduleDevice& device) 
   // than the per-row one (two CTAs an SM, each with a producer warpgroup), and its SplitKV
   // merges inside a cluster (no workspace, no merge launch); split counts past its cluster
   // limit stay on the per-row kernel.
-  if (s.union_rows == 0 && gather_fits(p, x)) {
+  if (s.union_rows == 0 && gather_fits(p, x, max_splits)) {
     const int64_t pairs = p.rows * p.num_kv_heads;
-    const int max_splits = device.max_gather_splits;
-    // The split rule counts 4-token blocks; a token row of width W has about W / 4.
+    // The split rule counts 4-token blocks; a token row of width W has about W / 4. Rows wider
+    // than a split's key queue take at least gather_min_splits (gather_fits has checked that
+    // an explicit count is not below it).
     const int64_t blocks = x.block_hint ? p.num_blocks : p.width / 4;
+    const int64_t min_splits = gather_min_splits(p, x);
     const int64_t gather_splits =
-        p.num_splits > 0 ? p.num_splits
-                         : choose_gather_splits(pairs, blocks, max_splits, device.sm_count);
-    if (gather_splits <= max_splits &&
+        p.num_splits > 0
+            ? p.num_splits
+            : std::max<int64_t>(min_splits,
+                                choose_gather_splits(pairs, blocks, max_splits, device.sm_count));
+    if (gather_splits <= device.max_gather_splits &&
         pairs * gather_splits <= std::numeric_limits<int32_t>::max()) {
       s.gather_rows = true;
       s.row_tiles = false;
