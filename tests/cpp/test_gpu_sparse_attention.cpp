@@ -722,6 +722,8 @@ std::vector<Case> cases() {
     c.width = 99;
     v.push_back(c);
   }
+  // Every group size on the gather kernel, and on the per-row kernel (one split asked for rows
+  // past the gather kernel's 2112 ids a split).
   for (auto [hq, hkv] : std::vector<std::pair<int64_t, int64_t>>{
            {1, 1}, {3, 1}, {5, 5}, {16, 1}, {16, 2}, {32, 2}, {12, 4}}) {
     Case c;
@@ -733,6 +735,23 @@ std::vector<Case> cases() {
     c.k_lens = {500, 90};
     c.width = 301;
     c.gate = hq % 2 ? Gate::kPerHead : Gate::kNone;
+    v.push_back(c);
+    c.name += "_perrow";
+    c.k_lens = {3000, 2500};
+    c.width = 2200;
+    c.num_splits = 1;
+    v.push_back(c);
+  }
+  {
+    // Prefill rows at a group of 8 (16/2): the gather kernel's rows, whose padding head columns
+    // are half of its 16 (RowTiles below: the row-tile kernel's).
+    Case c;
+    c.name = "group8_prefill_shared";
+    c.hq = 16;
+    c.q_rows = {40, 12};
+    c.k_lens = {3000, 2600};
+    c.shared = true;
+    c.gate = Gate::kElementwise;
     v.push_back(c);
   }
   return v;
@@ -1277,6 +1296,20 @@ INSTANTIATE_TEST_SUITE_P(
                   true},
         UnionCase{
             "page64_nb512_rows150", DType::kBF16, 64, {150}, {5200}, 512, Gate::kElementwise, true},
+        // A group of 8 (16/2): the union kernel takes groups of 12 to 16, so these prefill rows
+        // run on the gather kernel with the hint.
+        [] {
+          UnionCase uc{"group8_page64_nb512_rows150",
+                       DType::kBF16,
+                       64,
+                       {150},
+                       {5200},
+                       512,
+                       Gate::kElementwise,
+                       true};
+          uc.hq = 16;
+          return uc;
+        }(),
         UnionCase{"page1600_two_requests_nb256",
                   DType::kBF16,
                   1600,
@@ -1366,22 +1399,28 @@ INSTANTIATE_TEST_SUITE_P(
                   true}),
     [](const ::testing::TestParamInfo<UnionCase>& info) { return info.param.name; });
 
-// More rows than a grid's y/z limit: rows run on gridDim.x.
+// More rows than a grid's y/z limit: rows run on gridDim.x, on the gather kernel and (17
+// splits asked for, past its cluster limit) the per-row kernel.
 TEST(GpuSparseAttentionRows, MoreThan65535Rows) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = testing::make_rng();
-  Case c;
-  c.hq = 2;
-  c.hkv = 1;
-  c.q_rows = {70001};
-  c.k_lens = {70001};
-  c.width = 5;
-  c.gate = Gate::kPerHead;
-  const Problem pb = make_problem(c, rng);
-  DeviceProblem dp = to_device_problem(pb, rng);
-  qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  expect_matches(pb, dp, oracle(pb));
+  for (const std::optional<int64_t> splits :
+       {std::optional<int64_t>{}, std::optional<int64_t>{17}}) {
+    SCOPED_TRACE(splits ? "17 splits" : "heuristic splits");
+    Case c;
+    c.hq = 2;
+    c.hkv = 1;
+    c.q_rows = {70001};
+    c.k_lens = {70001};
+    c.width = 5;
+    c.gate = Gate::kPerHead;
+    c.num_splits = splits;
+    const Problem pb = make_problem(c, rng);
+    DeviceProblem dp = to_device_problem(pb, rng);
+    qsa_sparse_attention(dp.q, dp.k, dp.v, dp.idx, dp.out, dp.lse, dp.opts);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    expect_matches(pb, dp, oracle(pb));
+  }
 }
 
 // Same inputs, same bits, for the SplitKV path and the single-split path.

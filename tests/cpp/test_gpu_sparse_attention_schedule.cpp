@@ -237,6 +237,55 @@ TEST(SparseAttentionSchedule, PhysicalCallsTakeTheGatherKernel) {
   EXPECT_TRUE(schedule(ten, kH200).row_tiles);
 }
 
+// Groups below 12 heads (here 8: 16/2, and 1) take the gather kernel wherever it fits: decode,
+// prefill with token ids or the hint (the union kernel takes groups of 12 to 16 only), and
+// multi-token steps (the step kernel's groups are the union's). The row-tile kernel keeps rows
+// past 2112 ids where one split is asked for.
+TEST(SparseAttentionSchedule, SmallGroupsTakeTheGatherKernel) {
+  const auto with_group = [](const Shape& shape, int64_t hq) {
+    SparseAttentionParams p = params(shape);
+    p.num_q_heads = hq;
+    p.group = hq / p.num_kv_heads;
+    p.q_row_stride = p.out_row_stride = hq * 256;
+    return p;
+  };
+  for (int64_t hq : {16, 2}) {
+    SCOPED_TRACE(testing::Message() << "group " << hq / 2);
+    Shape shape;
+    for (int64_t batch : {1, 128}) {
+      shape.batch = batch;
+      EXPECT_TRUE(schedule(with_group(shape, hq), kH200).gather_rows);
+      shape.hint_blocks = 512;
+      EXPECT_TRUE(schedule(with_group(shape, hq), kH200).gather_rows);
+      shape.hint_blocks.reset();
+    }
+    shape.batch = 1;
+    shape.rows_per_request = 150;
+    for (bool hint : {false, true}) {
+      if (hint) shape.hint_blocks = 512;
+      const Schedule s = schedule(with_group(shape, hq), kH200);
+      EXPECT_TRUE(s.gather_rows);
+      EXPECT_FALSE(s.row_tiles);
+      EXPECT_EQ(s.union_rows, 0);
+      EXPECT_EQ(s.launch.num_splits, 1);
+      EXPECT_EQ(s.workspace.bytes, 0u);
+    }
+    shape.batch = 128;
+    shape.rows_per_request = 4;
+    const Schedule step = schedule(with_group(shape, hq), kH200);
+    EXPECT_EQ(step.step_rows, 0);
+    EXPECT_TRUE(step.gather_rows);
+    shape.batch = 1;
+    shape.rows_per_request = 150;
+    shape.hint_blocks.reset();
+    shape.width = 2200;
+    shape.num_splits = 1;
+    const Schedule wide = schedule(with_group(shape, hq), kH200);
+    EXPECT_TRUE(wide.row_tiles);
+    EXPECT_FALSE(wide.gather_rows);
+  }
+}
+
 // Multi-token decode steps with the hint: a request's 2 to 4 rows are one step-kernel CTA (both
 // KV heads) once the requests' CTAs fill the SMs (B * Hkv >= 132), the gather kernel after it at
 // one split for the steps it leaves; 6 rows are union tiles; below the SM count, and for FP8, an

@@ -59,9 +59,10 @@ int64_t gather_min_splits(const SparseAttentionParams& p, const SparseAttentionL
 // kernel hands it rows at one split: the union and step kernels' leftovers): the row's entries
 // in that many splits (gather_min_splits), K/V keys that fit int32, (row, KV head) pairs
 // numbered in int32, 16-byte rows and strides for its copies of Q (K and V have them already:
-// check_native's vector-load rule; out takes any layout, store_gated8), and a group of 12 to
-// 16 heads (the groups its tests cover; it computes 16 heads a KV head). Host-side facts of
-// the inputs only: qsa_sparse_attention_workspace_size decides the same without out.
+// check_native's vector-load rule; out takes any layout, store_gated8). Any group check_native
+// lets through (up to 16 heads) fits: the kernel computes 16 head columns a KV head and masks
+// those past the group. Host-side facts of the inputs only: qsa_sparse_attention_workspace_size
+// decides the same without out.
 bool gather_fits(const SparseAttentionParams& p, const SparseAttentionLaunch& x, int max_splits) {
   const auto aligned = [](const void* ptr, std::initializer_list<int64_t> strides) {
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
@@ -71,8 +72,8 @@ bool gather_fits(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
     return true;
   };
   constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
-  return gather_min_splits(p, x) <= max_splits && keys_fit_int32(p) && p.group >= 12 &&
-         p.group <= 16 && p.rows * p.num_kv_heads <= kMaxInt && p.q_dim_stride == 1 &&
+  return gather_min_splits(p, x) <= max_splits && keys_fit_int32(p) &&
+         p.rows * p.num_kv_heads <= kMaxInt && p.q_dim_stride == 1 &&
          aligned(p.q, {p.q_row_stride, p.q_head_stride});
 }
 
@@ -93,7 +94,7 @@ constexpr int64_t kRowTileMinRows = 10;
 // indexer's selections; physical: 0.38 / 0.17 at 1K rows, and 416 / 196 us for a decode
 // batch of 128 unrelated rows, which physical mode cannot tell from a prefill chunk). The
 // row-tile kernel keeps token ids the gather kernel does not take (more than 16 splits of 2112,
-// or an explicit split count too small for the row, groups outside 12..16, unaligned Q).
+// or an explicit split count too small for the row, unaligned Q).
 bool use_row_tiles(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
                    int max_gather_splits) {
   if (p.kv_dtype != p.dtype || (!x.block_hint && gather_fits(p, x, max_gather_splits))) {
@@ -105,30 +106,32 @@ bool use_row_tiles(const SparseAttentionParams& p, const SparseAttentionLaunch& 
 
 // Whether the union prefill kernel runs, and the gather kernel after it on the rows it leaves
 // (instead of the row-tile kernel): rows that share K/V tiles (use_row_tiles: 16-bit K/V), the
-// gather kernel's conditions, and the block hint with at most the union's columns (its group
-// rule is the gather kernel's: 4 or 5 rows of 12 to 16 heads fill each warpgroup's 64 M rows).
+// gather kernel's conditions, the block hint with at most the union's columns, and a group of
+// 12 to 16 heads (4 or 5 rows of them fill each warpgroup's 64 M rows; the groups its tests
+// cover). Smaller groups' prefill rows take the gather kernel.
 bool use_union(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
   static_assert(QsaUnionConfig::kMaxEntries <= kQsaGatherMaxEntries);
-  return p.kv_dtype == p.dtype && x.num_splits == 1 && x.block_hint && gather_fits(p, x, 1) &&
-         p.num_blocks <= QsaUnionConfig::kMaxEntries - 1;
+  return p.kv_dtype == p.dtype && x.num_splits == 1 && x.block_hint && p.group >= 12 &&
+         gather_fits(p, x, 1) && p.num_blocks <= QsaUnionConfig::kMaxEntries - 1;
 }
 
 // Whether the step kernel takes a multi-token decode step of `per_request` rows a request: the
 // block hint, an even Hkv (a CTA takes two KV heads), 2 to 4 rows (every request alike), 16-bit
-// K/V, no split count asked for, K/V capacities its bitmaps cover (1M tokens), the gather
-// kernel's conditions (it takes the steps the step kernel leaves), and B * Hkv at least the SM
-// count. That last rule was measured (session 24) with one CTA a request and KV head: below it,
-// the gather kernel's cluster splits over the rows one by one win, and the step kernel has none.
-// Its B * Hkv / 2 CTAs then leave up to half the SMs idle (4 of 132 at B = 128 and Hkv = 2): the
-// threshold for two heads a CTA is still to be measured. The union of 4 rows that share 90% of
-// their blocks is ~1.3x one row's bytes.
+// K/V, no split count asked for, K/V capacities its bitmaps cover (1M tokens), a group of 12 to
+// 16 heads (the groups its tests cover; smaller groups' steps take the gather kernel row by
+// row), the gather kernel's conditions (it takes the steps the step kernel leaves), and B * Hkv
+// at least the SM count. That last rule was measured (session 24) with one CTA a request and KV
+// head: below it, the gather kernel's cluster splits over the rows one by one win, and the step
+// kernel has none. Its B * Hkv / 2 CTAs then leave up to half the SMs idle (4 of 132 at B = 128
+// and Hkv = 2): the threshold for two heads a CTA is still to be measured. The union of 4 rows
+// that share 90% of their blocks is ~1.3x one row's bytes.
 bool use_step(const SparseAttentionParams& p, const SparseAttentionLaunch& x, int64_t per_request,
               int sm_count) {
   const int64_t max_context = QsaStepConfig::kMaxContext;
   return x.block_hint && p.num_kv_heads % QsaStepConfig::kHeadsPerCta == 0 && per_request >= 2 &&
          per_request <= QsaStepConfig::kRows && p.kv_dtype == p.dtype && p.num_splits <= 1 &&
          p.row_mapping != RowMapping::kNone && p.batch * p.num_kv_heads >= sm_count &&
-         p.kv_capacity <= max_context && gather_fits(p, x, 1);
+         p.kv_capacity <= max_context && p.group >= 12 && gather_fits(p, x, 1);
 }
 
 }  // namespace
