@@ -1,7 +1,8 @@
 // Native qsa_sparse_attention on the GPU against an independent double-precision oracle
 // written here: every query/KV layout, SplitKV counts, gates, LSE, strided and sliced views,
 // physical ids, invalid ids, very many rows, determinism and CUDA graph replay, on the per-row
-// kernel (with and without SplitKV) and the row-tile kernel, and caller-owned workspaces.
+// kernel (with and without SplitKV, prefill rows at one split among them), the gather, union
+// and step kernels, and caller-owned workspaces.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -59,7 +60,7 @@ struct Case {
   bool views = false;            // sliced inputs with offsets, strided out with bytes around it
   bool dense_v = false;          // with views: V stays dense, so K and V strides differ
   // Each row of a request repeats the previous row's ids with about 1 in 20 redrawn, as
-  // neighbouring prefill rows do (the row-tile kernel then gathers mostly shared tokens).
+  // neighbouring prefill rows do (the kernels then read mostly the same K/V rows).
   bool shared = false;
   // FP8 e4m3 K/V of random finite codes (subnormals included), dequantised by these scales.
   bool fp8 = false;
@@ -744,7 +745,7 @@ std::vector<Case> cases() {
   }
   {
     // Prefill rows at a group of 8 (16/2): the gather kernel's rows, whose padding head columns
-    // are half of its 16 (RowTiles below: the row-tile kernel's).
+    // are half of its 16 (OneSplit below: the per-row kernel's, at one split).
     Case c;
     c.name = "group8_prefill_shared";
     c.hq = 16;
@@ -759,21 +760,22 @@ std::vector<Case> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Forms, GpuSparseAttention, ::testing::ValuesIn(cases()), case_name);
 
-// The row-tile kernel runs on token ids the gather kernel does not take (more than 2112 a
-// row) when there is one split and at least 10 rows per request on average
-// (sparse_attention_native.cpp): every form above with 4 rows a request or more, at one split
-// and at least 2200 ids a row (those below 10 rows a request take the per-row kernel), on its
-// random selections (little sharing between rows) and on shared ones (mostly the same tokens,
-// the case the kernel is for).
-std::vector<Case> row_tile_cases() {
+// The per-row kernel at one split on prefill rows: token ids past the gather kernel's 2112 a
+// split where the caller asks for one split (sparse_attention_native.cpp), on the forms above
+// with at least 10 rows a request on average, widened to 2200 ids, on random selections
+// (little sharing between rows) and shared ones (neighbouring rows select mostly the same
+// tokens), in BF16 and, for the first form, FP16.
+std::vector<Case> one_split_cases() {
   std::vector<Case> v;
   for (const Case& base : cases()) {
     const int64_t batch = static_cast<int64_t>(base.q_rows.size());
     const int64_t rows = base.padded_q
                              ? batch * *std::max_element(base.q_rows.begin(), base.q_rows.end())
                              : std::accumulate(base.q_rows.begin(), base.q_rows.end(), int64_t{0});
-    if (rows < 4 * batch) continue;
+    if (rows < 10 * batch) continue;
+    const bool fp16_too = v.empty();
     for (bool shared : {false, true}) {
+      if (base.shared && !shared) continue;
       Case c = base;
       c.num_splits = 1;
       if (c.width < 2200) {
@@ -781,14 +783,19 @@ std::vector<Case> row_tile_cases() {
         c.name += "_widened";
       }
       c.shared = shared;
-      c.name += shared ? "_rowtiles_shared" : "_rowtiles";
+      c.name += shared && !base.shared ? "_one_split_shared" : "_one_split";
       v.push_back(c);
+      if (fp16_too) {
+        c.dtype = DType::kF16;
+        c.name = "fp16_" + c.name;
+        v.push_back(c);
+      }
     }
   }
   return v;
 }
 
-INSTANTIATE_TEST_SUITE_P(RowTiles, GpuSparseAttention, ::testing::ValuesIn(row_tile_cases()),
+INSTANTIATE_TEST_SUITE_P(OneSplit, GpuSparseAttention, ::testing::ValuesIn(one_split_cases()),
                          case_name);
 
 // FP8 K/V: every form above with FP8 caches (on whichever kernel the schedule picks),
@@ -1428,8 +1435,8 @@ TEST(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = testing::make_rng();
   // Decode with one and six splits (gather kernel at 2051 ids), and prefill rows with shared
-  // selections of 2200 ids (row-tile kernel, 0: its hash-table insertions race, its union order
-  // must not).
+  // selections of 2200 ids at one split (0: the per-row kernel, the gather kernel taking at most
+  // 2112 ids a split).
   for (int64_t splits : {1, 6, 0}) {
     Case c = decode("det", 4);
     c.num_splits = splits == 0 ? 1 : splits;
@@ -1458,7 +1465,7 @@ TEST(GpuSparseAttentionDeterminism, RerunsAreBitwiseEqual) {
 // or >= total_kv masked, the lse buffer written; rows with nothing valid give 0 and -inf.
 // 2051 ids a row take the gather kernel at the heuristic's splits (2 in a cluster for 20
 // (row, KV head) pairs) and at one split; 2200 ids (past one split's 2112) take it in at least
-// 2 splits, and the row-tile kernel where one split is asked for (10 rows).
+// 2 splits, and the per-row kernel where one split is asked for.
 TEST(GpuSparseAttentionPhysical, MatchesOracleWithDuplicatesAndMaskedIds) {
   SPARSE_ATTN_REQUIRE_GPU();
   auto rng = testing::make_rng();

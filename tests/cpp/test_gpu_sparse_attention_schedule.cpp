@@ -60,6 +60,18 @@ SparseAttentionParams params(const Shape& s) {
   return p;
 }
 
+// The per-row kernel alone at one split: neither the gather kernel nor the union or step
+// kernel, no SplitKV partials, no workspace.
+void expect_per_row_one_split(const Schedule& s) {
+  EXPECT_FALSE(s.gather_rows);
+  EXPECT_FALSE(s.share_tiles);
+  EXPECT_EQ(s.union_rows, 0);
+  EXPECT_EQ(s.step_rows, 0);
+  EXPECT_EQ(s.launch.num_splits, 1);
+  EXPECT_EQ(s.partial_slots, 0u);
+  EXPECT_EQ(s.workspace.bytes, 0u);
+}
+
 // The gather kernel's splits of the docs' worked examples: 16 / 16 / 8 / 4 / 2 / 2 / 1 / 1 at
 // B = 1 / 2 / 4 / 8 / 16 / 32 / 64 / 128 with the hint (whole tiles of 16 blocks: 32 to 512
 // blocks a split), without a workspace; 2051 token ids at B = 1 in 11 splits of 192 (three
@@ -125,15 +137,13 @@ TEST(SparseAttentionSchedule, WideRowsTakeTheGatherKernelInEnoughSplits) {
   shape.width = 16 * 2112 + 1;
   s = schedule(params(shape), kH200);
   EXPECT_FALSE(s.gather_rows);
-  EXPECT_FALSE(s.row_tiles);
+  EXPECT_FALSE(s.share_tiles);
   EXPECT_GT(s.launch.num_splits, 1);
   EXPECT_EQ(s.partial_slots, static_cast<size_t>(s.launch.num_splits) * 24);
   EXPECT_GE(s.workspace.bytes, s.partial_slots * (256 + 1) * sizeof(float));
   shape.width = 2113;
   shape.num_splits = 1;
-  s = schedule(params(shape), kH200);
-  EXPECT_FALSE(s.gather_rows);
-  EXPECT_EQ(s.launch.num_splits, 1);
+  expect_per_row_one_split(schedule(params(shape), kH200));
 }
 
 // FP8 decode takes the gather kernel at every batch, with the bf16 rule's counts (16 / 4 / 2 at
@@ -171,13 +181,14 @@ TEST(SparseAttentionSchedule, SplitsPastTheClusterLimitTakeThePerRowKernel) {
 
 // Prefill with the hint: tiles of 10 rows on the union kernel (its flags and records in the
 // workspace), the gather kernel after it at one split; token ids on the gather kernel at one
-// split, at two past its 2112 ids a row, and on the row-tile kernel where one split is asked
-// for.
-TEST(SparseAttentionSchedule, PrefillTakesTheUnionGatherOrRowTileKernel) {
+// split, at two past its 2112 ids a row, and on the per-row kernel at one split where one
+// split is asked for.
+TEST(SparseAttentionSchedule, PrefillTakesTheUnionGatherOrPerRowKernel) {
   Shape shape;
   shape.rows_per_request = 150;
   shape.hint_blocks = 512;
   Schedule s = schedule(params(shape), kH200);
+  EXPECT_TRUE(s.share_tiles);
   EXPECT_EQ(s.union_rows, 10);
   EXPECT_EQ(s.union_row_tiles, 15);
   EXPECT_EQ(s.launch.num_splits, 1);
@@ -185,7 +196,7 @@ TEST(SparseAttentionSchedule, PrefillTakesTheUnionGatherOrRowTileKernel) {
   shape.hint_blocks.reset();
   s = schedule(params(shape), kH200);
   EXPECT_EQ(s.union_rows, 0);
-  EXPECT_FALSE(s.row_tiles);
+  EXPECT_FALSE(s.share_tiles);
   EXPECT_TRUE(s.gather_rows);
   EXPECT_EQ(s.launch.num_splits, 1);
   EXPECT_EQ(s.workspace.bytes, 0u);
@@ -194,16 +205,31 @@ TEST(SparseAttentionSchedule, PrefillTakesTheUnionGatherOrRowTileKernel) {
   EXPECT_TRUE(s.gather_rows);
   EXPECT_EQ(s.launch.num_splits, 2);
   shape.num_splits = 1;
-  s = schedule(params(shape), kH200);
-  EXPECT_TRUE(s.row_tiles);
-  EXPECT_FALSE(s.gather_rows);
-  EXPECT_EQ(s.workspace.bytes, 0u);
+  expect_per_row_one_split(schedule(params(shape), kH200));
+}
+
+// Q without 16-byte rows (here a Q view 2 bytes past an aligned address) fits neither the
+// gather nor the union kernel: prefill rows, with the hint or token ids, take the per-row
+// kernel at the one split its rule gives 300 (row, KV head) pairs.
+TEST(SparseAttentionSchedule, UnalignedQTakesThePerRowKernel) {
+  Shape shape;
+  shape.rows_per_request = 150;
+  for (bool hint : {false, true}) {
+    SCOPED_TRACE(hint ? "hint" : "tokens");
+    if (hint) shape.hint_blocks = 512;
+    SparseAttentionParams p = params(shape);
+    const Schedule aligned = schedule(p, kH200);
+    EXPECT_EQ(aligned.gather_rows, !hint);
+    EXPECT_EQ(aligned.share_tiles, hint);
+    p.q = static_cast<const char*>(p.q) + 2;
+    expect_per_row_one_split(schedule(p, kH200));
+  }
 }
 
 // Physical calls (selected_kv_indices: no requests, no page table) take the gather kernel at
 // any row count where it fits, as token ids do: a decode batch of 128 unrelated rows and a
-// 16K-row prefill chunk alike (session 39), and rows past 2112 ids in two splits. The row-tile
-// kernel takes 10 rows or more past 2112 ids where one split is asked for.
+// 16K-row prefill chunk alike (session 39), and rows past 2112 ids in two splits. The per-row
+// kernel takes rows past 2112 ids where one split is asked for.
 TEST(SparseAttentionSchedule, PhysicalCallsTakeTheGatherKernel) {
   const auto physical = [](int64_t rows, int64_t width) {
     SparseAttentionParams p = params(Shape{});
@@ -220,7 +246,7 @@ TEST(SparseAttentionSchedule, PhysicalCallsTakeTheGatherKernel) {
     const Schedule s = schedule(physical(rows, 2051), kH200);
     SCOPED_TRACE(testing::Message() << rows << " rows");
     EXPECT_TRUE(s.gather_rows);
-    EXPECT_FALSE(s.row_tiles);
+    EXPECT_FALSE(s.share_tiles);
     EXPECT_EQ(s.union_rows, 0);
     EXPECT_EQ(s.workspace.bytes, 0u);
   }
@@ -228,19 +254,20 @@ TEST(SparseAttentionSchedule, PhysicalCallsTakeTheGatherKernel) {
   const Schedule wide = schedule(physical(16384, 2113), kH200);
   EXPECT_TRUE(wide.gather_rows);
   EXPECT_EQ(wide.launch.num_splits, 2);
-  // The GPU suite's physical case: 10 rows of 2200 ids, the gather kernel's splits or row tiles.
+  // The GPU suite's physical case: 10 rows of 2200 ids, the gather kernel's splits, or the
+  // per-row kernel at one split where one is asked for.
   SparseAttentionParams ten = physical(10, 2200);
   const Schedule split = schedule(ten, kH200);
   EXPECT_TRUE(split.gather_rows);
   EXPECT_GE(split.launch.num_splits, 2);
   ten.num_splits = 1;
-  EXPECT_TRUE(schedule(ten, kH200).row_tiles);
+  expect_per_row_one_split(schedule(ten, kH200));
 }
 
 // Groups below 12 heads (here 8: 16/2, and 1) take the gather kernel wherever it fits: decode,
 // prefill with token ids or the hint (the union kernel takes groups of 12 to 16 only), and
-// multi-token steps (the step kernel's groups are the union's). The row-tile kernel keeps rows
-// past 2112 ids where one split is asked for.
+// multi-token steps (the step kernel's groups are the union's). Rows past 2112 ids where one
+// split is asked for take the per-row kernel, as at any group.
 TEST(SparseAttentionSchedule, SmallGroupsTakeTheGatherKernel) {
   const auto with_group = [](const Shape& shape, int64_t hq) {
     SparseAttentionParams p = params(shape);
@@ -265,7 +292,7 @@ TEST(SparseAttentionSchedule, SmallGroupsTakeTheGatherKernel) {
       if (hint) shape.hint_blocks = 512;
       const Schedule s = schedule(with_group(shape, hq), kH200);
       EXPECT_TRUE(s.gather_rows);
-      EXPECT_FALSE(s.row_tiles);
+      EXPECT_FALSE(s.share_tiles);
       EXPECT_EQ(s.union_rows, 0);
       EXPECT_EQ(s.launch.num_splits, 1);
       EXPECT_EQ(s.workspace.bytes, 0u);
@@ -280,9 +307,7 @@ TEST(SparseAttentionSchedule, SmallGroupsTakeTheGatherKernel) {
     shape.hint_blocks.reset();
     shape.width = 2200;
     shape.num_splits = 1;
-    const Schedule wide = schedule(with_group(shape, hq), kH200);
-    EXPECT_TRUE(wide.row_tiles);
-    EXPECT_FALSE(wide.gather_rows);
+    expect_per_row_one_split(schedule(with_group(shape, hq), kH200));
   }
 }
 
@@ -299,6 +324,7 @@ TEST(SparseAttentionSchedule, MultiTokenStepsTakeTheStepKernel) {
     shape.rows_per_request = r;
     const Schedule s = schedule(params(shape), kH200);
     EXPECT_EQ(s.step_rows, r);
+    EXPECT_FALSE(s.share_tiles);
     EXPECT_EQ(s.union_rows, r);
     EXPECT_EQ(s.union_row_tiles, 128);
     EXPECT_EQ(s.union_chunk, 0);
@@ -317,6 +343,7 @@ TEST(SparseAttentionSchedule, MultiTokenStepsTakeTheStepKernel) {
   shape.rows_per_request = 6;
   const Schedule six = schedule(params(shape), kH200);
   EXPECT_EQ(six.step_rows, 0);
+  EXPECT_TRUE(six.share_tiles);
   EXPECT_EQ(six.union_rows, 6);
   shape.rows_per_request = 4;
   shape.kv_dtype = DType::kF8E4M3;

@@ -1,7 +1,8 @@
-// Device helpers shared by the sm90 sparse-attention kernels (the per-row gather kernel in
-// sparse_attention_kernel.cuh and the row-tile prefill kernel): element conversions, how a
-// query row resolves to its request / position / KV length, which index entries are valid
-// and where their K/V rows live, and the gated output store. The math is docs/qsa.md's.
+// Device helpers shared by the sm90 sparse-attention kernels (the per-row kernel in
+// sparse_attention_kernel.cuh and the qsa_* gather, union and step kernels): element
+// conversions, how a query row resolves to its request / position / KV length, which index
+// entries are valid and where their K/V rows live, and the gated output store. The math is
+// docs/qsa.md's.
 #pragma once
 
 #include <cuda_bf16.h>

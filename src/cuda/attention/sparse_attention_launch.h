@@ -67,17 +67,12 @@ void launch_qsa_gather(const SparseAttentionParams& p, const SparseAttentionLaun
 // device.
 int qsa_gather_max_splits(int device_index);
 
-// Runs the forward kernel and, when x.num_splits > 1, the merge kernel on `stream`. KV is T
-// or __nv_fp8_e4m3 (FP8 K/V, with k_scale folded into p.scale_log2).
+// Runs the per-row forward kernel (sparse_attention_kernel.cuh) and, when x.num_splits > 1,
+// the merge kernel on `stream`: any call check_native lets through, the rows the step, union
+// and gather kernels do not take. KV is T or __nv_fp8_e4m3 (FP8 K/V, with k_scale folded into
+// p.scale_log2).
 template <typename T, typename KV>
 void launch_sparse_attention(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
                              cudaStream_t stream);
-
-// Runs the row-tile prefill kernel (sparse_attention_rows_kernel.cuh): one split, rows of a
-// tile sharing each gathered K/V tile. Needs x.num_splits == 1 and
-// K/V keys that fit int32 (sparse_attention_native.cpp decides).
-template <typename T>
-void launch_sparse_attention_rows(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
-                                  cudaStream_t stream);
 
 }  // namespace sparse_attn::cuda

@@ -30,8 +30,8 @@ namespace cuda {
 
 namespace {
 
-// Whether every K/V row of the call has an int32 key (the row-tile, union and gather kernels
-// hold keys, the physical rows of their tokens, in 32 bits).
+// Whether every K/V row of the call has an int32 key (the union and gather kernels hold keys,
+// the physical rows of their tokens, in 32 bits).
 bool keys_fit_int32(const SparseAttentionParams& p) {
   constexpr int64_t kMaxKey = INT32_MAX;
   switch (p.kv_layout) {
@@ -77,38 +77,27 @@ bool gather_fits(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
          aligned(p.q, {p.q_row_stride, p.q_head_stride});
 }
 
-// Rows a request has on average from which its rows share K/V tiles through the row-tile or
-// the union kernel (prefill); below, decode steps of up to 9 rows a request run row by row on
-// the gather kernel, their shared tokens from L2 (session 24, 4 rows a request: 81 us at B = 32
-// with token ids against the row-tile kernel's 235; 77 with the hint against 91 through the
-// union kernel's build, whose tiles of 10 rows spanned requests).
-constexpr int64_t kRowTileMinRows = 10;
+// Rows a request has on average from which its rows share K/V tiles through the union kernel
+// (prefill); below, decode steps of up to 9 rows a request run row by row on the gather
+// kernel, their shared tokens from L2 (session 24, 4 rows a request at B = 32 with the hint: 77
+// us row by row against 91 through the union kernel's build, whose tiles of 10 rows spanned
+// requests).
+constexpr int64_t kSharedTileMinRows = 10;
 
-// Whether the row-tile kernel runs: one split, and on average at least kRowTileMinRows rows
-// per request, because only rows of one request share tokens (decode batches go to the
-// per-row or the gather kernel). It reads 16-bit K/V only. With the hint this is the gate to
-// the union kernel (use_union). Token ids, physical or not, take the gather kernel wherever it
-// fits instead: rows one by one, each (row, KV head) a CTA, read a shared block's repeats from
-// L2, and that won at every size measured (session 39, H100; ms at 16K prefill rows, row tiles
-// against the gather kernel: 10.0 / 8.0 structured, 17.1 / 8.0 random, 15.1 / 7.9 on the
-// indexer's selections; physical: 0.38 / 0.17 at 1K rows, and 416 / 196 us for a decode
-// batch of 128 unrelated rows, which physical mode cannot tell from a prefill chunk). The
-// row-tile kernel keeps token ids the gather kernel does not take (more than 16 splits of 2112,
-// or an explicit split count too small for the row, unaligned Q).
-bool use_row_tiles(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
-                   int max_gather_splits) {
-  if (p.kv_dtype != p.dtype || (!x.block_hint && gather_fits(p, x, max_gather_splits))) {
-    return false;
-  }
-  if (x.num_splits != 1 || p.rows < kRowTileMinRows * std::max<int64_t>(p.batch, 1)) return false;
-  return keys_fit_int32(p);
+// Whether the call's rows share K/V tiles, for the union kernel (use_union has its other
+// conditions): prefill rows at one split, on average at least kSharedTileMinRows rows per
+// request, because only rows of one request share tokens (decode batches go to the gather or
+// the per-row kernel), 16-bit K/V and keys that fit int32.
+bool rows_share_tiles(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
+  return p.kv_dtype == p.dtype && x.num_splits == 1 &&
+         p.rows >= kSharedTileMinRows * std::max<int64_t>(p.batch, 1) && keys_fit_int32(p);
 }
 
-// Whether the union prefill kernel runs, and the gather kernel after it on the rows it leaves
-// (instead of the row-tile kernel): rows that share K/V tiles (use_row_tiles: 16-bit K/V), the
-// gather kernel's conditions, the block hint with at most the union's columns, and a group of
-// 12 to 16 heads (4 or 5 rows of them fill each warpgroup's 64 M rows; the groups its tests
-// cover). Smaller groups' prefill rows take the gather kernel.
+// Whether the union prefill kernel runs, and the gather kernel after it on the rows it leaves:
+// rows that share K/V tiles (rows_share_tiles: 16-bit K/V), the gather kernel's conditions, the
+// block hint with at most the union's columns, and a group of 12 to 16 heads (4 or 5 rows of
+// them fill each warpgroup's 64 M rows; the groups its tests cover). Smaller groups' prefill
+// rows take the gather kernel.
 bool use_union(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
   static_assert(QsaUnionConfig::kMaxEntries <= kQsaGatherMaxEntries);
   return p.kv_dtype == p.dtype && x.num_splits == 1 && x.block_hint && p.group >= 12 &&
@@ -168,10 +157,9 @@ Schedule schedule(const SparseAttentionParams& p, const ScheduleDevice& device) 
   const int max_splits =
       p.num_splits > 0 ? static_cast<int>(std::min<int64_t>(p.num_splits, device.max_gather_splits))
                        : device.max_gather_splits;
-  s.row_tiles = use_row_tiles(p, x, max_splits);
   // A multi-token decode step of R = rows / batch rows a request, 2 <= R <= 4, goes to the step
   // kernel where the requests' CTAs fill the GPU (use_step). Otherwise a union tile is
-  // 2 * (64 / G) consecutive rows (10 at 24/2) where the row-tile kernel would run, or, on a
+  // 2 * (64 / G) consecutive rows (10 at 24/2) where rows share K/V tiles, or, on a
   // multi-token step with the hint that the step kernel does not take, one request's R rows
   // (R even, 4 or more and below a full tile) where the requests' CTAs (one an SM) fill the
   // GPU: R rows of one request share most of their blocks (session 24, B = 128 and R = 4: 243
@@ -187,21 +175,28 @@ Schedule schedule(const SparseAttentionParams& p, const ScheduleDevice& device) 
   if (step) {
     // The steps the step kernel leaves go to the gather kernel at one split.
     split_tiles(x.block_hint ? p.num_blocks : p.width, 1);
-    s.row_tiles = false;
     s.step_rows = static_cast<int>(per_request);
     s.union_rows = s.step_rows;
     s.union_row_tiles = static_cast<int>(p.batch);
-  } else if (request_tiles || (s.row_tiles && use_union(p, x))) {
-    s.row_tiles = true;
+  } else if (request_tiles || (rows_share_tiles(p, x) && use_union(p, x))) {
+    s.share_tiles = true;
     s.union_rows = request_tiles ? static_cast<int>(per_request) : full;
     s.union_row_tiles = static_cast<int>((p.rows + s.union_rows - 1) / s.union_rows);
     s.union_chunk = std::min(s.union_row_tiles, QsaUnionConfig::kChunkTiles);
   }
-  // Rows the union kernel does not take, with the hint (decode batches and FP8 prefill), and
-  // every token-id call it fits (use_row_tiles). The gather kernel keeps more bytes in flight
-  // than the per-row one (two CTAs an SM, each with a producer warpgroup), and its SplitKV
-  // merges inside a cluster (no workspace, no merge launch); split counts past its cluster
-  // limit stay on the per-row kernel.
+  // Calls neither the union nor the step kernel takes, with the hint (decode batches, FP8
+  // prefill, groups below 12), and every token-id call, physical or not: rows one by one, each
+  // (row, KV head) a CTA, reading a shared block's repeats from L2, which beat a kernel that
+  // gathered 4 rows' union of tokens once a tile at every size measured (docs/perf-notes.md,
+  // sessions 39 and 40, H100; ms at 16K prefill rows, row tiles against the gather kernel: 10.0
+  // / 8.0 structured, 17.1 / 8.0 random, 15.1 / 7.9 on the indexer's selections, 9.0 / 8.0 and
+  // 16.1 / 8.0 at a group of 8; physical: 0.38 / 0.17 at 1K rows, and 416 / 196 us for a decode
+  // batch of 128 unrelated rows, which physical mode cannot tell from a prefill chunk). It keeps
+  // more bytes in flight than the per-row one (two CTAs an SM, each with a producer warpgroup), and
+  // its SplitKV merges inside a cluster (no workspace, no merge launch). What it does not fit
+  // stays on the per-row kernel, which takes any shape, at x's splits: Q without 16-byte rows,
+  // split counts past its cluster limit, and explicit counts below a row's fewest (rows past
+  // 2112 ids where one split is asked for, prefill or not).
   if (s.union_rows == 0 && gather_fits(p, x, max_splits)) {
     const int64_t pairs = p.rows * p.num_kv_heads;
     // The split rule counts 4-token blocks; a token row of width W has about W / 4. Rows wider
@@ -217,7 +212,6 @@ Schedule schedule(const SparseAttentionParams& p, const ScheduleDevice& device) 
     if (gather_splits <= device.max_gather_splits &&
         pairs * gather_splits <= std::numeric_limits<int32_t>::max()) {
       s.gather_rows = true;
-      s.row_tiles = false;
       // The gather kernel's splits take whole tiles of blocks (its last split also the tail
       // entry, beyond them) or of token ids. (2051 token ids in 8 splits of 257 would give
       // every split a fifth tile of one token; 7 splits of 320 give the slowest split the five
@@ -298,8 +292,7 @@ void native_sparse_attention(const SparseAttentionParams& p) {
     using T = typename decltype(tag)::type;
     cuda::dispatch_kv_dtype<T>(p.dtype, p.kv_dtype, "qsa_sparse_attention", [&](auto kv_tag) {
       using KV = typename decltype(kv_tag)::type;
-      // The step, union and row-tile kernels read 16-bit K/V: schedule() gives them no FP8
-      // call.
+      // The step and union kernels read 16-bit K/V: schedule() gives them no FP8 call.
       if (s.step_rows > 0) {
         cuda::QsaStepParams sp;
         sp.p = q;
@@ -322,8 +315,6 @@ void native_sparse_attention(const SparseAttentionParams& p) {
       }
       if (s.union_rows > 0 || s.gather_rows) {
         cuda::launch_qsa_gather<T, KV>(q, x, stream);
-      } else if (s.row_tiles) {
-        cuda::launch_sparse_attention_rows<T>(q, x, stream);
       } else {
         cuda::launch_sparse_attention<T, KV>(q, x, stream);
       }
