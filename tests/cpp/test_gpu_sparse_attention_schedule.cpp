@@ -64,7 +64,6 @@ SparseAttentionParams params(const Shape& s) {
 // kernel, no SplitKV partials, no workspace.
 void expect_per_row_one_split(const Schedule& s) {
   EXPECT_FALSE(s.gather_rows);
-  EXPECT_FALSE(s.share_tiles);
   EXPECT_EQ(s.union_rows, 0);
   EXPECT_EQ(s.step_rows, 0);
   EXPECT_EQ(s.launch.num_splits, 1);
@@ -137,7 +136,7 @@ TEST(SparseAttentionSchedule, WideRowsTakeTheGatherKernelInEnoughSplits) {
   shape.width = 16 * 2112 + 1;
   s = schedule(params(shape), kH200);
   EXPECT_FALSE(s.gather_rows);
-  EXPECT_FALSE(s.share_tiles);
+  EXPECT_EQ(s.union_rows, 0);
   EXPECT_GT(s.launch.num_splits, 1);
   EXPECT_EQ(s.partial_slots, static_cast<size_t>(s.launch.num_splits) * 24);
   EXPECT_GE(s.workspace.bytes, s.partial_slots * (256 + 1) * sizeof(float));
@@ -188,7 +187,6 @@ TEST(SparseAttentionSchedule, PrefillTakesTheUnionGatherOrPerRowKernel) {
   shape.rows_per_request = 150;
   shape.hint_blocks = 512;
   Schedule s = schedule(params(shape), kH200);
-  EXPECT_TRUE(s.share_tiles);
   EXPECT_EQ(s.union_rows, 10);
   EXPECT_EQ(s.union_row_tiles, 15);
   EXPECT_EQ(s.launch.num_splits, 1);
@@ -196,7 +194,6 @@ TEST(SparseAttentionSchedule, PrefillTakesTheUnionGatherOrPerRowKernel) {
   shape.hint_blocks.reset();
   s = schedule(params(shape), kH200);
   EXPECT_EQ(s.union_rows, 0);
-  EXPECT_FALSE(s.share_tiles);
   EXPECT_TRUE(s.gather_rows);
   EXPECT_EQ(s.launch.num_splits, 1);
   EXPECT_EQ(s.workspace.bytes, 0u);
@@ -220,7 +217,7 @@ TEST(SparseAttentionSchedule, UnalignedQTakesThePerRowKernel) {
     SparseAttentionParams p = params(shape);
     const Schedule aligned = schedule(p, kH200);
     EXPECT_EQ(aligned.gather_rows, !hint);
-    EXPECT_EQ(aligned.share_tiles, hint);
+    EXPECT_EQ(aligned.union_rows, hint ? 10 : 0);
     p.q = static_cast<const char*>(p.q) + 2;
     expect_per_row_one_split(schedule(p, kH200));
   }
@@ -246,7 +243,6 @@ TEST(SparseAttentionSchedule, PhysicalCallsTakeTheGatherKernel) {
     const Schedule s = schedule(physical(rows, 2051), kH200);
     SCOPED_TRACE(testing::Message() << rows << " rows");
     EXPECT_TRUE(s.gather_rows);
-    EXPECT_FALSE(s.share_tiles);
     EXPECT_EQ(s.union_rows, 0);
     EXPECT_EQ(s.workspace.bytes, 0u);
   }
@@ -292,7 +288,6 @@ TEST(SparseAttentionSchedule, SmallGroupsTakeTheGatherKernel) {
       if (hint) shape.hint_blocks = 512;
       const Schedule s = schedule(with_group(shape, hq), kH200);
       EXPECT_TRUE(s.gather_rows);
-      EXPECT_FALSE(s.share_tiles);
       EXPECT_EQ(s.union_rows, 0);
       EXPECT_EQ(s.launch.num_splits, 1);
       EXPECT_EQ(s.workspace.bytes, 0u);
@@ -324,7 +319,6 @@ TEST(SparseAttentionSchedule, MultiTokenStepsTakeTheStepKernel) {
     shape.rows_per_request = r;
     const Schedule s = schedule(params(shape), kH200);
     EXPECT_EQ(s.step_rows, r);
-    EXPECT_FALSE(s.share_tiles);
     EXPECT_EQ(s.union_rows, r);
     EXPECT_EQ(s.union_row_tiles, 128);
     EXPECT_EQ(s.union_chunk, 0);
@@ -343,7 +337,6 @@ TEST(SparseAttentionSchedule, MultiTokenStepsTakeTheStepKernel) {
   shape.rows_per_request = 6;
   const Schedule six = schedule(params(shape), kH200);
   EXPECT_EQ(six.step_rows, 0);
-  EXPECT_TRUE(six.share_tiles);
   EXPECT_EQ(six.union_rows, 6);
   shape.rows_per_request = 4;
   shape.kv_dtype = DType::kF8E4M3;

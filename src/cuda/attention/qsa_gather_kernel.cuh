@@ -1,8 +1,8 @@
 // QSA sparse attention one row at a time: decode rows, the prefill row tiles the union kernel
 // leaves (independent selections, qsa_union_problem.cuh), and token-id prefill rows, whose
-// shared blocks it reads again from L2 (that beat sharing them among a CTA's rows in the
-// row-tile kernel, since removed: docs/perf-notes.md, session 39). A CTA attends one query row
-// for one KV head, gathering the row's own selected tokens.
+// shared blocks it reads again from L2 (that beat sharing them among a CTA's rows:
+// docs/perf-notes.md, sessions 39 and 40). A CTA attends one query row for one KV head,
+// gathering the row's own selected tokens.
 //
 // Such a row's cost is its bytes (2051 tokens x 1 KB of K and V per KV head at the seed's
 // shape), so the kernel is built to keep the gather going: a producer warpgroup copies each

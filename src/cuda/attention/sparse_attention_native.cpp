@@ -179,7 +179,6 @@ Schedule schedule(const SparseAttentionParams& p, const ScheduleDevice& device) 
     s.union_rows = s.step_rows;
     s.union_row_tiles = static_cast<int>(p.batch);
   } else if (request_tiles || (rows_share_tiles(p, x) && use_union(p, x))) {
-    s.share_tiles = true;
     s.union_rows = request_tiles ? static_cast<int>(per_request) : full;
     s.union_row_tiles = static_cast<int>((p.rows + s.union_rows - 1) / s.union_rows);
     s.union_chunk = std::min(s.union_row_tiles, QsaUnionConfig::kChunkTiles);

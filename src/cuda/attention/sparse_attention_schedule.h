@@ -33,8 +33,6 @@ struct WorkspaceLayout {
 struct Schedule {
   SparseAttentionLaunch launch;
   size_t partial_slots = 0;  // num_splits * rows * Hq with SplitKV, else 0
-  bool share_tiles = false;  // rows share K/V tiles: the union kernel on tiles of union_rows
-                             // rows (not the step kernel's steps), the gather kernel after it
   bool gather_rows = false;  // every row on the gather kernel alone (no union kernel before)
   int union_rows = 0;        // rows per CTA of the union kernel, 0 when it does not run
   int union_row_tiles = 0;   // tiles of union_rows rows
