@@ -4,7 +4,8 @@
 //     2051-token selections (512 four-token blocks among the visible ones, plus the tail);
 //     _32k rows: every request 32K tokens long (issue 15's comparison); _page1600 rows: pages
 //     of 1600 tokens (an engine's large pages); _32k_nb1024 / _32k_nb2048 rows: top-1024 and
-//     top-2048 selections (4099 / 8195 token ids) at 32K.
+//     top-2048 selections (4099 / 8195 token ids) at 32K; _32k_g8 rows: a group of 8 query
+//     heads a KV head (16/2) at 32K.
 //     Floor: the selected K/V rows read once, plus Q, O, the element-wise gate and the
 //     indices, at the copy ceiling measured in the same run. Each decode row is timed twice:
 //     eager (the call between the two events, host work included: validation, workspace,
@@ -34,6 +35,8 @@
 //     the hint the union kernel (tiles whose union it cannot hold: the gather kernel). Dense
 //     cuDNN causal attention of the same shape is bench/sdpa_baseline.py's (same device call);
 //     bench/qsa_prefill_bench.py times issue 13's selections against it in one process.
+//   prefill_16k_random: 16K rows of uniformly random selections (little sharing between
+//     rows). prefill_16k_{structured,random}_g8: the 16K rows at a group of 8 (16/2 heads).
 //   prefill_<n>k_indexer: the same timing over selections made the way an engine makes them,
 //     on the device: the structured workload's indexer inputs, native qsa_mqa_prefill, native
 //     top-512 and native expansion (their times are in the note; only the attention call is

@@ -84,20 +84,18 @@ bool gather_fits(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
 // requests).
 constexpr int64_t kSharedTileMinRows = 10;
 
-// Whether the call's rows share K/V tiles, for the union kernel (use_union has its other
-// conditions): prefill rows at one split, on average at least kSharedTileMinRows rows per
-// request, because only rows of one request share tokens (decode batches go to the gather or
-// the per-row kernel), 16-bit K/V and keys that fit int32.
-bool rows_share_tiles(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
-  return p.kv_dtype == p.dtype && x.num_splits == 1 &&
-         p.rows >= kSharedTileMinRows * std::max<int64_t>(p.batch, 1) && keys_fit_int32(p);
+// Whether the call's rows share K/V tiles, the prefill gate to the union kernel (use_union has
+// the kernel's own conditions: 16-bit K/V, one split, the gather kernel's): on average at least
+// kSharedTileMinRows rows per request, because only rows of one request share tokens (decode
+// batches go to the gather or the per-row kernel).
+bool rows_share_tiles(const SparseAttentionParams& p) {
+  return p.rows >= kSharedTileMinRows * std::max<int64_t>(p.batch, 1);
 }
 
 // Whether the union prefill kernel runs, and the gather kernel after it on the rows it leaves:
-// rows that share K/V tiles (rows_share_tiles: 16-bit K/V), the gather kernel's conditions, the
-// block hint with at most the union's columns, and a group of 12 to 16 heads (4 or 5 rows of
-// them fill each warpgroup's 64 M rows; the groups its tests cover). Smaller groups' prefill
-// rows take the gather kernel.
+// 16-bit K/V at one split, the gather kernel's conditions, the block hint with at most the
+// union's columns, and a group of 12 to 16 heads (4 or 5 rows of them fill each warpgroup's 64
+// M rows; the groups its tests cover). Smaller groups' prefill rows take the gather kernel.
 bool use_union(const SparseAttentionParams& p, const SparseAttentionLaunch& x) {
   static_assert(QsaUnionConfig::kMaxEntries <= kQsaGatherMaxEntries);
   return p.kv_dtype == p.dtype && x.num_splits == 1 && x.block_hint && p.group >= 12 &&
@@ -153,10 +151,6 @@ Schedule schedule(const SparseAttentionParams& p, const ScheduleDevice& device) 
                   ? p.num_splits
                   : choose_num_splits(p.rows, p.num_kv_heads, p.width, device.sm_count));
 
-  // The gather kernel's split counts: up to the device's cluster limit, or the count asked for.
-  const int max_splits =
-      p.num_splits > 0 ? static_cast<int>(std::min<int64_t>(p.num_splits, device.max_gather_splits))
-                       : device.max_gather_splits;
   // A multi-token decode step of R = rows / batch rows a request, 2 <= R <= 4, goes to the step
   // kernel where the requests' CTAs fill the GPU (use_step). Otherwise a union tile is
   // 2 * (64 / G) consecutive rows (10 at 24/2) where rows share K/V tiles, or, on a
@@ -178,7 +172,7 @@ Schedule schedule(const SparseAttentionParams& p, const ScheduleDevice& device) 
     s.step_rows = static_cast<int>(per_request);
     s.union_rows = s.step_rows;
     s.union_row_tiles = static_cast<int>(p.batch);
-  } else if (request_tiles || (rows_share_tiles(p, x) && use_union(p, x))) {
+  } else if (request_tiles || (rows_share_tiles(p) && use_union(p, x))) {
     s.union_rows = request_tiles ? static_cast<int>(per_request) : full;
     s.union_row_tiles = static_cast<int>((p.rows + s.union_rows - 1) / s.union_rows);
     s.union_chunk = std::min(s.union_row_tiles, QsaUnionConfig::kChunkTiles);
@@ -196,6 +190,10 @@ Schedule schedule(const SparseAttentionParams& p, const ScheduleDevice& device) 
   // stays on the per-row kernel, which takes any shape, at x's splits: Q without 16-byte rows,
   // split counts past its cluster limit, and explicit counts below a row's fewest (rows past
   // 2112 ids where one split is asked for, prefill or not).
+  // The gather kernel's split counts: up to the device's cluster limit, or the count asked for.
+  const int max_splits =
+      p.num_splits > 0 ? static_cast<int>(std::min<int64_t>(p.num_splits, device.max_gather_splits))
+                       : device.max_gather_splits;
   if (s.union_rows == 0 && gather_fits(p, x, max_splits)) {
     const int64_t pairs = p.rows * p.num_kv_heads;
     // The split rule counts 4-token blocks; a token row of width W has about W / 4. Rows wider
