@@ -156,10 +156,10 @@ Schedule schedule(const SparseAttentionParams& p, const ScheduleDevice& device) 
   // 2 * (64 / G) consecutive rows (10 at 24/2) where rows share K/V tiles, or, on a
   // multi-token step with the hint that the step kernel does not take, one request's R rows
   // (R even, 4 or more and below a full tile) where the requests' CTAs (one an SM) fill the
-  // GPU: R rows of one request share most of their blocks (session 24, B = 128 and R = 4: 243
-  // us against 291 row by row on the gather kernel; below the SM count, the gather kernel takes
-  // the rows one by one). Rows of uneven requests only change which tiles the build (or the
-  // step kernel) marks.
+  // GPU: R rows of one request share most of their blocks, which beat the rows one by one on
+  // the gather kernel (docs/perf-notes.md, session 24; below the SM count, the gather kernel
+  // takes the rows one by one). Rows of uneven requests only change which tiles the build (or
+  // the step kernel) marks.
   const int full = 2 * static_cast<int>(64 / std::max<int64_t>(p.group, 1));
   const int64_t per_request = p.batch > 0 && p.rows % p.batch == 0 ? p.rows / p.batch : 0;
   const bool step = use_step(p, x, per_request, device.sm_count);
@@ -180,11 +180,9 @@ Schedule schedule(const SparseAttentionParams& p, const ScheduleDevice& device) 
   // Calls neither the union nor the step kernel takes, with the hint (decode batches, FP8
   // prefill, groups below 12), and every token-id call, physical or not: rows one by one, each
   // (row, KV head) a CTA, reading a shared block's repeats from L2, which beat a kernel that
-  // gathered 4 rows' union of tokens once a tile at every size measured (docs/perf-notes.md,
-  // sessions 39 and 40, H100; ms at 16K prefill rows, row tiles against the gather kernel: 10.0
-  // / 8.0 structured, 17.1 / 8.0 random, 15.1 / 7.9 on the indexer's selections, 9.0 / 8.0 and
-  // 16.1 / 8.0 at a group of 8; physical: 0.38 / 0.17 at 1K rows, and 416 / 196 us for a decode
-  // batch of 128 unrelated rows, which physical mode cannot tell from a prefill chunk). It keeps
+  // gathered 4 rows' union of tokens once a tile at every size measured: prefill of structured,
+  // random and indexer selections, groups of 8 and 12, physical rows (docs/perf-notes.md,
+  // sessions 39 and 40; physical mode cannot tell a decode batch from a prefill chunk). It keeps
   // more bytes in flight than the per-row one (two CTAs an SM, each with a producer warpgroup), and
   // its SplitKV merges inside a cluster (no workspace, no merge launch). What it does not fit
   // stays on the per-row kernel, which takes any shape, at x's splits: Q without 16-byte rows,
