@@ -79,9 +79,8 @@ bool gather_fits(const SparseAttentionParams& p, const SparseAttentionLaunch& x,
 
 // Rows a request has on average from which its rows share K/V tiles through the union kernel
 // (prefill); below, decode steps of up to 9 rows a request run row by row on the gather
-// kernel, their shared tokens from L2 (session 24, 4 rows a request at B = 32 with the hint: 77
-// us row by row against 91 through the union kernel's build, whose tiles of 10 rows spanned
-// requests).
+// kernel, their shared tokens from L2, which beat the union kernel's build, whose tiles of 10
+// rows then span requests (docs/perf-notes.md, session 24).
 constexpr int64_t kSharedTileMinRows = 10;
 
 // Whether the call's rows share K/V tiles, the prefill gate to the union kernel (use_union has
