@@ -446,8 +446,8 @@ def test_huge_varlen_indexer_rows_are_refused_by_name():
 def test_valid_call_whose_output_cannot_be_allocated_keeps_the_allocator_error():
     # Every argument is fine; the output really does not fit: the allocator's error stands.
     # 2**46 rows of 3 FP32 scores are 768 TiB, past the 128 TiB of a 47-bit user address space,
-    # so the allocation fails under any overcommit policy (12 TiB at HUGE rows was granted
-    # where overcommit is always on, and the reference then ran for ever).
+    # so the allocation fails under any overcommit policy. (HUGE rows' 12 TiB can be granted
+    # where overcommit is always on, and the reference would then compute all of them.)
     rows = 2**46
     q = zeros(1, 4, 128).expand(rows, 4, 128)
     with pytest.raises(RuntimeError):
