@@ -86,7 +86,6 @@ struct QsaGatherConfig {
   static constexpr int kTokenRounds = (kMaxSlots + kThreads - 1) / kThreads;
   static constexpr int kOutPitch = kHeadDim + 8;  // epilogue rows: 16-byte aligned, skewed banks
   static constexpr int kMaxSplits = 16;  // CTAs of a SplitKV cluster (the non-portable maximum)
-  static constexpr int kPartPitch = kHeadDim + 4;  // FP32 partial rows: 16-byte aligned, skewed
   static_assert(kMaxSlots >= 4 * kQsaGatherMaxEntries && kMaxSlots >= kQsaGatherMaxTokens,
                 "a split's slots fit the producer's key queue");
 };
@@ -117,10 +116,12 @@ struct QsaGatherTraits : GatherMmaTraits<Element, QsaGatherConfig::kHeads, 3, kF
     uint32_t slot_valid[C::kMaxSlots / 32];  // bit u: slot u holds a token (else masked)
     int32_t round_counts[C::kTokenRounds][C::kThreads / 32];  // valid entries a warp a round
     float red[2][4][C::kHeads];                               // ColumnSoftmax's exchange
-    float split_lse2[C::kHeads];                   // SplitKV: this split's LSE per head, log2 units
-    float cluster_lse2[C::kMaxSplits][C::kHeads];  // and every split's, copied for the merge
+    // SplitKV: this split's LSE per head (log2 units), and every split's, pushed for the merge.
+    alignas(16) float split_lse2[C::kHeads];
+    alignas(16) float cluster_lse2[C::kMaxSplits][C::kHeads];
     typename Pipeline::SharedStorage pipeline;
     cutlass::arch::ClusterTransactionBarrier barrier_q;
+    cutlass::arch::ClusterTransactionBarrier barrier_merge;  // SplitKV: this CTA's shares landed
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
   static_assert(!kFp8 || kPipeStages * sizeof(Fp8Slot) <=
@@ -130,8 +131,11 @@ struct QsaGatherTraits : GatherMmaTraits<Element, QsaGatherConfig::kHeads, 3, kF
                 "two CTAs (and the 1 KB the system keeps for each) fit an SM's shared memory");
   static_assert(C::kHeads * C::kOutPitch * sizeof(Element) <= C::kBlockN * C::kHeadDim * 2,
                 "the epilogue's O tile fits one idle stage");
-  static_assert(C::kHeads * C::kPartPitch * sizeof(float) <= C::kBlockN * C::kHeadDim * 2,
-                "a split's FP32 partial fits one idle stage");
+  // The merge's bytes: the split's FP32 partial, then the shares its peers push (at most the
+  // outputs' chunks plus one chunk a split, from rounding the shares up).
+  static_assert((2 * C::kHeads * C::kHeadDim + C::kMaxSplits * 8) * sizeof(float) <=
+                    sizeof(cute::array_aligned<Element, cute::cosize_v<LayoutK>>),
+                "the partial and the pushed shares fit the idle ring");
   static_assert(C::kMaxSlots * sizeof(int32_t) <= C::kBlockN * C::kHeadDim * 2,
                 "the slots' keys are staged in one idle stage");
 };
@@ -184,6 +188,7 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
                         splits * C::kThreads);
   if (tid == 0) {
     ss.barrier_q.init(128);
+    ss.barrier_merge.init(1);
     Pipeline::init(ss.pipeline);
     cutlass::arch::fence_barrier_init();
   }
@@ -387,14 +392,16 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
       // The feature an output row holds: FP8's V^T fragment permutes them.
       auto feature = [](int row) { return kFp8 ? sm90::fp8_vt_feature(row) : row; };
       if (merged) {
-        // The split's partial, FP32 and normalised, and its LSE (log2 units) stay here for the
-        // cluster's merge (every thread holds every head's LSE; four write them).
+        // The split's partial, FP32 and normalised, [head][feature] with no skew (each merge
+        // chunk is 32 contiguous bytes, pushed as two 16-byte stores), and its LSE (log2
+        // units) stay here for the cluster's merge (every thread holds every head's LSE; four
+        // write them).
         float* part = reinterpret_cast<float*>(ss.kv.data());
         CUTE_UNROLL
         for (int i = 0; i < size<0>(o_rc); ++i) {
           CUTE_UNROLL
           for (int j = 0; j < kCols; ++j) {
-            part[get<1>(co_rc(i, j)) * C::kPartPitch + feature(get<0>(co_rc(i, j)))] =
+            part[get<1>(co_rc(i, j)) * C::kHeadDim + feature(get<0>(co_rc(i, j)))] =
                 o_rc(i, j) * inv_sum[j];
           }
         }
@@ -457,38 +464,53 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
   if (!merged) return;
 
   // ----- SplitKV: the cluster's merge ---------------------------------------------------------
-  // Every CTA's partial is written (release / acquire across the cluster); then CTA s merges
-  // the s-th of `splits` contiguous shares of the (head, 8-feature chunk) outputs, one chunk a
-  // thread, from every CTA's shared memory, and the CTAs stay until all reads of their shared
-  // memory are done. Every CTA takes a share, so that the merge's remote reads (12 heads x 256
-  // features x splits FP32) and its stores are spread over the cluster's SMs instead of queued
-  // on one; docs/perf-notes.md (session 36) has what that gained and where the time still goes.
-  // (Shares pushed by bulk copies instead were faster at B = 1, but memcheck cannot follow a
-  // bulk copy into a peer's shared memory: session 37 there.)
+  // Every CTA's partial is written and every ring is idle (the cluster barrier); then CTA s
+  // merges the s-th of `splits` contiguous shares of the (head, 8-feature chunk) outputs. Every
+  // CTA pushes share s of its partial, and its LSEs, into CTA s's idle ring with st.async
+  // stores that complete on CTA s's merge barrier; the merge then reads shared memory of its
+  // own. (Remote loads move 6-8 bytes a cycle into an SM and wait a round trip: perf-notes,
+  // session 36.) Nothing reads a peer's shared memory, so a CTA arrives on the final cluster
+  // barrier once it has pushed, and waits on it only before it leaves.
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
-  // Every split's LSEs, one remote load a thread, so the merge below reads them locally.
-  if (tid < splits * C::kHeads) {
-    const int s = tid / C::kHeads, h = tid % C::kHeads;
-    ss.cluster_lse2[s][h] = cluster.map_shared_rank(ss.split_lse2, s)[h];
-  }
-  __syncthreads();
   constexpr int kChunks = C::kHeadDim / 8;
-  const float* part = reinterpret_cast<const float*>(ss.kv.data());
   const int n_chunks = group * kChunks, share = (n_chunks + splits - 1) / splits;
-  const int c_end = min(n_chunks, (split + 1) * share);
-  for (int c = split * share + tid; c < c_end; c += C::kThreads) {
-    const int h = c / kChunks, col = (c % kChunks) * 8;
+  const auto share_bytes = [&](int s) {
+    return static_cast<uint32_t>(max(0, min(n_chunks, (s + 1) * share) - s * share) * 32);
+  };
+  float* const part = reinterpret_cast<float*>(ss.kv.data());
+  float* const pushed = part + C::kHeads * C::kHeadDim;  // [split][share chunks][8]
+  auto* const merge_bar = reinterpret_cast<uint64_t*>(&ss.barrier_merge);
+  if (tid == 0) {
+    ss.barrier_merge.arrive_and_expect_tx(
+        splits * (share_bytes(split) + static_cast<uint32_t>(sizeof(ss.split_lse2))));
+  }
+  for (int c = tid; c < n_chunks; c += C::kThreads) {
+    const int s = c / share;
+    const float4* src = reinterpret_cast<const float4*>(part + c * 8);
+    float* const dst = pushed + (split * share + c % share) * 8;
+    sm90::push_to_cluster_cta(dst, src[0], merge_bar, s);
+    sm90::push_to_cluster_cta(dst + 4, src[1], merge_bar, s);
+  }
+  if (tid < splits * (C::kHeads / 4)) {
+    const int s = tid / (C::kHeads / 4), q = tid % (C::kHeads / 4);
+    sm90::push_to_cluster_cta(&ss.cluster_lse2[split][4 * q],
+                              reinterpret_cast<const float4*>(ss.split_lse2)[q], merge_bar, s);
+  }
+  cute::cluster_arrive_relaxed();
+  ss.barrier_merge.wait(0);
+  const int mine = static_cast<int>(share_bytes(split) / 32);
+  for (int c = tid; c < mine; c += C::kThreads) {
+    const int h = (split * share + c) / kChunks, col = ((split * share + c) % kChunks) * 8;
     const int64_t hq = static_cast<int64_t>(kvh) * group + h;
-    // The gate's load goes out before the partials' remote reads, whose latency covers it.
+    // The gate's load goes out before the merge's arithmetic, whose latency covers it.
     const uint4 gate = load_gate8<T>(p, r, hq, col);
     float o[8];
     const float lse2 = merge_lse_thread<C::kMaxSplits, 8, 4>(
         splits, [&](int s) { return ss.cluster_lse2[s][h]; },
         [&](int s, float(&v)[8]) {
-          const float4* src = reinterpret_cast<const float4*>(cluster.map_shared_rank(part, s) +
-                                                              h * C::kPartPitch + col);
+          const float4* src = reinterpret_cast<const float4*>(pushed + (s * share + c) * 8);
           const float4 a = src[0], b = src[1];
           v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
           v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
@@ -503,9 +525,7 @@ __global__ void __launch_bounds__(QsaGatherConfig::kThreads, QsaGatherConfig::kC
       p.lse[r * p.lse_row_stride + hq * p.lse_head_stride] = lse2 * 0.69314718055994531f;
     }
   }
-  // No CTA leaves while another may still read its shared memory. The reads' values are all
-  // used by now, so the arrive needs no release (cluster.sync's is a GPU-scope fence).
-  cute::cluster_arrive_relaxed();
+  // No CTA leaves while a peer may still be pushing into its shared memory.
   cute::cluster_wait();
 }
 
