@@ -32,14 +32,11 @@ __device__ __forceinline__ void cta_sync() {
 // Stores 16 bytes at the offset of dst in the shared memory of cluster CTA `rank` (st.async),
 // completing as transaction bytes on that CTA's mbarrier at the offset of `bar`: the receiver
 // sees them once its barrier's phase completes, and the sender waits for nothing.
+// (CuTe's store_shared_remote is this for 4 bytes, without the memory clobber.)
 __device__ __forceinline__ void push_to_cluster_cta(void* dst, float4 v, uint64_t* bar,
                                                     uint32_t rank) {
   const auto remote = [rank](const void* at) {
-    uint32_t a;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-                 : "=r"(a)
-                 : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(at))), "r"(rank));
-    return a;
+    return cute::set_block_rank(cute::cast_smem_ptr_to_uint(at), rank);
   };
   asm volatile(
       "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
